@@ -1,0 +1,121 @@
+"""Build of fastattn's one extension, ``fastattn._kernels``.
+
+The C kernels in src_c/ and the Cython wrapper are linked into one shared object.
+Each SIMD kernel file is compiled with its own instruction-set flags and nothing
+else (never -march=native); cpu.c picks one at import.  OpenMP is detected by
+compiling and running a test program; without it the build falls back to a serial
+kernel with a warning, or fails if FASTATTN_REQUIRE_OPENMP=1 (set in CI).
+"""
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+
+import numpy as np
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+SRC = "src_c"
+COMMON_C = ["-O3", "-std=gnu11", "-fno-math-errno", "-Wall", "-Wno-unknown-pragmas"]
+# Per-file instruction-set flags: only these files get them.
+SIMD_FILES = {
+    "kernels_avx2.c": ["-mavx2", "-mfma"],
+    "kernels_avx512.c": ["-mavx512f", "-mavx2", "-mfma"],
+}
+IS_X86_64 = platform.machine().lower() in ("x86_64", "amd64")
+
+OPENMP_TEST = r"""
+#include <omp.h>
+#include <stdio.h>
+int main(void) {
+    int n = 0;
+#pragma omp parallel reduction(+ : n)
+    n += 1;
+    printf("%d %d\n", n, (int)_OPENMP);
+    return n >= 1 ? 0 : 1;
+}
+"""
+
+
+def _compiler_cmd(compiler):
+    cc = getattr(compiler, "compiler_so", None) or [os.environ.get("CC", "cc")]
+    return list(cc)
+
+
+def _try_compile_run(compiler, source, flags):
+    """Compile `source` with `flags`, link, run; True if it ran and exited 0."""
+    tmp = tempfile.mkdtemp(prefix="fastattn-probe-")
+    try:
+        src = os.path.join(tmp, "probe.c")
+        exe = os.path.join(tmp, "probe")
+        with open(src, "w") as f:
+            f.write(source)
+        cmd = [c for c in _compiler_cmd(compiler) if c not in ("-fPIC",)]
+        r = subprocess.run(cmd + [src, "-o", exe] + flags, capture_output=True, text=True)
+        if r.returncode != 0:
+            return False
+        return subprocess.run([exe], capture_output=True, text=True).returncode == 0
+    except OSError:
+        return False
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class BuildExt(build_ext):
+    def build_extension(self, ext):
+        ext.extra_compile_args = list(COMMON_C)
+        ext.extra_link_args = []
+        ext.define_macros = list(ext.define_macros or [])
+
+        omp_flags = ["-fopenmp"]
+        if _try_compile_run(self.compiler, OPENMP_TEST, omp_flags):
+            ext.extra_compile_args += omp_flags
+            ext.extra_link_args += omp_flags
+            print("fastattn: OpenMP found (-fopenmp)")
+        else:
+            msg = ("fastattn: OpenMP not found (a test program with -fopenmp did not compile "
+                   "and run); building the serial kernel")
+            if os.environ.get("FASTATTN_REQUIRE_OPENMP", "") not in ("", "0"):
+                raise RuntimeError(msg + " and FASTATTN_REQUIRE_OPENMP is set")
+            warnings.warn(msg)
+
+        if IS_X86_64:
+            ext.define_macros.append(("FA_HAVE_X86_KERNELS", "1"))
+            objects = []
+            for name, flags in SIMD_FILES.items():
+                objects += self.compiler.compile(
+                    [os.path.join(SRC, name)],
+                    output_dir=self.build_temp,
+                    macros=ext.define_macros,
+                    include_dirs=ext.include_dirs,
+                    extra_postargs=COMMON_C + flags,
+                    depends=[os.path.join(SRC, h) for h in
+                             ("kernels_tmpl.h", "kernels_undef.h", "fa_internal.h", "fa_exp.h",
+                              "fastattn.h")],
+                )
+            ext.extra_objects = list(ext.extra_objects or []) + objects
+        super().build_extension(ext)
+
+
+ext = Extension(
+    "fastattn._kernels",
+    sources=[
+        "fastattn/_kernels.pyx",
+        os.path.join(SRC, "attention.c"),
+        os.path.join(SRC, "cpu.c"),
+        os.path.join(SRC, "kernels_generic.c"),
+    ],
+    include_dirs=[np.get_include(), SRC],
+    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    depends=[os.path.join(SRC, h) for h in
+             ("fastattn.h", "fa_internal.h", "kernels_tmpl.h", "kernels_undef.h", "fa_exp.h")],
+)
+
+from Cython.Build import cythonize  # noqa: E402
+
+setup(
+    ext_modules=cythonize([ext], compiler_directives={"language_level": 3}),
+    cmdclass={"build_ext": BuildExt},
+)

@@ -1,0 +1,120 @@
+/*
+ * attention.c -- the driver: validates the params, splits the work into
+ * (batch, head, query block) items, cuts off the key blocks causality hides, runs
+ * the items on OpenMP threads with per-thread scratch, and calls the micro-kernels
+ * of the chosen instruction set.
+ *
+ * Determinism: an item's result depends only on the inputs and the kernel, never
+ * on which thread ran it or how many there were, so results are bitwise identical
+ * for any thread count.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include "fa_internal.h"
+
+/* ---- OpenMP shim: every omp_* call goes through here; builds without OpenMP. ---- */
+#ifdef _OPENMP
+#include <omp.h>
+int fa_openmp_enabled(void) { return 1; }
+int fa_max_threads(void) { return omp_get_max_threads(); }
+#define FA_OPENMP_VERSION _OPENMP
+#else
+int fa_openmp_enabled(void) { return 0; }
+int fa_max_threads(void) { return 1; }
+#define FA_OPENMP_VERSION 0
+#endif
+
+#define FA_STR2(x) #x
+#define FA_STR(x) FA_STR2(x)
+
+const char *fa_build_info(void)
+{
+    return "compiler="
+#if defined(__clang__)
+           "clang "
+#elif defined(__GNUC__)
+           "gcc "
+#endif
+#ifdef __VERSION__
+           __VERSION__
+#endif
+           "; openmp=" FA_STR(FA_OPENMP_VERSION);
+}
+
+static void *fa_scratch_alloc(size_t bytes)
+{
+    size_t n = (bytes + FA_ALIGN - 1) / FA_ALIGN * FA_ALIGN;
+    return aligned_alloc(FA_ALIGN, n ? n : FA_ALIGN);
+}
+
+static int fa_check(const fa_params *p)
+{
+    if (p->dtype != FA_F32 && p->dtype != FA_F64) return FA_ERR_ARG;
+    if (p->B < 0 || p->Hq < 0 || p->Hkv < 1 || p->Lq < 0 || p->Lk < 0 || p->D < 1 || p->Dv < 1)
+        return FA_ERR_ARG;
+    if (p->Hq % p->Hkv != 0) return FA_ERR_ARG;
+    if (p->causal < FA_CAUSAL_NONE || p->causal > FA_CAUSAL_TOP_LEFT) return FA_ERR_ARG;
+    if (!isfinite(p->scale)) return FA_ERR_ARG;
+    return FA_OK;
+}
+
+int fa_attention_forward(const fa_params *p)
+{
+    int rc = fa_check(p);
+    if (rc != FA_OK) return rc;
+    const fa_kernel *kern = fa_kernel_for_isa(p->isa < 0 ? fa_default_isa() : p->isa);
+    if (!kern || (p->isa >= 0 && !(fa_cpu_supported_isas() & (1u << p->isa)))) return FA_ERR_ARG;
+    if (p->B == 0 || p->Hq == 0 || p->Lq == 0) return FA_OK;
+
+    const int dt = p->dtype;
+    const int64_t br = kern->block_q[dt];
+    const int64_t nqb = (p->Lq + br - 1) / br;
+    const int64_t nbh = p->B * p->Hq;
+    const int64_t items = nbh * nqb;
+    /* Causal: the last visible key of row i is i + diag. */
+    const int64_t diag = p->causal == FA_CAUSAL_BOTTOM_RIGHT ? p->Lk - p->Lq : 0;
+    const fa_qblock_fn qblock = kern->qblock[dt];
+    const size_t scratch_bytes = kern->scratch_bytes[dt](p);
+
+    int nth = p->num_threads > 0 ? p->num_threads : fa_max_threads();
+    if ((int64_t)nth > items) nth = (int)items;
+    if (nth < 1) nth = 1;
+
+    int failed = 0;
+    /* Items run most expensive first: with causal masking, the last query blocks
+     * see the most keys, so item t takes query block nqb-1 - t/nbh; dynamic
+     * scheduling then hands the cheap blocks to whichever thread is free. */
+#pragma omp parallel num_threads(nth) if (nth > 1) reduction(| : failed)
+    {
+        void *scratch = fa_scratch_alloc(scratch_bytes);
+        if (!scratch) {
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < items; t++) {
+            if (!scratch) continue;
+            int64_t qb = p->causal ? nqb - 1 - t / nbh : t / nbh;
+            int64_t bh = t % nbh;
+            int64_t q0 = qb * br;
+            int64_t nq = p->Lq - q0 < br ? p->Lq - q0 : br;
+            int64_t kv_end = p->Lk;
+            if (p->causal) {
+                int64_t last = q0 + nq - 1 + diag + 1; /* keys visible to the block's last row */
+                if (last < kv_end) kv_end = last;
+                if (kv_end < 0) kv_end = 0;
+            }
+            qblock(p, bh / p->Hq, bh % p->Hq, q0, nq, kv_end, scratch);
+        }
+        free(scratch);
+    }
+    return failed ? FA_ERR_NOMEM : FA_OK;
+}
+
+int fa_exp_array(int isa, int dtype, const void *x, void *y, int64_t n)
+{
+    const fa_kernel *kern = fa_kernel_for_isa(isa);
+    if (!kern || !(fa_cpu_supported_isas() & (1u << isa))) return FA_ERR_ARG;
+    if (dtype != FA_F32 && dtype != FA_F64) return FA_ERR_ARG;
+    kern->exp_array[dtype](x, y, n);
+    return FA_OK;
+}

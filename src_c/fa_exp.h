@@ -1,0 +1,54 @@
+/*
+ * fa_exp.h -- constants of the vectorized exp shared by the SIMD kernel files.
+ *
+ * exp(x) = 2^n * exp(r), n = round(x / ln2), r = x - n*ln2 computed in two steps
+ * (Cody-Waite: ln2 = LN2_HI + LN2_LO, LN2_HI with trailing zero bits so n*LN2_HI is
+ * exact), |r| <= ln2/2.  exp(r) by its Taylor polynomial sum r^k/k!:
+ *   float32, degree 7:  truncation |r|^8/8! * e^|r| < 7.3e-9 (0.06 ulp of 1);
+ *   float64, degree 13: truncation |r|^14/14! * e^|r| < 6e-18 (0.03 ulp of 1).
+ * What remains is Horner rounding: tests/test_exp.py measures the whole function
+ * against np.exp and holds it to FA_EXP_F32_MAX_ULP / FA_EXP_F64_MAX_ULP.
+ */
+#ifndef FA_EXP_H
+#define FA_EXP_H
+
+#define FA_LOG2E_F 1.44269504088896341f
+#define FA_LN2_HI_F 0.693145751953125f       /* 15 significant bits */
+#define FA_LN2_LO_F 1.42860682030941723212e-6f
+#define FA_LOG2E 1.44269504088896340736
+#define FA_LN2_HI 6.93147180369123816490e-01 /* low 32 bits zero */
+#define FA_LN2_LO 1.90821492927058770002e-10
+
+/* Clamps: below LO the result is exactly +0 (also for -inf), above HI it is +inf. */
+#define FA_EXP_F32_LO (-110.0f)
+#define FA_EXP_F32_HI 89.0f
+#define FA_EXP_F64_LO (-746.0)
+#define FA_EXP_F64_HI 710.0
+
+/* 1/k! as float32 for k = 2..7 (k = 0, 1 are the literal 1). */
+#define FA_EXP_F32_C2 0.5f
+#define FA_EXP_F32_C3 0.16666666666666666f
+#define FA_EXP_F32_C4 0.041666666666666664f
+#define FA_EXP_F32_C5 0.008333333333333333f
+#define FA_EXP_F32_C6 0.001388888888888889f
+#define FA_EXP_F32_C7 0.0001984126984126984f
+
+#define FA_EXP_F64_DEG 13
+static const double fa_exp_f64_coef[FA_EXP_F64_DEG + 1] = {
+    1.0,
+    1.0,
+    1.0 / 2,
+    1.0 / 6,
+    1.0 / 24,
+    1.0 / 120,
+    1.0 / 720,
+    1.0 / 5040,
+    1.0 / 40320,
+    1.0 / 362880,
+    1.0 / 3628800,
+    1.0 / 39916800,
+    1.0 / 479001600,
+    1.0 / 6227020800.0,
+};
+
+#endif /* FA_EXP_H */

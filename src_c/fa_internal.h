@@ -1,0 +1,54 @@
+/*
+ * fa_internal.h -- what the driver (attention.c), the dispatcher (cpu.c) and the
+ * per-instruction-set kernel files share.  Not part of the public interface.
+ */
+#ifndef FA_INTERNAL_H
+#define FA_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include "fastattn.h"
+
+#if defined(__GNUC__) || defined(__clang__)
+#define FA_ALWAYS_INLINE static inline __attribute__((always_inline))
+#define FA_RESTRICT __restrict__
+#else
+#define FA_ALWAYS_INLINE static inline
+#define FA_RESTRICT
+#endif
+
+/* Alignment of every scratch piece: one cache line, enough for any vector load. */
+#define FA_ALIGN 64
+
+/*
+ * One query block of one (batch, query head): rows q0 .. q0+nq-1 against keys
+ * 0 .. kv_end-1 (the driver has already cut off every key block that causality
+ * hides from all nq rows).  Writes the nq output rows and, if requested, lse.
+ * `scratch` holds fa_kernel.scratch_bytes(p) bytes, FA_ALIGN-aligned, owned by
+ * the calling thread.
+ */
+typedef void (*fa_qblock_fn)(const fa_params *p, int64_t b, int64_t h, int64_t q0,
+                             int64_t nq, int64_t kv_end, void *scratch);
+typedef size_t (*fa_scratch_fn)(const fa_params *p);
+typedef void (*fa_exp_fn)(const void *x, void *y, int64_t n);
+
+/* The micro-kernels of one instruction set, for each dtype (index enum fa_dtype). */
+typedef struct fa_kernel {
+    const char *name;
+    int block_q[2];      /* query rows per block */
+    int block_k[2];      /* keys per block       */
+    fa_qblock_fn qblock[2];
+    fa_scratch_fn scratch_bytes[2];
+    fa_exp_fn exp_array[2];
+} fa_kernel;
+
+extern const fa_kernel fa_kernel_generic;
+#ifdef FA_HAVE_X86_KERNELS
+extern const fa_kernel fa_kernel_avx2;
+extern const fa_kernel fa_kernel_avx512;
+#endif
+
+/* The table for an ISA, or NULL if it was not compiled in. */
+const fa_kernel *fa_kernel_for_isa(int isa);
+
+#endif /* FA_INTERNAL_H */

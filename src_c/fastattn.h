@@ -1,0 +1,102 @@
+/*
+ * fastattn.h -- the one C interface of fastattn (C11, no Python.h).
+ *
+ * Computes exact scaled dot-product attention
+ *
+ *     out[b, h, i, :] = sum_j softmax_j(scale * q[b,h,i,:] . k[b,g,j,:]) v[b,g,j,:],
+ *     g = h / (Hq / Hkv)                          (grouped-query attention)
+ *
+ * with a blocked online softmax (FlashAttention-2 loop).  Memory used beyond the
+ * caller's arrays is O(block sizes) per thread; an Lq x Lk buffer never exists.
+ *
+ * Every array is addressed as base + b*s_b + h*s_h + l*s_l + d, with strides counted
+ * in ELEMENTS (not bytes) and the last (feature) axis contiguous.  Strides may be 0
+ * (broadcast) or negative; the caller guarantees that every addressed element lies
+ * inside its buffer.  All sizes and index arithmetic are 64-bit.
+ */
+#ifndef FASTATTN_H
+#define FASTATTN_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Element type of q, k, v, out (all the same); lse has the same type. */
+enum fa_dtype { FA_F32 = 0, FA_F64 = 1 };
+
+/* Causal convention (DESIGN.md, semantics 5). */
+enum fa_causal {
+    FA_CAUSAL_NONE = 0,
+    FA_CAUSAL_BOTTOM_RIGHT = 1, /* key j visible iff j <= i + (Lk - Lq) */
+    FA_CAUSAL_TOP_LEFT = 2      /* key j visible iff j <= i               */
+};
+
+/* Return codes of the entry points. */
+enum fa_status {
+    FA_OK = 0,
+    FA_ERR_NOMEM = 1, /* a per-thread scratch allocation failed          */
+    FA_ERR_ARG = 2    /* a size, dtype or mode the kernel cannot accept */
+};
+
+/* Instruction sets a kernel can be compiled for, lowest first. */
+enum fa_isa { FA_ISA_GENERIC = 0, FA_ISA_AVX2 = 1, FA_ISA_AVX512 = 2, FA_ISA_COUNT = 3 };
+
+typedef struct fa_params {
+    int dtype;          /* enum fa_dtype                                          */
+    const void *q;      /* (B, Hq,  Lq, D)                                        */
+    const void *k;      /* (B, Hkv, Lk, D)                                        */
+    const void *v;      /* (B, Hkv, Lk, Dv)                                       */
+    void *out;          /* (B, Hq,  Lq, Dv), written; must not overlap q, k, v    */
+    void *lse;          /* (B, Hq,  Lq) natural-log sum of exp, or NULL           */
+    int64_t B, Hq, Hkv; /* batch, query heads, key/value heads (Hq % Hkv == 0)    */
+    int64_t Lq, Lk;     /* query and key lengths (>= 0)                           */
+    int64_t D, Dv;      /* q/k feature size, v/out feature size (>= 1)            */
+    int64_t q_sb, q_sh, q_sl;       /* element strides of q over b, h, l          */
+    int64_t k_sb, k_sh, k_sl;       /* element strides of k                       */
+    int64_t v_sb, v_sh, v_sl;       /* element strides of v                       */
+    int64_t o_sb, o_sh, o_sl;       /* element strides of out                     */
+    int64_t lse_sb, lse_sh, lse_sl; /* element strides of lse (ignored if NULL)   */
+    double scale;       /* multiplies q.k; any finite value                       */
+    int causal;         /* enum fa_causal                                         */
+    int num_threads;    /* <= 0: OpenMP's default (OMP_NUM_THREADS, threadpoolctl) */
+    int isa;            /* < 0: the kernel chosen at start-up; else an enum fa_isa */
+} fa_params;
+
+/* The forward pass.  Thread-safe: no global mutable state is touched.
+ * Returns an enum fa_status. */
+int fa_attention_forward(const fa_params *p);
+
+/* ---- CPU dispatch (cpu.c) ---- */
+
+/* Which instruction sets this CPU and OS can execute (bit i set = enum fa_isa i). */
+unsigned fa_cpu_supported_isas(void);
+
+/* Chooses the kernel once: the best supported ISA that is not disabled by the
+ * comma-separated feature list `disabled` (e.g. "AVX512F,AVX2"; may be NULL).
+ * Writes a human-readable reason into `why` (size `why_len`).  Returns the ISA. */
+int fa_cpu_select(const char *disabled, char *why, int why_len);
+
+/* The ISA used when fa_params.isa < 0, and a setter (not thread-safe: call it at
+ * start-up or from tests only).  fa_set_default_isa returns FA_ERR_ARG if the CPU
+ * cannot run `isa`. */
+int fa_default_isa(void);
+int fa_set_default_isa(int isa);
+const char *fa_isa_name(int isa);
+
+/* ---- OpenMP shim (attention.c) ---- */
+int fa_openmp_enabled(void);
+int fa_max_threads(void);
+/* "compiler=<name version>; openmp=<_OPENMP date or 0>" */
+const char *fa_build_info(void);
+
+/* ---- exp, exported for the ULP test: y[i] = exp(x[i]) computed by the kernel's
+ * vectorized exp of the given ISA and dtype. Returns FA_ERR_ARG for an ISA this
+ * CPU cannot run. ---- */
+int fa_exp_array(int isa, int dtype, const void *x, void *y, int64_t n);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* FASTATTN_H */

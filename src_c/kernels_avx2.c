@@ -1,0 +1,159 @@
+/*
+ * kernels_avx2.c -- the micro-kernels for AVX2 + FMA (compiled with -mavx2 -mfma
+ * only; chosen at run time by cpu.c).
+ *
+ * Register tiles (16 ymm registers): QK^T 6 keys x 2 query vectors and P.V 6 query
+ * rows x 2 value vectors: 12 accumulators, 2 loads, 1 broadcast.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include "fa_internal.h"
+#include "fa_exp.h"
+
+/* 2^n for integer-valued n in [-252, 254] as the product of two normal powers of
+ * two, so results in the subnormal range round once, correctly, and -inf (clamped)
+ * gives exactly 0.  y * 2^(n - n/2) is exact; the second product rounds once. */
+static inline __m256 fa_scale2_f32_avx2(__m256 y, __m256 n)
+{
+    __m256i ni = _mm256_cvtps_epi32(n);
+    __m256i n1 = _mm256_srai_epi32(ni, 1);
+    __m256i n2 = _mm256_sub_epi32(ni, n1);
+    __m256 p1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, _mm256_set1_epi32(127)), 23));
+    __m256 p2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(y, p1), p2);
+}
+
+/* exp for 8 floats: the scheme and error bound of fa_exp.h (degree-7 Taylor after
+ * Cody-Waite reduction); clamp [-110, 89]; NaN kept (second operand of max/min). */
+static inline __m256 fa_exp_f32_avx2(__m256 x)
+{
+    x = _mm256_max_ps(_mm256_set1_ps(FA_EXP_F32_LO), x);
+    x = _mm256_min_ps(_mm256_set1_ps(FA_EXP_F32_HI), x);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(FA_LOG2E_F)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(FA_LN2_HI_F), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(FA_LN2_LO_F), r);
+    __m256 y = _mm256_set1_ps(FA_EXP_F32_C7);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(FA_EXP_F32_C6));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(FA_EXP_F32_C5));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(FA_EXP_F32_C4));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(FA_EXP_F32_C3));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(FA_EXP_F32_C2));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
+    /* NaN input: y is NaN, whatever the integer conversion of n made of it. */
+    return fa_scale2_f32_avx2(y, n);
+}
+
+/* 2^n for doubles, n in [-2044, 2046], as two normal powers of two (see above). */
+static inline __m256d fa_scale2_f64_avx2(__m256d y, __m256d n)
+{
+    __m128i ni = _mm256_cvtpd_epi32(n);
+    __m128i n1 = _mm_srai_epi32(ni, 1);
+    __m128i n2 = _mm_sub_epi32(ni, n1);
+    __m256i e1 = _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(n1), _mm256_set1_epi64x(1023)), 52);
+    __m256i e2 = _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(n2), _mm256_set1_epi64x(1023)), 52);
+    return _mm256_mul_pd(_mm256_mul_pd(y, _mm256_castsi256_pd(e1)), _mm256_castsi256_pd(e2));
+}
+
+/* exp for 4 doubles: degree-13 Taylor after Cody-Waite; clamp [-746, 710]. */
+static inline __m256d fa_exp_f64_avx2(__m256d x)
+{
+    x = _mm256_max_pd(_mm256_set1_pd(FA_EXP_F64_LO), x);
+    x = _mm256_min_pd(_mm256_set1_pd(FA_EXP_F64_HI), x);
+    __m256d n = _mm256_round_pd(_mm256_mul_pd(x, _mm256_set1_pd(FA_LOG2E)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256d r = _mm256_fnmadd_pd(n, _mm256_set1_pd(FA_LN2_HI), x);
+    r = _mm256_fnmadd_pd(n, _mm256_set1_pd(FA_LN2_LO), r);
+    __m256d y = _mm256_set1_pd(fa_exp_f64_coef[FA_EXP_F64_DEG]);
+    for (int i = FA_EXP_F64_DEG - 1; i >= 0; i--)
+        y = _mm256_fmadd_pd(y, r, _mm256_set1_pd(fa_exp_f64_coef[i]));
+    return fa_scale2_f64_avx2(y, n);
+}
+
+static inline __m256 fa_neginf_to_zero_ps(__m256 x)
+{
+    __m256 inf = _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
+    return _mm256_andnot_ps(inf, x);
+}
+static inline __m256d fa_neginf_to_zero_pd(__m256d x)
+{
+    __m256d inf = _mm256_cmp_pd(x, _mm256_set1_pd(-INFINITY), _CMP_EQ_OQ);
+    return _mm256_andnot_pd(inf, x);
+}
+
+static inline __m256 fa_loadu_n_ps(const float *p, int n)
+{
+    __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lanes));
+}
+static inline __m256d fa_loadu_n_pd(const double *p, int n)
+{
+    __m256i lanes = _mm256_setr_epi64x(0, 1, 2, 3);
+    return _mm256_maskload_pd(p, _mm256_cmpgt_epi64(_mm256_set1_epi64x(n), lanes));
+}
+
+/* ---------------- float32 ---------------- */
+#define FA_T float
+#define FA_V __m256
+#define FA_VL 8
+#define FA_NAME(x) x##_f32_avx2
+#define FA_BR 64
+#define FA_BC 128
+#define FA_QK_R 6
+#define FA_QK_NV 2
+#define FA_PV_R 6
+#define FA_PV_NC 2
+#define FA_VLOAD(p) _mm256_load_ps(p)
+#define FA_VSTORE(p, x) _mm256_store_ps((p), (x))
+#define FA_VLOADU(p) _mm256_loadu_ps(p)
+#define FA_VSTOREU(p, x) _mm256_storeu_ps((p), (x))
+#define FA_VLOADU_N(p, n) fa_loadu_n_ps((p), (n))
+#define FA_VSET1(x) _mm256_set1_ps(x)
+#define FA_VZERO() _mm256_setzero_ps()
+#define FA_VADD(a, b) _mm256_add_ps((a), (b))
+#define FA_VSUB(a, b) _mm256_sub_ps((a), (b))
+#define FA_VMUL(a, b) _mm256_mul_ps((a), (b))
+#define FA_VFMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
+#define FA_VMAX(a, b) _mm256_max_ps((a), (b))
+#define FA_VEXP(x) fa_exp_f32_avx2(x)
+#define FA_VNEGINF_TO_ZERO(x) fa_neginf_to_zero_ps(x)
+#include "kernels_tmpl.h"
+#include "kernels_undef.h"
+
+/* ---------------- float64 ---------------- */
+#define FA_T double
+#define FA_V __m256d
+#define FA_VL 4
+#define FA_NAME(x) x##_f64_avx2
+#define FA_BR 32
+#define FA_BC 128
+#define FA_QK_R 6
+#define FA_QK_NV 2
+#define FA_PV_R 6
+#define FA_PV_NC 2
+#define FA_VLOAD(p) _mm256_load_pd(p)
+#define FA_VSTORE(p, x) _mm256_store_pd((p), (x))
+#define FA_VLOADU(p) _mm256_loadu_pd(p)
+#define FA_VSTOREU(p, x) _mm256_storeu_pd((p), (x))
+#define FA_VLOADU_N(p, n) fa_loadu_n_pd((p), (n))
+#define FA_VSET1(x) _mm256_set1_pd(x)
+#define FA_VZERO() _mm256_setzero_pd()
+#define FA_VADD(a, b) _mm256_add_pd((a), (b))
+#define FA_VSUB(a, b) _mm256_sub_pd((a), (b))
+#define FA_VMUL(a, b) _mm256_mul_pd((a), (b))
+#define FA_VFMA(a, b, c) _mm256_fmadd_pd((a), (b), (c))
+#define FA_VMAX(a, b) _mm256_max_pd((a), (b))
+#define FA_VEXP(x) fa_exp_f64_avx2(x)
+#define FA_VNEGINF_TO_ZERO(x) fa_neginf_to_zero_pd(x)
+#include "kernels_tmpl.h"
+#include "kernels_undef.h"
+
+const fa_kernel fa_kernel_avx2 = {
+    "avx2",
+    {fa_block_q_f32_avx2, fa_block_q_f64_avx2},
+    {fa_block_k_f32_avx2, fa_block_k_f64_avx2},
+    {fa_qblock_f32_avx2, fa_qblock_f64_avx2},
+    {fa_scratch_bytes_f32_avx2, fa_scratch_bytes_f64_avx2},
+    {fa_exp_array_f32_avx2, fa_exp_array_f64_avx2},
+};

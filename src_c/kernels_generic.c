@@ -1,0 +1,134 @@
+/*
+ * kernels_generic.c -- the micro-kernels in portable C for any CPU, compiled with
+ * the baseline flags only.  Vectors are GNU C vector extensions of 16 bytes (GCC
+ * and Clang lower them to SSE2 on x86-64, NEON on AArch64, scalar code elsewhere);
+ * exp is the C library's, lane by lane, so this kernel is also the accuracy
+ * baseline the SIMD kernels are compared with.
+ *
+ * Register tiles: 4 x 2 vectors for QK^T and P.V (8 accumulators), which fit the
+ * 16 registers of SSE2 and NEON's 32.
+ */
+#include <math.h>
+#include <string.h>
+#include "fa_internal.h"
+
+typedef float fa_v4f __attribute__((vector_size(16)));
+typedef int32_t fa_v4i __attribute__((vector_size(16)));
+typedef double fa_v2d __attribute__((vector_size(16)));
+typedef int64_t fa_v2l __attribute__((vector_size(16)));
+
+static inline fa_v4f fa_loadu_v4f(const float *p) { fa_v4f x; memcpy(&x, p, sizeof x); return x; }
+static inline void fa_storeu_v4f(float *p, fa_v4f x) { memcpy(p, &x, sizeof x); }
+static inline fa_v4f fa_loadu_n_v4f(const float *p, int n)
+{
+    fa_v4f x = {0, 0, 0, 0};
+    for (int i = 0; i < n; i++) x[i] = p[i];
+    return x;
+}
+static inline fa_v4f fa_set1_v4f(float a) { fa_v4f x = {a, a, a, a}; return x; }
+/* (a > b) ? a : b lane by lane: a NaN in b is returned. */
+static inline fa_v4f fa_max_v4f(fa_v4f a, fa_v4f b)
+{
+    fa_v4i gt = a > b;
+    return (fa_v4f)(((fa_v4i)a & gt) | ((fa_v4i)b & ~gt));
+}
+static inline fa_v4f fa_exp_v4f(fa_v4f x)
+{
+    for (int i = 0; i < 4; i++) x[i] = expf(x[i]);
+    return x;
+}
+static inline fa_v4f fa_neginf_to_zero_v4f(fa_v4f x)
+{
+    fa_v4i inf = x == fa_set1_v4f(-INFINITY);
+    return (fa_v4f)((fa_v4i)x & ~inf);
+}
+
+static inline fa_v2d fa_loadu_v2d(const double *p) { fa_v2d x; memcpy(&x, p, sizeof x); return x; }
+static inline void fa_storeu_v2d(double *p, fa_v2d x) { memcpy(p, &x, sizeof x); }
+static inline fa_v2d fa_loadu_n_v2d(const double *p, int n)
+{
+    fa_v2d x = {0, 0};
+    for (int i = 0; i < n; i++) x[i] = p[i];
+    return x;
+}
+static inline fa_v2d fa_set1_v2d(double a) { fa_v2d x = {a, a}; return x; }
+static inline fa_v2d fa_max_v2d(fa_v2d a, fa_v2d b)
+{
+    fa_v2l gt = a > b;
+    return (fa_v2d)(((fa_v2l)a & gt) | ((fa_v2l)b & ~gt));
+}
+static inline fa_v2d fa_exp_v2d(fa_v2d x)
+{
+    for (int i = 0; i < 2; i++) x[i] = exp(x[i]);
+    return x;
+}
+static inline fa_v2d fa_neginf_to_zero_v2d(fa_v2d x)
+{
+    fa_v2l inf = x == fa_set1_v2d(-INFINITY);
+    return (fa_v2d)((fa_v2l)x & ~inf);
+}
+
+/* ---------------- float32 ---------------- */
+#define FA_T float
+#define FA_V fa_v4f
+#define FA_VL 4
+#define FA_NAME(x) x##_f32_generic
+#define FA_BR 64
+#define FA_BC 128
+#define FA_QK_R 4
+#define FA_QK_NV 2
+#define FA_PV_R 4
+#define FA_PV_NC 2
+#define FA_VLOAD(p) (*(const fa_v4f *)(p))
+#define FA_VSTORE(p, x) (*(fa_v4f *)(p) = (x))
+#define FA_VLOADU(p) fa_loadu_v4f(p)
+#define FA_VSTOREU(p, x) fa_storeu_v4f((p), (x))
+#define FA_VLOADU_N(p, n) fa_loadu_n_v4f((p), (n))
+#define FA_VSET1(x) fa_set1_v4f(x)
+#define FA_VZERO() fa_set1_v4f(0.0f)
+#define FA_VADD(a, b) ((a) + (b))
+#define FA_VSUB(a, b) ((a) - (b))
+#define FA_VMUL(a, b) ((a) * (b))
+#define FA_VFMA(a, b, c) ((a) * (b) + (c))
+#define FA_VMAX(a, b) fa_max_v4f((a), (b))
+#define FA_VEXP(x) fa_exp_v4f(x)
+#define FA_VNEGINF_TO_ZERO(x) fa_neginf_to_zero_v4f(x)
+#include "kernels_tmpl.h"
+#include "kernels_undef.h"
+
+/* ---------------- float64 ---------------- */
+#define FA_T double
+#define FA_V fa_v2d
+#define FA_VL 2
+#define FA_NAME(x) x##_f64_generic
+#define FA_BR 32
+#define FA_BC 128
+#define FA_QK_R 4
+#define FA_QK_NV 2
+#define FA_PV_R 4
+#define FA_PV_NC 2
+#define FA_VLOAD(p) (*(const fa_v2d *)(p))
+#define FA_VSTORE(p, x) (*(fa_v2d *)(p) = (x))
+#define FA_VLOADU(p) fa_loadu_v2d(p)
+#define FA_VSTOREU(p, x) fa_storeu_v2d((p), (x))
+#define FA_VLOADU_N(p, n) fa_loadu_n_v2d((p), (n))
+#define FA_VSET1(x) fa_set1_v2d(x)
+#define FA_VZERO() fa_set1_v2d(0.0)
+#define FA_VADD(a, b) ((a) + (b))
+#define FA_VSUB(a, b) ((a) - (b))
+#define FA_VMUL(a, b) ((a) * (b))
+#define FA_VFMA(a, b, c) ((a) * (b) + (c))
+#define FA_VMAX(a, b) fa_max_v2d((a), (b))
+#define FA_VEXP(x) fa_exp_v2d(x)
+#define FA_VNEGINF_TO_ZERO(x) fa_neginf_to_zero_v2d(x)
+#include "kernels_tmpl.h"
+#include "kernels_undef.h"
+
+const fa_kernel fa_kernel_generic = {
+    "generic",
+    {fa_block_q_f32_generic, fa_block_q_f64_generic},
+    {fa_block_k_f32_generic, fa_block_k_f64_generic},
+    {fa_qblock_f32_generic, fa_qblock_f64_generic},
+    {fa_scratch_bytes_f32_generic, fa_scratch_bytes_f64_generic},
+    {fa_exp_array_f32_generic, fa_exp_array_f64_generic},
+};
