@@ -1,0 +1,80 @@
+"""Shared set-up for the pytest-benchmark suites in bench/.
+
+Run:
+    pytest bench/ --benchmark-group-by=group --benchmark-columns=min,median   # timings
+    pytest bench/ --benchmark-disable                                       # quick correctness run
+
+Every implementation (fastattn, NumPy, PyTorch) runs with the same number of threads,
+``--bench-threads`` (default 2, or $FASTATTN_BENCH_THREADS): fastattn through
+``num_threads=``, NumPy's BLAS through threadpoolctl (if installed), PyTorch through
+``torch.set_num_threads``.
+"""
+import os
+
+import numpy as np
+import pytest
+
+import fastattn
+
+# float32 results are checked against the float64 oracle to this relative error
+# (max |err| / max |ref|), float64 results to 1e-11.
+TOL = {np.dtype(np.float32): 3e-5, np.dtype(np.float64): 1e-11}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--bench-threads", type=int,
+                     default=int(os.environ.get("FASTATTN_BENCH_THREADS", "2")),
+                     help="threads for every implementation benchmarked in bench/ (default 2)")
+
+
+@pytest.fixture(scope="session")
+def bench_threads(request):
+    """The thread count; also caps NumPy's BLAS pool to it for the whole session."""
+    n = request.config.getoption("--bench-threads")
+    if n < 1:
+        raise pytest.UsageError("--bench-threads must be >= 1")
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        yield n
+        return
+    with threadpool_limits(limits=n, user_api="blas"):
+        yield n
+
+
+@pytest.fixture
+def record(benchmark, bench_threads):
+    """record(flops, **info): store kernel, threads, flops (and gflops from the best round
+    when the benchmark actually ran) in benchmark.extra_info. Call it after benchmark()."""
+    def _record(flops=None, **info):
+        extra = benchmark.extra_info
+        extra["kernel"] = fastattn._kernels.current_kernel()
+        extra["threads"] = bench_threads
+        extra.update(info)
+        if flops is not None:
+            extra["flops"] = float(flops)
+            stats = getattr(benchmark, "stats", None)
+            if stats is not None and stats.stats.min > 0:
+                extra["gflops"] = round(flops / stats.stats.min / 1e9, 2)
+        return extra
+    return _record
+
+
+def rel_err(out, ref):
+    """max |out - ref| / max |ref|, in float64."""
+    ref = np.asarray(ref, dtype=np.float64)
+    if ref.size == 0:
+        return 0.0
+    return float(np.max(np.abs(np.asarray(out, dtype=np.float64) - ref))
+                 / max(float(np.max(np.abs(ref))), 1e-300))
+
+
+@pytest.fixture(scope="session")
+def check_close():
+    """check_close(out, ref, dtype) -> rel err; asserts it is within TOL[dtype]."""
+    def _check(out, ref, dtype):
+        err = rel_err(out, ref)
+        tol = TOL[np.dtype(dtype)]
+        assert err <= tol, f"rel err {err:.3e} > {tol:.0e}"
+        return err
+    return _check

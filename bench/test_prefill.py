@@ -1,0 +1,140 @@
+"""Prefill (full-sequence) attention: fastattn vs naive NumPy vs PyTorch SDPA.
+
+All implementations of one shape share a ``benchmark.group``, so
+``--benchmark-group-by=group`` prints them side by side; ``extra_info`` holds the
+CPU kernel, thread count and GFLOP/s (4·B·H·Lq·Lk·D, halved for causal) of each.
+Each benchmark checks its own result once against ``fastattn.reference`` (only
+batch 0 / head 0 for big shapes, to keep the float64 oracle cheap), so
+``pytest bench/ --benchmark-disable`` is a quick correctness run.
+"""
+import numpy as np
+import pytest
+
+import fastattn
+from fastattn import reference
+
+# (B, H, L, D, dtype, causal, implementations)
+ALL = ("fastattn", "numpy", "torch")
+SHAPES = [
+    (1, 8, 4096, 64, np.float32, False, ALL),
+    (1, 8, 4096, 64, np.float32, True, ALL),
+    (1, 8, 2048, 128, np.float32, False, ALL),
+    (4, 16, 256, 64, np.float32, False, ALL),
+    (1, 16, 512, 64, np.float32, True, ALL),
+    (1, 8, 2048, 64, np.float64, False, ("fastattn",)),
+]
+
+NAIVE_MAX_SCORE_BYTES = 2 * 2**30  # skip the naive formula above this score-matrix size
+HEAVY_FLOPS = 2e9                  # above this, a fixed 1 warm-up + 3 rounds (pedantic)
+FULL_CHECK_MAX = 2**24             # B*H*Lq*Lk above which only batch 0 / head 0 is checked
+
+
+def _group(b, h, l, d, dtype, causal):
+    return f"B{b} H{h} L{l} D{d} {np.dtype(dtype).name}{' causal' if causal else ''}"
+
+
+PARAMS = [pytest.param(s[:6], impl, id=f"{_group(*s[:6]).replace(' ', '-')}-{impl}")
+          for s in SHAPES for impl in s[6]]
+
+
+def flops_of(b, h, lq, lk, d, causal):
+    return 4.0 * b * h * lq * lk * d * (0.5 if causal else 1.0)
+
+
+def make_inputs(b, h, l, d, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    return tuple(rng.standard_normal((b, h, l, d), dtype=np.float32).astype(dtype, copy=False)
+                 for _ in range(3))
+
+
+def naive_numpy(q, k, v, scale, causal_bias=None):
+    """softmax(q k^T * scale) v written plainly in NumPy (in q's dtype), max-subtracted.
+    causal_bias: a precomputed (Lq, Lk) array of 0 / -inf added to the scores."""
+    s = q @ k.swapaxes(-1, -2)
+    s *= s.dtype.type(scale)
+    if causal_bias is not None:
+        s += causal_bias
+    s -= s.max(axis=-1, keepdims=True)
+    np.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    return s @ v
+
+
+def _import_torch():
+    """torch, or a clean skip when it is absent (or only half-installed)."""
+    try:
+        return pytest.importorskip("torch")
+    except pytest.skip.Exception:
+        raise
+    except Exception as exc:  # e.g. a broken/in-progress install
+        pytest.skip(f"torch not usable: {type(exc).__name__}: {exc}")
+
+
+def run(benchmark, f, flops):
+    """Time f: heavy cases a fixed 1 warm-up + 3 rounds, light ones calibrated."""
+    if flops > HEAVY_FLOPS:
+        return benchmark.pedantic(f, rounds=3, iterations=1, warmup_rounds=1)
+    return benchmark(f)
+
+
+@pytest.mark.parametrize("case, impl", PARAMS)
+def test_prefill(benchmark, record, check_close, bench_threads, case, impl):
+    b, h, l, d, dtype, causal = case
+    flops = flops_of(b, h, l, l, d, causal)
+    benchmark.group = _group(*case)
+    scale = 1.0 / np.sqrt(d)
+
+    if impl == "torch":
+        torch = _import_torch()
+    if impl == "numpy" and b * h * l * l * np.dtype(dtype).itemsize > NAIVE_MAX_SCORE_BYTES:
+        pytest.skip("naive score matrix would exceed 2 GiB")
+
+    q, k, v = make_inputs(b, h, l, d, dtype)
+
+    if impl == "fastattn":
+        out = np.empty_like(q)
+
+        def f():
+            return fastattn.attention(q, k, v, causal=causal, out=out, num_threads=bench_threads)
+    elif impl == "numpy":
+        bias = None
+        if causal:
+            bias = np.triu(np.full((l, l), -np.inf, dtype=dtype), k=1)
+
+        def f():
+            return naive_numpy(q, k, v, scale, bias)
+    else:
+        torch.set_num_threads(bench_threads)
+        tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+
+        def f():
+            with torch.no_grad():
+                return sdpa(tq, tk, tv, is_causal=causal)
+
+    result = run(benchmark, f, flops)
+    if impl == "torch":
+        result = result.numpy()
+
+    assert result.shape == q.shape and result.dtype == q.dtype
+    if b * h * l * l <= FULL_CHECK_MAX:
+        err = check_close(result, reference.attention(q, k, v, causal=causal), dtype)
+    else:
+        err = check_close(result[0, 0], reference.attention(q[0, 0], k[0, 0], v[0, 0],
+                                                            causal=causal), dtype)
+    record(flops, impl=impl, shape=[b, h, l, d], dtype=np.dtype(dtype).name,
+           causal=causal, rel_err=err)
+
+
+@pytest.mark.benchmark(group="sgemm")
+def test_sgemm_ceiling(benchmark, record, check_close):
+    """NumPy float32 2048^3 matmul: the BLAS throughput ceiling on this machine."""
+    n = 2048
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    bm = rng.standard_normal((n, n), dtype=np.float32)
+    c = np.empty((n, n), dtype=np.float32)
+    result = benchmark.pedantic(lambda: np.matmul(a, bm, out=c), rounds=3, iterations=1,
+                                warmup_rounds=1)
+    check_close(result[:8], a[:8].astype(np.float64) @ bm.astype(np.float64), np.float32)
+    record(2.0 * n ** 3, impl="numpy sgemm", shape=[n, n, n], dtype="float32")

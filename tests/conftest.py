@@ -1,0 +1,55 @@
+import numpy as np
+import pytest
+
+import fastattn
+from fastattn import _kernels
+
+# Relative error (to max |reference output|) allowed per dtype, against the float64 oracle.
+TOL = {np.dtype(np.float32): 3e-5, np.dtype(np.float64): 1e-11}
+KERNELS = _kernels.supported_kernels()
+
+
+def rel_err(out, ref):
+    ref = np.asarray(ref, dtype=np.float64)
+    scale = np.max(np.abs(ref)) if ref.size else 0.0
+    if ref.size == 0:
+        return 0.0
+    return float(np.max(np.abs(out.astype(np.float64) - ref)) / max(scale, 1e-300))
+
+
+def assert_lse_close(lse, ref_lse, dtype):
+    """Same -inf pattern, finite entries close in absolute terms (lse is a log)."""
+    lse = np.asarray(lse, dtype=np.float64)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    fin = np.isfinite(ref_lse)
+    if fin.any():
+        tol = TOL[np.dtype(dtype)] * max(1.0, float(np.max(np.abs(ref_lse[fin]))))
+        assert np.max(np.abs(lse[fin] - ref_lse[fin])) <= tol
+
+
+@pytest.fixture(params=KERNELS)
+def kernel(request):
+    """Run the test under each CPU kernel this machine can execute."""
+    before = _kernels.current_kernel()
+    _kernels.set_kernel(request.param)
+    yield request.param
+    _kernels.set_kernel(before)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+def pytest_report_header(config):
+    return (f"fastattn {fastattn.__version__} from {fastattn.__file__}; "
+            f"kernels {KERNELS}, default {_kernels.current_kernel()}")
+
+
+def pytest_configure(config):
+    import os
+    import pathlib
+    if os.environ.get("FASTATTN_EXPECT_INSTALLED"):
+        src = pathlib.Path(__file__).resolve().parent.parent / "fastattn"
+        if pathlib.Path(fastattn.__file__).resolve().parent == src:
+            raise RuntimeError(f"testing the source tree ({src}), not the installed package")
