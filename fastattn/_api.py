@@ -10,12 +10,9 @@ from . import _kernels
 
 __all__ = ["attention"]
 
-_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_F32 = np.dtype(np.float32)
+_F64 = np.dtype(np.float64)
 _CAUSAL = {"bottom-right": 1, "top-left": 2}
-
-
-def _shape(a):
-    return "x".join(map(str, a.shape)) if a.ndim else "scalar"
 
 
 def _describe(**arrays):
@@ -31,15 +28,14 @@ def _as_array(x, name):
         raise TypeError(f"fastattn.attention: {name} must be an array, got {type(x).__name__}") from e
 
 
-def _kernel_view(a, name, itemsize):
-    """`a` itself if the kernel can read it in place (last axis contiguous, strides
-    whole elements, aligned), else a contiguous copy."""
-    st = a.strides
-    if a.shape[-1] > 1 and st[-1] != itemsize:
-        return np.ascontiguousarray(a)
-    if not a.flags.aligned or any(s % itemsize for s in st):
-        return np.ascontiguousarray(a)
-    return a
+def _check_dtypes(q, k, v):
+    dt = q.dtype
+    if dt != _F32 and dt != _F64:
+        raise TypeError(f"fastattn.attention: q has dtype {dt}; supported dtypes are float32 and "
+                        "float64 (native byte order)")
+    if k.dtype != dt or v.dtype != dt:
+        raise TypeError(f"fastattn.attention: q, k and v must share one dtype, got "
+                        f"q {dt}, k {k.dtype}, v {v.dtype}")
 
 
 def _parse_causal(causal):
@@ -58,6 +54,8 @@ def _parse_causal(causal):
 def _parse_scale(scale, D):
     if scale is None:
         return 1.0 / math.sqrt(D) if D > 0 else 1.0
+    if type(scale) is float and math.isfinite(scale):
+        return scale
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
         raise TypeError(f"fastattn.attention: scale must be a real number, got {type(scale).__name__}")
     s = float(scale)
@@ -147,39 +145,47 @@ def attention(q, k, v, *, scale=None, causal=False, return_lse=False, out=None, 
     last axis is contiguous (e.g. slices of a fused QKV projection); they are used in
     place.  Other layouts are copied once.  The GIL is released during the kernel.
     """
-    q = _as_array(q, "q")
-    k = _as_array(k, "k")
-    v = _as_array(v, "v")
+    # The common call is checked and run in compiled code (a short call must cost a
+    # few microseconds); anything else, and every error, takes the path below.
+    if (out is None and scale is None and (causal is False or causal is True)
+            and (return_lse is False or return_lse is True)
+            and (num_threads is None or type(num_threads) is int and num_threads >= 1)):
+        res = _kernels.attention_common(q, k, v, causal, return_lse, num_threads or 0)
+        if res is not None:
+            return res
+    if type(q) is not np.ndarray:
+        q = _as_array(q, "q")
+    if type(k) is not np.ndarray:
+        k = _as_array(k, "k")
+    if type(v) is not np.ndarray:
+        v = _as_array(v, "v")
     dt = q.dtype
-    if dt not in _DTYPES:
-        raise TypeError(f"fastattn.attention: q has dtype {dt}; supported dtypes are float32 and float64")
-    if k.dtype != dt or v.dtype != dt:
-        raise TypeError(f"fastattn.attention: q, k and v must share one dtype, got "
-                        f"q {dt}, k {k.dtype}, v {v.dtype}")
+    if dt is not _F32 and dt is not _F64:
+        _check_dtypes(q, k, v)
+    if k.dtype is not dt or v.dtype is not dt:
+        _check_dtypes(q, k, v)
     nd = q.ndim
-    if nd not in (2, 3, 4) or k.ndim != nd or v.ndim != nd:
+    if nd < 2 or nd > 4 or k.ndim != nd or v.ndim != nd:
         raise ValueError("fastattn.attention: q, k and v must all be 2-D (L, D), 3-D (H, L, D) or "
                          f"4-D (B, H, L, D); got {_describe(q=q, k=k, v=v)}")
     qs, ks, vs = q.shape, k.shape, v.shape
-    Lq, D = qs[-2], qs[-1]
-    Lk, Dv = ks[-2], vs[-1]
+    D = qs[-1]
+    Lk = ks[-2]
     if ks[-1] != D or vs[-2] != Lk or qs[:-3] != ks[:-3] or ks[:-1] != vs[:-1]:
         raise ValueError("fastattn.attention: shapes do not match: need q (..., Hq, Lq, D), "
                          f"k (..., Hkv, Lk, D), v (..., Hkv, Lk, Dv); got {_describe(q=q, k=k, v=v)}")
-    Hq = qs[-3] if nd > 2 else 1
-    Hkv = ks[-3] if nd > 2 else 1
-    if Hkv == 0 and Hq == 0:
-        Hkv = 1
-    if Hkv == 0 or Hq % Hkv:
-        raise ValueError("fastattn.attention: the number of query heads must be a multiple of the "
-                         f"number of key/value heads; got {_describe(q=q, k=k, v=v)}")
-    if not isinstance(return_lse, (bool, np.bool_)):
+    if nd > 2:
+        Hq, Hkv = qs[-3], ks[-3]
+        if Hkv == 0 and Hq != 0 or Hkv and Hq % Hkv:
+            raise ValueError("fastattn.attention: the number of query heads must be a multiple of "
+                             f"the number of key/value heads; got {_describe(q=q, k=k, v=v)}")
+    if return_lse is not False and return_lse is not True and not isinstance(return_lse, np.bool_):
         raise TypeError(f"fastattn.attention: return_lse must be a bool, got {type(return_lse).__name__}")
-    causal_code = _parse_causal(causal)
+    causal_code = 0 if causal is False else 1 if causal is True else _parse_causal(causal)
     scale_f = _parse_scale(scale, D)
-    nth = _parse_threads(num_threads)
+    nth = 0 if num_threads is None else _parse_threads(num_threads)
 
-    out_shape = qs[:-1] + (Dv,)
+    out_shape = qs[:-1] + (vs[-1],)
     if out is None:
         out = np.empty(out_shape, dtype=dt)
     else:
@@ -192,18 +198,13 @@ def attention(q, k, v, *, scale=None, causal=False, return_lse=False, out=None, 
 
 
 def _run(q, k, v, out, lse, scale, causal, nth):
-    """Bring everything to the kernel's 4-D (B, H, L, D) form and call it."""
-    item = q.dtype.itemsize
     if q.shape[-1] == 0 or k.shape[-2] and v.shape[-1] == 0:
         _run_degenerate(q, k, v, out, lse, scale, causal, nth)
-        return
-    q = _kernel_view(q, "q", item)
-    k = _kernel_view(k, "k", item)
-    v = _kernel_view(v, "v", item)
-    extra = (None,) * (4 - q.ndim)
-    q4, k4, v4, o4 = q[extra], k[extra], v[extra], out[extra]
-    l3 = lse[(None,) * (3 - lse.ndim)] if lse is not None else None
-    _kernels.forward(q4, k4, v4, o4, l3, scale, causal, nth)
+    elif not _kernels.forward(q, k, v, out, lse, scale, causal, nth):
+        # an input the kernel cannot read in place (misaligned, a non-contiguous last
+        # axis, strides that are not whole elements): one contiguous copy of each
+        q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
+        _kernels.forward(q, k, v, out, lse, scale, causal, nth)
 
 
 def _run_degenerate(q, k, v, out, lse, scale, causal, nth):

@@ -4,6 +4,7 @@ passes their pointers and element strides to C without the GIL, and turns C retu
 codes into exceptions.  No maths here."""
 
 cimport numpy as cnp
+from libc.math cimport sqrt
 from libc.stdint cimport int64_t
 
 cnp.import_array()
@@ -106,45 +107,67 @@ def exp(cnp.ndarray x, kernel):
     return y
 
 
-cdef inline int64_t _st(cnp.ndarray a, int axis, int64_t item):
-    return cnp.PyArray_STRIDES(a)[axis] // item
+cdef inline bint _readable(cnp.ndarray a, int64_t item):
+    """Can the kernel read `a` in place: aligned, whole-element strides, a
+    contiguous last axis (or one of length <= 1)?"""
+    cdef int nd = cnp.PyArray_NDIM(a), ax
+    cdef cnp.npy_intp *st = cnp.PyArray_STRIDES(a)
+    if not cnp.PyArray_ISALIGNED(a):
+        return False
+    if cnp.PyArray_DIM(a, nd - 1) > 1 and st[nd - 1] != item:
+        return False
+    for ax in range(nd):
+        if st[ax] % item:
+            return False
+    return True
 
 
-def forward(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, lse_obj,
-            double scale, int causal, int num_threads):
-    """q (B,Hq,Lq,D), k (B,Hkv,Lk,D), v (B,Hkv,Lk,Dv), out (B,Hq,Lq,Dv), lse (B,Hq,Lq)
-    or None: 4-D/3-D arrays of one float dtype, checked by fastattn._api (strides
-    multiples of the item size, last axis contiguous, aligned, out writeable)."""
+cdef inline void _dims(cnp.ndarray a, int64_t item, int64_t *shape, int64_t *strides):
+    """The (B, H, L, D) sizes and element strides of a 2-, 3- or 4-D array, leading
+    axes it lacks having size 1 and stride 0."""
+    cdef int nd = cnp.PyArray_NDIM(a), ax, off = 4 - nd
+    for ax in range(4):
+        if ax < off:
+            shape[ax] = 1
+            strides[ax] = 0
+        else:
+            shape[ax] = cnp.PyArray_DIM(a, ax - off)
+            strides[ax] = cnp.PyArray_STRIDES(a)[ax - off] // item
+
+
+cdef object _launch(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse_obj,
+                    double scale, int causal, int num_threads):
+    """Fill the params struct from readable arrays and run the kernel without the GIL."""
     cdef fa_params p
     cdef cnp.ndarray lse
     cdef int64_t item = cnp.PyArray_ITEMSIZE(q)
+    cdef int64_t sh[4]
+    cdef int64_t st[4]
     cdef int rc
-    if (cnp.PyArray_NDIM(q) != 4 or cnp.PyArray_NDIM(k) != 4 or cnp.PyArray_NDIM(v) != 4
-            or cnp.PyArray_NDIM(out) != 4):
-        raise ValueError("forward expects 4-D arrays")
     p.dtype = FA_F32 if cnp.PyArray_TYPE(q) == cnp.NPY_FLOAT32 else FA_F64
     p.q = cnp.PyArray_DATA(q)
     p.k = cnp.PyArray_DATA(k)
     p.v = cnp.PyArray_DATA(v)
     p.out = cnp.PyArray_DATA(out)
-    p.B = cnp.PyArray_DIM(q, 0)
-    p.Hq = cnp.PyArray_DIM(q, 1)
-    p.Lq = cnp.PyArray_DIM(q, 2)
-    p.D = cnp.PyArray_DIM(q, 3)
-    p.Hkv = cnp.PyArray_DIM(k, 1)
-    p.Lk = cnp.PyArray_DIM(k, 2)
-    p.Dv = cnp.PyArray_DIM(v, 3)
-    p.q_sb = _st(q, 0, item); p.q_sh = _st(q, 1, item); p.q_sl = _st(q, 2, item)
-    p.k_sb = _st(k, 0, item); p.k_sh = _st(k, 1, item); p.k_sl = _st(k, 2, item)
-    p.v_sb = _st(v, 0, item); p.v_sh = _st(v, 1, item); p.v_sl = _st(v, 2, item)
-    p.o_sb = _st(out, 0, item); p.o_sh = _st(out, 1, item); p.o_sl = _st(out, 2, item)
+    _dims(q, item, sh, st)
+    p.B = sh[0]; p.Hq = sh[1]; p.Lq = sh[2]; p.D = sh[3]
+    p.q_sb = st[0]; p.q_sh = st[1]; p.q_sl = st[2]
+    _dims(k, item, sh, st)
+    p.Hkv = sh[1]; p.Lk = sh[2]
+    p.k_sb = st[0]; p.k_sh = st[1]; p.k_sl = st[2]
+    _dims(v, item, sh, st)
+    p.Dv = sh[3]
+    p.v_sb = st[0]; p.v_sh = st[1]; p.v_sl = st[2]
+    _dims(out, item, sh, st)
+    p.o_sb = st[0]; p.o_sh = st[1]; p.o_sl = st[2]
     if lse_obj is None:
         p.lse = NULL
         p.lse_sb = p.lse_sh = p.lse_sl = 0
     else:
         lse = <cnp.ndarray>lse_obj
         p.lse = cnp.PyArray_DATA(lse)
-        p.lse_sb = _st(lse, 0, item); p.lse_sh = _st(lse, 1, item); p.lse_sl = _st(lse, 2, item)
+        _dims(lse, item, sh, st)  # (B, Hq, Lq) right-aligned: strides land in st[1:]
+        p.lse_sb = st[1]; p.lse_sh = st[2]; p.lse_sl = st[3]
     p.scale = scale
     p.causal = causal
     p.num_threads = num_threads
@@ -156,4 +179,64 @@ def forward(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, lse_ob
     if rc != FA_OK:
         raise ValueError("fastattn: the kernel rejected the arguments "
                          f"(B={p.B}, Hq={p.Hq}, Hkv={p.Hkv}, Lq={p.Lq}, Lk={p.Lk}, D={p.D}, Dv={p.Dv})")
-    return out
+    return None
+
+
+def forward(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, lse_obj,
+            double scale, int causal, int num_threads):
+    """Run the kernel.  q (..., Hq, Lq, D), k (..., Hkv, Lk, D), v (..., Hkv, Lk, Dv),
+    out (..., Hq, Lq, Dv): 2-, 3- or 4-D arrays of one float dtype with matching
+    shapes (checked by fastattn._api); lse (..., Hq, Lq) or None.  Returns False,
+    without running, if q, k or v cannot be read in place (the caller copies them)."""
+    cdef int64_t item = cnp.PyArray_ITEMSIZE(q)
+    if not (_readable(q, item) and _readable(k, item) and _readable(v, item)):
+        return False
+    if not _readable(out, item) or not cnp.PyArray_ISWRITEABLE(out):
+        raise ValueError("out must be writeable, aligned, with a contiguous last axis")
+    _launch(q, k, v, out, lse_obj, scale, causal, num_threads)
+    return True
+
+
+def attention_common(object q, object k, object v, bint causal, bint return_lse, int num_threads):
+    """The common call -- ndarrays of one native float dtype, consistent non-empty
+    shapes, readable in place, default scale, no out -- decided and
+    run at C speed.  Returns None, having done nothing, for anything else: the
+    caller (fastattn._api.attention) then checks everything and explains errors."""
+    cdef cnp.ndarray a, b, c
+    if type(q) is not cnp.ndarray or type(k) is not cnp.ndarray or type(v) is not cnp.ndarray:
+        return None
+    a = <cnp.ndarray>q
+    b = <cnp.ndarray>k
+    c = <cnp.ndarray>v
+    cdef int nd = cnp.PyArray_NDIM(a)
+    cdef int t = cnp.PyArray_TYPE(a)
+    if nd < 2 or nd > 4 or cnp.PyArray_NDIM(b) != nd or cnp.PyArray_NDIM(c) != nd:
+        return None
+    if (t != cnp.NPY_FLOAT32 and t != cnp.NPY_FLOAT64) or cnp.PyArray_TYPE(b) != t \
+            or cnp.PyArray_TYPE(c) != t:
+        return None
+    if not (cnp.PyArray_ISNOTSWAPPED(a) and cnp.PyArray_ISNOTSWAPPED(b) and cnp.PyArray_ISNOTSWAPPED(c)):
+        return None
+    cdef cnp.npy_intp *qd = cnp.PyArray_DIMS(a)
+    cdef cnp.npy_intp *kd = cnp.PyArray_DIMS(b)
+    cdef cnp.npy_intp *vd = cnp.PyArray_DIMS(c)
+    cdef cnp.npy_intp D = qd[nd - 1], Lk = kd[nd - 2]
+    if kd[nd - 1] != D or vd[nd - 2] != Lk or D == 0 or vd[nd - 1] == 0 or qd[nd - 2] == 0:
+        return None
+    if nd == 4 and (qd[0] != kd[0] or vd[0] != kd[0] or qd[0] == 0):
+        return None
+    if nd >= 3 and (vd[nd - 3] != kd[nd - 3] or kd[nd - 3] == 0 or qd[nd - 3] % kd[nd - 3] != 0
+                    or qd[nd - 3] == 0):
+        return None
+    cdef int64_t item = cnp.PyArray_ITEMSIZE(a)
+    if not (_readable(a, item) and _readable(b, item) and _readable(c, item)):
+        return None
+    cdef cnp.npy_intp od[4]
+    cdef int ax
+    for ax in range(nd - 1):
+        od[ax] = qd[ax]
+    od[nd - 1] = vd[nd - 1]
+    cdef cnp.ndarray out = cnp.PyArray_EMPTY(nd, od, t, 0)
+    cdef object lse = cnp.PyArray_EMPTY(nd - 1, qd, t, 0) if return_lse else None
+    _launch(a, b, c, out, lse, 1.0 / sqrt(<double>D), 1 if causal else 0, num_threads)
+    return (out, lse) if return_lse else out

@@ -58,6 +58,24 @@ static int fa_check(const fa_params *p)
     return FA_OK;
 }
 
+/* Work item t of nbh * nqb.  With causal masking the last query blocks see the
+ * most keys, so item t takes query block nqb-1 - t/nbh (the most expensive first). */
+static void fa_run_item(const fa_params *p, fa_qblock_fn qblock, int64_t br, int64_t nqb,
+                        int64_t nbh, int64_t diag, int64_t t, void *scratch)
+{
+    int64_t qb = p->causal ? nqb - 1 - t / nbh : t / nbh;
+    int64_t bh = t % nbh;
+    int64_t q0 = qb * br;
+    int64_t nq = p->Lq - q0 < br ? p->Lq - q0 : br;
+    int64_t kv_end = p->Lk;
+    if (p->causal) {
+        int64_t last = q0 + nq + diag; /* keys visible to the block's last row */
+        if (last < kv_end) kv_end = last;
+        if (kv_end < 0) kv_end = 0;
+    }
+    qblock(p, bh / p->Hq, bh % p->Hq, q0, nq, kv_end, scratch);
+}
+
 int fa_attention_forward(const fa_params *p)
 {
     int rc = fa_check(p);
@@ -81,30 +99,23 @@ int fa_attention_forward(const fa_params *p)
     if (nth < 1) nth = 1;
 
     int failed = 0;
-    /* Items run most expensive first: with causal masking, the last query blocks
-     * see the most keys, so item t takes query block nqb-1 - t/nbh; dynamic
-     * scheduling then hands the cheap blocks to whichever thread is free. */
-#pragma omp parallel num_threads(nth) if (nth > 1) reduction(| : failed)
+    if (nth == 1) {
+        /* One thread: no parallel region at all (short calls stay cheap). */
+        void *scratch = fa_scratch_alloc(scratch_bytes);
+        if (!scratch) return FA_ERR_NOMEM;
+        for (int64_t t = 0; t < items; t++) fa_run_item(p, qblock, br, nqb, nbh, diag, t, scratch);
+        free(scratch);
+        return FA_OK;
+    }
+    /* Items run most expensive first (see fa_run_item); dynamic scheduling hands the
+     * cheap ones to whichever thread is free, so causal rows balance. */
+#pragma omp parallel num_threads(nth) reduction(| : failed)
     {
         void *scratch = fa_scratch_alloc(scratch_bytes);
-        if (!scratch) {
-            failed = 1;
-        }
+        if (!scratch) failed = 1;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < items; t++) {
-            if (!scratch) continue;
-            int64_t qb = p->causal ? nqb - 1 - t / nbh : t / nbh;
-            int64_t bh = t % nbh;
-            int64_t q0 = qb * br;
-            int64_t nq = p->Lq - q0 < br ? p->Lq - q0 : br;
-            int64_t kv_end = p->Lk;
-            if (p->causal) {
-                int64_t last = q0 + nq - 1 + diag + 1; /* keys visible to the block's last row */
-                if (last < kv_end) kv_end = last;
-                if (kv_end < 0) kv_end = 0;
-            }
-            qblock(p, bh / p->Hq, bh % p->Hq, q0, nq, kv_end, scratch);
-        }
+        for (int64_t t = 0; t < items; t++)
+            if (scratch) fa_run_item(p, qblock, br, nqb, nbh, diag, t, scratch);
         free(scratch);
     }
     return failed ? FA_ERR_NOMEM : FA_OK;
