@@ -78,3 +78,52 @@ def check_close():
         assert err <= tol, f"rel err {err:.3e} > {tol:.0e}"
         return err
     return _check
+
+
+def _rows(benchmarks):
+    """{group: {impl: (seconds_min, extra_info)}} from this session's benchmarks."""
+    rows = {}
+    for bm in benchmarks:
+        info = getattr(bm, "extra_info", {}) or {}
+        stats = getattr(bm, "stats", None)
+        if stats is None or "impl" not in info:
+            continue
+        rows.setdefault(bm.group, {})[info["impl"]] = (stats.min, info)
+    return rows
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """The table the closing notes quote: GFLOP/s of each implementation, fastattn's
+    % of the NumPy sgemm throughput measured in the same session, and its speed
+    ratio to PyTorch and NumPy (best of the rounds each)."""
+    session = getattr(config, "_benchmarksession", None)
+    if session is None or getattr(session, "disabled", True):
+        return
+    rows = _rows(session.benchmarks)
+    sgemm = rows.pop("sgemm", {}).get("numpy sgemm")
+    sgemm_gf = sgemm[1]["flops"] / sgemm[0] / 1e9 if sgemm else None
+    if not rows:
+        return
+    w = terminalreporter.write_line
+    w("")
+    w(f"fastattn vs peers, GFLOP/s (best round), threads={config.getoption('--bench-threads')}, "
+      f"kernel={fastattn._kernels.current_kernel()}"
+      + (f", NumPy sgemm {sgemm_gf:.0f} GFLOP/s" if sgemm_gf else ""))
+    w(f"{'shape':<34} {'fastattn':>9} {'1 thread':>9} {'PyTorch':>8} {'NumPy':>8} "
+      f"{'%sgemm':>7} {'vs torch':>9} {'vs numpy':>9} {'2t/1t':>6}")
+    for group, impls in rows.items():
+        fa = impls.get("fastattn")
+        if fa is None:
+            continue
+        gf = {name: info["flops"] / t / 1e9 for name, (t, info) in impls.items()}
+
+        def cell(name, width):
+            return f"{gf[name]:>{width}.1f}" if name in gf else f"{'-':>{width}}"
+
+        def ratio(name):
+            return f"{impls[name][0] / fa[0]:>8.2f}x" if name in impls else f"{'-':>9}"
+        pct = f"{100 * gf['fastattn'] / sgemm_gf:>6.0f}%" if sgemm_gf else f"{'-':>7}"
+        scale = (f"{impls['fastattn-1t'][0] / fa[0]:>5.2f}x" if "fastattn-1t" in impls
+                 else f"{'-':>6}")
+        w(f"{group:<34} {cell('fastattn', 9)} {cell('fastattn-1t', 9)} {cell('torch', 8)} "
+          f"{cell('numpy', 8)} {pct} {ratio('torch')} {ratio('numpy')} {scale}")

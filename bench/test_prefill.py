@@ -13,14 +13,16 @@ import pytest
 import fastattn
 from fastattn import reference
 
-# (B, H, L, D, dtype, causal, implementations)
+# (B, H, L, D, dtype, causal, implementations); "fastattn-1t" is fastattn on one
+# thread, for the thread scaling figure.
 ALL = ("fastattn", "numpy", "torch")
 SHAPES = [
-    (1, 8, 4096, 64, np.float32, False, ALL),
+    (1, 8, 4096, 64, np.float32, False, ALL + ("fastattn-1t",)),
     (1, 8, 4096, 64, np.float32, True, ALL),
     (1, 8, 2048, 128, np.float32, False, ALL),
     (4, 16, 256, 64, np.float32, False, ALL),
     (1, 16, 512, 64, np.float32, True, ALL),
+    (1, 8, 2048, 64, np.float32, False, ("fastattn",)),
     (1, 8, 2048, 64, np.float64, False, ("fastattn",)),
 ]
 
@@ -91,11 +93,12 @@ def test_prefill(benchmark, record, check_close, bench_threads, case, impl):
 
     q, k, v = make_inputs(b, h, l, d, dtype)
 
-    if impl == "fastattn":
+    if impl.startswith("fastattn"):
         out = np.empty_like(q)
+        nth = 1 if impl == "fastattn-1t" else bench_threads
 
         def f():
-            return fastattn.attention(q, k, v, causal=causal, out=out, num_threads=bench_threads)
+            return fastattn.attention(q, k, v, causal=causal, out=out, num_threads=nth)
     elif impl == "numpy":
         bias = None
         if causal:

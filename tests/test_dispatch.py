@@ -15,7 +15,11 @@ SUPPORTED = _kernels.supported_kernels()
 def _kernel_in_subprocess(disabled):
     env = dict(os.environ, FASTATTN_DISABLE_CPU_FEATURES=disabled)
     code = "import fastattn; fastattn.show_config(); print(fastattn._kernels.current_kernel())"
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    # from a neutral directory, so the child imports the fastattn this process
+    # tests, never a source tree in the working directory
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__))))
+    assert r.returncode == 0, r.stderr
     return r.stdout.strip().splitlines()
 
 
