@@ -22,6 +22,7 @@ def config():
         "kernel": _kernels.current_kernel(),
         "kernel_reason": _kernels.kernel_reason(),
         "kernels_supported": _kernels.supported_kernels(),
+        "l2_bytes": info["l2_bytes"],
     }
 
 
@@ -35,6 +36,7 @@ def show_config(file=None):
         f"  openmp:   {'yes' if c['openmp'] else 'no (serial kernel)'}",
         f"  threads:  {c['threads']} (default; OMP_NUM_THREADS or num_threads= to change)",
         f"  kernel:   {c['kernel']} -- {c['kernel_reason']}",
+        f"  L2 cache: {c['l2_bytes'] // 1024} KiB per core (bounds the block sizes)",
         f"  can run:  {', '.join(c['kernels_supported'])}"
         "  (FASTATTN_DISABLE_CPU_FEATURES=AVX512F,AVX2 forces a lower one)",
     ]

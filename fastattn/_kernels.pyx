@@ -27,11 +27,13 @@ cdef extern from "fastattn.h" nogil:
         int causal
         int num_threads
         int isa
+        int64_t block_q, block_k
     int FA_OK, FA_ERR_NOMEM, FA_ERR_ARG, FA_F32, FA_F64, FA_ISA_COUNT
     int fa_attention_forward(const fa_params *p)
     unsigned fa_cpu_supported_isas()
     int fa_cpu_select(const char *disabled, char *why, int why_len)
     int fa_default_isa()
+    int64_t fa_cpu_l2_bytes()
     int fa_set_default_isa(int isa)
     const char *fa_isa_name(int isa)
     int fa_openmp_enabled()
@@ -84,7 +86,7 @@ def kernel_reason():
 
 def build_info():
     return {"build": fa_build_info().decode(), "openmp": bool(fa_openmp_enabled()),
-            "max_threads": fa_max_threads()}
+            "max_threads": fa_max_threads(), "l2_bytes": fa_cpu_l2_bytes()}
 
 
 def max_threads():
@@ -136,7 +138,8 @@ cdef inline void _dims(cnp.ndarray a, int64_t item, int64_t *shape, int64_t *str
 
 
 cdef object _launch(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse_obj,
-                    double scale, int causal, int num_threads):
+                    double scale, int causal, int num_threads, int64_t block_q=0,
+                    int64_t block_k=0):
     """Fill the params struct from readable arrays and run the kernel without the GIL."""
     cdef fa_params p
     cdef cnp.ndarray lse
@@ -172,6 +175,8 @@ cdef object _launch(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out
     p.causal = causal
     p.num_threads = num_threads
     p.isa = -1
+    p.block_q = block_q
+    p.block_k = block_k
     with nogil:
         rc = fa_attention_forward(&p)
     if rc == FA_ERR_NOMEM:
@@ -183,17 +188,18 @@ cdef object _launch(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out
 
 
 def forward(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, lse_obj,
-            double scale, int causal, int num_threads):
+            double scale, int causal, int num_threads, int64_t block_q=0, int64_t block_k=0):
     """Run the kernel.  q (..., Hq, Lq, D), k (..., Hkv, Lk, D), v (..., Hkv, Lk, Dv),
     out (..., Hq, Lq, Dv): 2-, 3- or 4-D arrays of one float dtype with matching
     shapes (checked by fastattn._api); lse (..., Hq, Lq) or None.  Returns False,
-    without running, if q, k or v cannot be read in place (the caller copies them)."""
+    without running, if q, k or v cannot be read in place (the caller copies them).
+    block_q, block_k: block sizes for measurements (0: the library's choice)."""
     cdef int64_t item = cnp.PyArray_ITEMSIZE(q)
     if not (_readable(q, item) and _readable(k, item) and _readable(v, item)):
         return False
     if not _readable(out, item) or not cnp.PyArray_ISWRITEABLE(out):
         raise ValueError("out must be writeable, aligned, with a contiguous last axis")
-    _launch(q, k, v, out, lse_obj, scale, causal, num_threads)
+    _launch(q, k, v, out, lse_obj, scale, causal, num_threads, block_q, block_k)
     return True
 
 

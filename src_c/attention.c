@@ -41,6 +41,53 @@ const char *fa_build_info(void)
            "; openmp=" FA_STR(FA_OPENMP_VERSION);
 }
 
+/*
+ * Default block sizes, from measurement (best of 3 in one process, 2 threads,
+ * GFLOP/s over a grid of q in {32,64,96,128,192,256} x k in {32,...,512}, on a
+ * Xeon (Sapphire Rapids, 2 MB L2/core); the landscape is flat within ~5% near
+ * the optimum, and falls off for k >= 256 (the S tile and V tile leave L1):
+ *   avx512 f32 D=64  L=4096: q=192 k=64 266 | q=64 k=64 259 | q=192 k=256 253
+ *   avx512 f32 D=128 L=2048: q=192 k=64 279 | q=96 k=64 270 | q=64 k=128 247
+ *   avx512 f32 D=256 L=2048: q=192 k=32 275 | q=192 k=64 265 | q=64 k=64 244
+ *   avx512 f64 D=64  L=2048: q=192 k=64 118 | q=64 k=64 116 | q=64 k=128 109
+ *   avx512 f64 D=128 L=2048: q=96 k=32 123  | q=192 k=64 118 | q=64 k=64 114
+ *   avx2   f32 D=64  L=4096: q=96 k=64 127  | q=128 k=128 123 | q=64 k=64 107
+ *   avx2   f32 D=128 L=2048: q=64 k=128 135 | q=192 k=256 135 | q=128 k=64 114
+ *   avx2   f64 D=64  L=2048: q=192 k=64 57  | q=96 k=256 56   | q=64 k=64 47
+ * So: 192 x 64 for AVX-512, 96 x 128 for AVX2; the generic kernel (not tuned:
+ * the portable fallback) 64 x 128.  Then two adjustments:
+ *  - the query rows are split into equal blocks (Lq = 256 runs as 2 x 128, not
+ *    192 + 64), so a short sequence does not end with a nearly empty block;
+ *  - the per-block working set (Q block, output block, K, V and score tiles) is
+ *    kept within half the L2 the CPU reports, shrinking k then q, so large head
+ *    sizes on CPUs with small L2 caches do not spill.
+ * Block sizes depend on the CPU and the shapes only, never on the thread count.
+ */
+static fa_blocks fa_default_blocks(const fa_kernel *kern, const fa_params *p)
+{
+    const int64_t vl = kern->lanes[p->dtype];
+    const int64_t item = p->dtype == FA_F64 ? 8 : 4;
+    fa_blocks bl = {64, 128};
+    if (kern == fa_kernel_for_isa(FA_ISA_AVX512)) {
+        bl.q = 192;
+        bl.k = 64;
+    } else if (kern == fa_kernel_for_isa(FA_ISA_AVX2)) {
+        bl.q = 96;
+        bl.k = 128;
+    }
+    const int64_t budget = fa_cpu_l2_bytes() / 2;
+    for (;;) {
+        int64_t ws = item * (bl.q * (p->D + p->Dv) + bl.k * (p->D + p->Dv + bl.q));
+        if (ws <= budget) break;
+        if (bl.k > 32) bl.k /= 2;
+        else if (bl.q > 2 * vl) bl.q = (bl.q / 2 + vl - 1) / vl * vl;
+        else break;
+    }
+    int64_t nblocks = (p->Lq + bl.q - 1) / bl.q;
+    if (nblocks > 0) bl.q = (p->Lq + nblocks - 1) / nblocks;
+    return bl;
+}
+
 static void *fa_scratch_alloc(size_t bytes)
 {
     size_t n = (bytes + FA_ALIGN - 1) / FA_ALIGN * FA_ALIGN;
@@ -58,11 +105,29 @@ static int fa_check(const fa_params *p)
     return FA_OK;
 }
 
+/* Block sizes: see fa_default_blocks for the measurements behind the defaults. */
+static fa_blocks fa_choose_blocks(const fa_kernel *kern, const fa_params *p)
+{
+    const int64_t vl = kern->lanes[p->dtype];
+    fa_blocks bl = fa_default_blocks(kern, p);
+    if (p->block_q > 0) bl.q = p->block_q;
+    if (p->block_k > 0) bl.k = p->block_k;
+    if (bl.q > 1024) bl.q = 1024;
+    if (bl.k > 1 << 16) bl.k = 1 << 16;
+    /* a block never needs more rows than the queries there are */
+    if (bl.q > p->Lq) bl.q = p->Lq;
+    bl.q = (bl.q + vl - 1) / vl * vl;
+    if (bl.q < vl) bl.q = vl;
+    if (bl.k < 1) bl.k = 1;
+    return bl;
+}
+
 /* Work item t of nbh * nqb.  With causal masking the last query blocks see the
  * most keys, so item t takes query block nqb-1 - t/nbh (the most expensive first). */
-static void fa_run_item(const fa_params *p, fa_qblock_fn qblock, int64_t br, int64_t nqb,
+static void fa_run_item(const fa_params *p, fa_qblock_fn qblock, const fa_blocks *bl, int64_t nqb,
                         int64_t nbh, int64_t diag, int64_t t, void *scratch)
 {
+    const int64_t br = bl->q;
     int64_t qb = p->causal ? nqb - 1 - t / nbh : t / nbh;
     int64_t bh = t % nbh;
     int64_t q0 = qb * br;
@@ -73,7 +138,7 @@ static void fa_run_item(const fa_params *p, fa_qblock_fn qblock, int64_t br, int
         if (last < kv_end) kv_end = last;
         if (kv_end < 0) kv_end = 0;
     }
-    qblock(p, bh / p->Hq, bh % p->Hq, q0, nq, kv_end, scratch);
+    qblock(p, bl, bh / p->Hq, bh % p->Hq, q0, nq, kv_end, scratch);
 }
 
 int fa_attention_forward(const fa_params *p)
@@ -85,14 +150,15 @@ int fa_attention_forward(const fa_params *p)
     if (p->B == 0 || p->Hq == 0 || p->Lq == 0) return FA_OK;
 
     const int dt = p->dtype;
-    const int64_t br = kern->block_q[dt];
+    const fa_blocks bl = fa_choose_blocks(kern, p);
+    const int64_t br = bl.q;
     const int64_t nqb = (p->Lq + br - 1) / br;
     const int64_t nbh = p->B * p->Hq;
     const int64_t items = nbh * nqb;
     /* Causal: the last visible key of row i is i + diag. */
     const int64_t diag = p->causal == FA_CAUSAL_BOTTOM_RIGHT ? p->Lk - p->Lq : 0;
     const fa_qblock_fn qblock = kern->qblock[dt];
-    const size_t scratch_bytes = kern->scratch_bytes[dt](p);
+    const size_t scratch_bytes = kern->scratch_bytes[dt](p, &bl);
 
     int nth = p->num_threads > 0 ? p->num_threads : fa_max_threads();
     if ((int64_t)nth > items) nth = (int)items;
@@ -103,7 +169,7 @@ int fa_attention_forward(const fa_params *p)
         /* One thread: no parallel region at all (short calls stay cheap). */
         void *scratch = fa_scratch_alloc(scratch_bytes);
         if (!scratch) return FA_ERR_NOMEM;
-        for (int64_t t = 0; t < items; t++) fa_run_item(p, qblock, br, nqb, nbh, diag, t, scratch);
+        for (int64_t t = 0; t < items; t++) fa_run_item(p, qblock, &bl, nqb, nbh, diag, t, scratch);
         free(scratch);
         return FA_OK;
     }
@@ -115,7 +181,7 @@ int fa_attention_forward(const fa_params *p)
         if (!scratch) failed = 1;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < items; t++)
-            if (scratch) fa_run_item(p, qblock, br, nqb, nbh, diag, t, scratch);
+            if (scratch) fa_run_item(p, qblock, &bl, nqb, nbh, diag, t, scratch);
         free(scratch);
     }
     return failed ? FA_ERR_NOMEM : FA_OK;

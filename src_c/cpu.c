@@ -60,6 +60,31 @@ unsigned fa_cpu_supported_isas(void)
     return isas;
 }
 
+/* L2 size per core from CPUID leaf 4 (deterministic cache parameters); 256 KiB,
+ * a small modern L2, where it cannot be read. */
+int64_t fa_cpu_l2_bytes(void)
+{
+    static int64_t cached = 0;
+    if (cached) return cached;
+    int64_t l2 = 256 * 1024;
+#ifdef FA_X86
+    unsigned a, b, c, d;
+    for (unsigned i = 0; i < 16; i++) {
+        if (!__get_cpuid_count(4, i, &a, &b, &c, &d)) break;
+        unsigned type = a & 0x1f, level = (a >> 5) & 0x7;
+        if (type == 0) break;
+        if (level == 2 && (type == 2 || type == 3)) {
+            int64_t ways = ((b >> 22) & 0x3ff) + 1, parts = ((b >> 12) & 0x3ff) + 1;
+            int64_t line = (b & 0xfff) + 1, sets = (int64_t)c + 1;
+            l2 = ways * parts * line * sets;
+            break;
+        }
+    }
+#endif
+    cached = l2;
+    return l2;
+}
+
 static int fa_default = -1;
 
 int fa_default_isa(void)
@@ -101,6 +126,7 @@ static int fa_list_has(const char *list, const char *name)
 int fa_cpu_select(const char *disabled, char *why, int why_len)
 {
     unsigned have = fa_cpu_supported_isas();
+    (void)fa_cpu_l2_bytes(); /* read once here, at import, before any thread uses it */
     int no512 = disabled && (fa_list_has(disabled, "AVX512F") || fa_list_has(disabled, "AVX2") ||
                              fa_list_has(disabled, "FMA"));
     int no2 = disabled && (fa_list_has(disabled, "AVX2") || fa_list_has(disabled, "FMA"));

@@ -20,23 +20,28 @@
 /* Alignment of every scratch piece: one cache line, enough for any vector load. */
 #define FA_ALIGN 64
 
+/* Block sizes of one call, chosen by the driver: q query rows (a multiple of the
+ * kernel's vector width: also the row stride of its query-major scratch) and k keys. */
+typedef struct fa_blocks {
+    int64_t q, k;
+} fa_blocks;
+
 /*
  * One query block of one (batch, query head): rows q0 .. q0+nq-1 against keys
  * 0 .. kv_end-1 (the driver has already cut off every key block that causality
  * hides from all nq rows).  Writes the nq output rows and, if requested, lse.
- * `scratch` holds fa_kernel.scratch_bytes(p) bytes, FA_ALIGN-aligned, owned by
+ * `scratch` holds fa_kernel.scratch_bytes(p, bl) bytes, FA_ALIGN-aligned, owned by
  * the calling thread.
  */
-typedef void (*fa_qblock_fn)(const fa_params *p, int64_t b, int64_t h, int64_t q0,
-                             int64_t nq, int64_t kv_end, void *scratch);
-typedef size_t (*fa_scratch_fn)(const fa_params *p);
+typedef void (*fa_qblock_fn)(const fa_params *p, const fa_blocks *bl, int64_t b, int64_t h,
+                             int64_t q0, int64_t nq, int64_t kv_end, void *scratch);
+typedef size_t (*fa_scratch_fn)(const fa_params *p, const fa_blocks *bl);
 typedef void (*fa_exp_fn)(const void *x, void *y, int64_t n);
 
 /* The micro-kernels of one instruction set, for each dtype (index enum fa_dtype). */
 typedef struct fa_kernel {
     const char *name;
-    int block_q[2];      /* query rows per block */
-    int block_k[2];      /* keys per block       */
+    int lanes[2];        /* vector width in elements */
     fa_qblock_fn qblock[2];
     fa_scratch_fn scratch_bytes[2];
     fa_exp_fn exp_array[2];

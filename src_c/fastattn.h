@@ -62,6 +62,8 @@ typedef struct fa_params {
     int causal;         /* enum fa_causal                                         */
     int num_threads;    /* <= 0: OpenMP's default (OMP_NUM_THREADS, threadpoolctl) */
     int isa;            /* < 0: the kernel chosen at start-up; else an enum fa_isa */
+    int64_t block_q;    /* query rows per block; 0: chosen by the library (a value is  */
+    int64_t block_k;    /* rounded up to the vector width); keys per block; 0: chosen */
 } fa_params;
 
 /* The forward pass.  Thread-safe: no global mutable state is touched.
@@ -82,6 +84,9 @@ int fa_cpu_select(const char *disabled, char *why, int why_len);
  * start-up or from tests only).  fa_set_default_isa returns FA_ERR_ARG if the CPU
  * cannot run `isa`. */
 int fa_default_isa(void);
+/* Per-core L2 cache size in bytes (CPUID leaf 4 on x86; a 256 KiB guess elsewhere),
+ * which bounds the default block sizes. */
+int64_t fa_cpu_l2_bytes(void);
 int fa_set_default_isa(int isa);
 const char *fa_isa_name(int isa);
 

@@ -98,8 +98,6 @@ static inline __m256d fa_loadu_n_pd(const double *p, int n)
 #define FA_V __m256
 #define FA_VL 8
 #define FA_NAME(x) x##_f32_avx2
-#define FA_BR 64
-#define FA_BC 128
 #define FA_QK_R 6
 #define FA_QK_NV 2
 #define FA_PV_R 6
@@ -126,8 +124,6 @@ static inline __m256d fa_loadu_n_pd(const double *p, int n)
 #define FA_V __m256d
 #define FA_VL 4
 #define FA_NAME(x) x##_f64_avx2
-#define FA_BR 32
-#define FA_BC 128
 #define FA_QK_R 6
 #define FA_QK_NV 2
 #define FA_PV_R 6
@@ -151,8 +147,7 @@ static inline __m256d fa_loadu_n_pd(const double *p, int n)
 
 const fa_kernel fa_kernel_avx2 = {
     "avx2",
-    {fa_block_q_f32_avx2, fa_block_q_f64_avx2},
-    {fa_block_k_f32_avx2, fa_block_k_f64_avx2},
+    {8, 4},
     {fa_qblock_f32_avx2, fa_qblock_f64_avx2},
     {fa_scratch_bytes_f32_avx2, fa_scratch_bytes_f64_avx2},
     {fa_exp_array_f32_avx2, fa_exp_array_f64_avx2},

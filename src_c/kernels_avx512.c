@@ -67,8 +67,6 @@ static inline __m512d fa_neginf_to_zero_pd(__m512d x)
 #define FA_V __m512
 #define FA_VL 16
 #define FA_NAME(x) x##_f32_avx512
-#define FA_BR 64
-#define FA_BC 128
 #define FA_QK_R 6
 #define FA_QK_NV 4
 #define FA_PV_R 6
@@ -95,8 +93,6 @@ static inline __m512d fa_neginf_to_zero_pd(__m512d x)
 #define FA_V __m512d
 #define FA_VL 8
 #define FA_NAME(x) x##_f64_avx512
-#define FA_BR 32
-#define FA_BC 128
 #define FA_QK_R 6
 #define FA_QK_NV 4
 #define FA_PV_R 6
@@ -120,8 +116,7 @@ static inline __m512d fa_neginf_to_zero_pd(__m512d x)
 
 const fa_kernel fa_kernel_avx512 = {
     "avx512",
-    {fa_block_q_f32_avx512, fa_block_q_f64_avx512},
-    {fa_block_k_f32_avx512, fa_block_k_f64_avx512},
+    {16, 8},
     {fa_qblock_f32_avx512, fa_qblock_f64_avx512},
     {fa_scratch_bytes_f32_avx512, fa_scratch_bytes_f64_avx512},
     {fa_exp_array_f32_avx512, fa_exp_array_f64_avx512},

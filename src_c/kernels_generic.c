@@ -73,8 +73,6 @@ static inline fa_v2d fa_neginf_to_zero_v2d(fa_v2d x)
 #define FA_V fa_v4f
 #define FA_VL 4
 #define FA_NAME(x) x##_f32_generic
-#define FA_BR 64
-#define FA_BC 128
 #define FA_QK_R 4
 #define FA_QK_NV 2
 #define FA_PV_R 4
@@ -101,8 +99,6 @@ static inline fa_v2d fa_neginf_to_zero_v2d(fa_v2d x)
 #define FA_V fa_v2d
 #define FA_VL 2
 #define FA_NAME(x) x##_f64_generic
-#define FA_BR 32
-#define FA_BC 128
 #define FA_QK_R 4
 #define FA_QK_NV 2
 #define FA_PV_R 4
@@ -126,8 +122,7 @@ static inline fa_v2d fa_neginf_to_zero_v2d(fa_v2d x)
 
 const fa_kernel fa_kernel_generic = {
     "generic",
-    {fa_block_q_f32_generic, fa_block_q_f64_generic},
-    {fa_block_k_f32_generic, fa_block_k_f64_generic},
+    {4, 2},
     {fa_qblock_f32_generic, fa_qblock_f64_generic},
     {fa_scratch_bytes_f32_generic, fa_scratch_bytes_f64_generic},
     {fa_exp_array_f32_generic, fa_exp_array_f64_generic},

@@ -4,8 +4,6 @@
 #undef FA_V
 #undef FA_VL
 #undef FA_NAME
-#undef FA_BR
-#undef FA_BC
 #undef FA_QK_R
 #undef FA_QK_NV
 #undef FA_PV_R
