@@ -102,11 +102,13 @@ static void FA_NAME(fa_qk_tile)(const FA_T *FA_RESTRICT qt, int nv, const FA_T *
                                 int64_t k_sl, int64_t nk, int64_t D, FA_T *FA_RESTRICT s,
                                 int64_t brp)
 {
-    for (int64_t j = 0; j < nk; j += FA_QK_R) {
-        int r = (int)(nk - j < FA_QK_R ? nk - j : FA_QK_R);
-        const FA_T *kj = k + j * k_sl;
-        for (int cv = 0; cv < nv; cv += FA_QK_NV) {
-            int ncv = nv - cv < FA_QK_NV ? nv - cv : FA_QK_NV;
+    /* Query-vector groups outer: their slice of qt (D x FA_QK_NV vectors) stays in L1
+     * while the key tile streams past it. */
+    for (int cv = 0; cv < nv; cv += FA_QK_NV) {
+        int ncv = nv - cv < FA_QK_NV ? nv - cv : FA_QK_NV;
+        for (int64_t j = 0; j < nk; j += FA_QK_R) {
+            int r = (int)(nk - j < FA_QK_R ? nk - j : FA_QK_R);
+            const FA_T *kj = k + j * k_sl;
             FA_T *sj = s + j * brp + cv * FA_VL;
             switch (r * 8 + ncv) {
                 FA_TILE_ROWS(FA_QK_CASE)
