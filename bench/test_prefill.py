@@ -141,3 +141,23 @@ def test_sgemm_ceiling(benchmark, record, check_close):
                                 warmup_rounds=1)
     check_close(result[:8], a[:8].astype(np.float64) @ bm.astype(np.float64), np.float32)
     record(2.0 * n ** 3, impl="numpy sgemm", shape=[n, n, n], dtype="float32")
+
+
+@pytest.mark.parametrize("impl", ["fastattn", "torch"])
+def test_call_overhead(benchmark, record, bench_threads, impl):
+    """The whole call from Python at B=1 H=1 L=16 D=64 float32: the cost of a short
+    sequence (argument checks, dispatch, the kernel), fastattn vs PyTorch."""
+    benchmark.group = "call overhead B1 H1 L16 D64 float32"
+    q, k, v = make_inputs(1, 1, 16, 64, np.float32)
+    if impl == "torch":
+        torch = _import_torch()
+        torch.set_num_threads(bench_threads)
+        tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        with torch.no_grad():
+            result = benchmark(sdpa, tq, tk, tv).numpy()
+    else:
+        result = benchmark(fastattn.attention, q, k, v)
+    assert np.abs(result - reference.attention(q, k, v)).max() <= 3e-5 * np.abs(result).max()
+    record(flops_of(1, 1, 16, 16, 64, False), impl=impl, microseconds=benchmark.stats.stats.min * 1e6
+           if benchmark.stats else None)
