@@ -5,7 +5,8 @@ codes into exceptions.  No maths here."""
 
 cimport numpy as cnp
 from libc.math cimport sqrt
-from libc.stdint cimport int64_t
+from libc.stdint cimport int64_t, uint8_t
+from libc.string cimport memset
 
 cnp.import_array()
 
@@ -28,6 +29,18 @@ cdef extern from "fastattn.h" nogil:
         int num_threads
         int isa
         int64_t block_q, block_k
+        double softcap
+        const void *alibi
+        int64_t alibi_sb, alibi_sh
+        const void *bias
+        int64_t bias_sb, bias_sh, bias_sq, bias_sk
+        const uint8_t *mask
+        int64_t mask_sb, mask_sh, mask_sq, mask_sk
+        int64_t window_left, window_right
+        const int64_t *cu_q
+        const int64_t *cu_k
+        void *weights
+        int64_t w_sb, w_sh, w_sq
     int FA_OK, FA_ERR_NOMEM, FA_ERR_ARG, FA_F32, FA_F64, FA_ISA_COUNT
     int fa_attention_forward(const fa_params *p)
     unsigned fa_cpu_supported_isas()
@@ -139,7 +152,7 @@ cdef inline void _dims(cnp.ndarray a, int64_t item, int64_t *shape, int64_t *str
 
 cdef object _launch(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse_obj,
                     double scale, int causal, int num_threads, int64_t block_q=0,
-                    int64_t block_k=0):
+                    int64_t block_k=0, object variants=None):
     """Fill the params struct from readable arrays and run the kernel without the GIL."""
     cdef fa_params p
     cdef cnp.ndarray lse
@@ -147,6 +160,7 @@ cdef object _launch(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out
     cdef int64_t sh[4]
     cdef int64_t st[4]
     cdef int rc
+    memset(&p, 0, sizeof(p))
     p.dtype = FA_F32 if cnp.PyArray_TYPE(q) == cnp.NPY_FLOAT32 else FA_F64
     p.q = cnp.PyArray_DATA(q)
     p.k = cnp.PyArray_DATA(k)
@@ -163,10 +177,7 @@ cdef object _launch(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out
     p.v_sb = st[0]; p.v_sh = st[1]; p.v_sl = st[2]
     _dims(out, item, sh, st)
     p.o_sb = st[0]; p.o_sh = st[1]; p.o_sl = st[2]
-    if lse_obj is None:
-        p.lse = NULL
-        p.lse_sb = p.lse_sh = p.lse_sl = 0
-    else:
+    if lse_obj is not None:
         lse = <cnp.ndarray>lse_obj
         p.lse = cnp.PyArray_DATA(lse)
         _dims(lse, item, sh, st)  # (B, Hq, Lq) right-aligned: strides land in st[1:]
@@ -177,6 +188,10 @@ cdef object _launch(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out
     p.isa = -1
     p.block_q = block_q
     p.block_k = block_k
+    p.window_left = -1
+    p.window_right = -1
+    if variants is not None:
+        _set_variants(&p, <Variants>variants, item)
     with nogil:
         rc = fa_attention_forward(&p)
     if rc == FA_ERR_NOMEM:
@@ -187,19 +202,80 @@ cdef object _launch(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out
     return None
 
 
+cdef class Variants:
+    """The optional arguments of one call, already checked and shaped by
+    fastattn._api: mask (B, Hq, Lq, Lk) bool and bias (B, Hq, Lq, Lk) in q's dtype
+    (broadcast views, strides 0 allowed), alibi (B, Hq) in q's dtype, softcap (0 =
+    off), window sides (-1 = unbounded), cu_q/cu_k int64 (varlen; q, k, v are then
+    (1, H, total, D) views and the sequence count is len(cu_q) - 1), weights
+    (B, Hq, Lq, Lk) output for attention_weights."""
+    cdef public object mask, bias, alibi, cu_q, cu_k, weights
+    cdef public double softcap
+    cdef public int64_t window_left, window_right
+
+    def __init__(self, mask=None, bias=None, alibi=None, softcap=0.0, window_left=-1,
+                 window_right=-1, cu_q=None, cu_k=None, weights=None):
+        self.mask = mask
+        self.bias = bias
+        self.alibi = alibi
+        self.softcap = softcap
+        self.window_left = window_left
+        self.window_right = window_right
+        self.cu_q = cu_q
+        self.cu_k = cu_k
+        self.weights = weights
+
+
+cdef void _set_variants(fa_params *p, Variants va, int64_t item) except *:
+    cdef cnp.ndarray a
+    cdef int64_t sh[4]
+    cdef int64_t st[4]
+    p.softcap = va.softcap
+    p.window_left = va.window_left
+    p.window_right = va.window_right
+    if va.mask is not None:
+        a = <cnp.ndarray>va.mask
+        p.mask = <const uint8_t *>cnp.PyArray_DATA(a)
+        _dims(a, 1, sh, st)
+        p.mask_sb = st[0]; p.mask_sh = st[1]; p.mask_sq = st[2]; p.mask_sk = st[3]
+    if va.bias is not None:
+        a = <cnp.ndarray>va.bias
+        p.bias = cnp.PyArray_DATA(a)
+        _dims(a, item, sh, st)
+        p.bias_sb = st[0]; p.bias_sh = st[1]; p.bias_sq = st[2]; p.bias_sk = st[3]
+    if va.alibi is not None:
+        a = <cnp.ndarray>va.alibi
+        p.alibi = cnp.PyArray_DATA(a)
+        p.alibi_sb = cnp.PyArray_STRIDES(a)[0] // item
+        p.alibi_sh = cnp.PyArray_STRIDES(a)[1] // item
+    if va.cu_q is not None:
+        a = <cnp.ndarray>va.cu_q
+        p.cu_q = <const int64_t *>cnp.PyArray_DATA(a)
+        p.B = cnp.PyArray_DIM(a, 0) - 1
+        a = <cnp.ndarray>va.cu_k
+        p.cu_k = <const int64_t *>cnp.PyArray_DATA(a)
+    if va.weights is not None:
+        a = <cnp.ndarray>va.weights
+        p.weights = cnp.PyArray_DATA(a)
+        _dims(a, item, sh, st)
+        p.w_sb = st[0]; p.w_sh = st[1]; p.w_sq = st[2]
+
+
 def forward(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, lse_obj,
-            double scale, int causal, int num_threads, int64_t block_q=0, int64_t block_k=0):
+            double scale, int causal, int num_threads, int64_t block_q=0, int64_t block_k=0,
+            Variants variants=None):
     """Run the kernel.  q (..., Hq, Lq, D), k (..., Hkv, Lk, D), v (..., Hkv, Lk, Dv),
     out (..., Hq, Lq, Dv): 2-, 3- or 4-D arrays of one float dtype with matching
     shapes (checked by fastattn._api); lse (..., Hq, Lq) or None.  Returns False,
     without running, if q, k or v cannot be read in place (the caller copies them).
-    block_q, block_k: block sizes for measurements (0: the library's choice)."""
+    block_q, block_k: block sizes for measurements (0: the library's choice).
+    variants: the optional arguments (a Variants), or None."""
     cdef int64_t item = cnp.PyArray_ITEMSIZE(q)
     if not (_readable(q, item) and _readable(k, item) and _readable(v, item)):
         return False
     if not _readable(out, item) or not cnp.PyArray_ISWRITEABLE(out):
         raise ValueError("out must be writeable, aligned, with a contiguous last axis")
-    _launch(q, k, v, out, lse_obj, scale, causal, num_threads, block_q, block_k)
+    _launch(q, k, v, out, lse_obj, scale, causal, num_threads, block_q, block_k, variants)
     return True
 
 

@@ -89,8 +89,6 @@ static fa_blocks fa_default_blocks(const fa_kernel *kern, const fa_params *p)
         else if (bl.q > 2 * vl) bl.q = (bl.q / 2 + vl - 1) / vl * vl;
         else break;
     }
-    int64_t nblocks = (p->Lq + bl.q - 1) / bl.q;
-    if (nblocks > 0) bl.q = (p->Lq + nblocks - 1) / nblocks;
     return bl;
 }
 
@@ -108,43 +106,133 @@ static int fa_check(const fa_params *p)
     if (p->Hq % p->Hkv != 0) return FA_ERR_ARG;
     if (p->causal < FA_CAUSAL_NONE || p->causal > FA_CAUSAL_TOP_LEFT) return FA_ERR_ARG;
     if (!isfinite(p->scale)) return FA_ERR_ARG;
+    if (!(p->softcap >= 0) || !isfinite(p->softcap)) return FA_ERR_ARG;
+    if ((p->cu_q == NULL) != (p->cu_k == NULL)) return FA_ERR_ARG;
     return FA_OK;
 }
 
 /* Block sizes: see fa_default_blocks for the measurements behind the defaults. */
 static fa_blocks fa_choose_blocks(const fa_kernel *kern, const fa_params *p)
 {
-    const int64_t vl = kern->lanes[p->dtype];
     fa_blocks bl = fa_default_blocks(kern, p);
     if (p->block_q > 0) bl.q = p->block_q;
     if (p->block_k > 0) bl.k = p->block_k;
     if (bl.q > 1024) bl.q = 1024;
+    if (bl.q < 1) bl.q = 1;
     if (bl.k > 1 << 16) bl.k = 1 << 16;
-    /* a block never needs more rows than the queries there are */
-    if (bl.q > p->Lq) bl.q = p->Lq;
-    bl.q = (bl.q + vl - 1) / vl * vl;
-    if (bl.q < vl) bl.q = vl;
     if (bl.k < 1) bl.k = 1;
     return bl;
 }
 
-/* Work item t of nbh * nqb.  With causal masking the last query blocks see the
- * most keys, so item t takes query block nqb-1 - t/nbh (the most expensive first). */
-static void fa_run_item(const fa_params *p, fa_qblock_fn qblock, const fa_blocks *bl, int64_t nqb,
-                        int64_t nbh, int64_t diag, int64_t t, void *scratch)
+/* How a call is cut into work items (see fa_item). */
+typedef struct fa_plan {
+    fa_blocks bl;     /* bl.q: rows of an item rounded up to the vector width */
+    int64_t G;        /* query heads per key/value head                      */
+    int64_t nh;       /* query heads stacked in one item                     */
+    int64_t nhc;      /* head chunks per key/value head: ceil(G / nh)        */
+    int64_t nqp;      /* positions per item and head                         */
+    int64_t per_seq;  /* fixed lengths: items per sequence                   */
+    int64_t *start;   /* varlen: first item of each sequence (B+1), or NULL  */
+    int64_t items;
+} fa_plan;
+
+static int64_t fa_seq_len(const int64_t *cu, int64_t b, int64_t fixed)
 {
-    const int64_t br = bl->q;
-    int64_t qb = p->causal ? nqb - 1 - t / nbh : t / nbh;
-    int64_t bh = t % nbh;
-    int64_t q0 = qb * br;
-    int64_t nq = p->Lq - q0 < br ? p->Lq - q0 : br;
-    int64_t kv_end = p->Lk;
-    if (p->causal) {
-        int64_t last = q0 + nq + diag; /* keys visible to the block's last row */
-        if (last < kv_end) kv_end = last;
-        if (kv_end < 0) kv_end = 0;
+    return cu ? cu[b + 1] - cu[b] : fixed;
+}
+
+/*
+ * Queries of heads that share a key/value head are stacked into one item when a
+ * head has fewer positions than a block has rows (short prefill, decoding): the
+ * group then reads each K/V tile once.  Otherwise an item is one head's block of
+ * positions, the positions split evenly into blocks of at most bl.q.
+ */
+static int fa_make_plan(const fa_kernel *kern, const fa_params *p, fa_plan *pl)
+{
+    const int64_t vl = kern->lanes[p->dtype];
+    pl->bl = fa_choose_blocks(kern, p);
+    pl->G = p->Hq / p->Hkv;
+    pl->start = NULL;
+    int64_t lmax = p->Lq;
+    if (p->cu_q) {
+        lmax = 0;
+        for (int64_t b = 0; b < p->B; b++)
+            if (fa_seq_len(p->cu_q, b, 0) > lmax) lmax = fa_seq_len(p->cu_q, b, 0);
     }
-    qblock(p, bl, bh / p->Hq, bh % p->Hq, q0, nq, kv_end, scratch);
+    if (lmax < 1) lmax = 1;
+    if (pl->G > 1 && 2 * lmax <= pl->bl.q) {
+        pl->nh = pl->bl.q / lmax < pl->G ? pl->bl.q / lmax : pl->G;
+        pl->nqp = lmax;
+    } else {
+        int64_t nblocks = (lmax + pl->bl.q - 1) / pl->bl.q;
+        pl->nh = 1;
+        pl->nqp = (lmax + nblocks - 1) / nblocks;
+    }
+    pl->nhc = (pl->G + pl->nh - 1) / pl->nh;
+    pl->bl.q = (pl->nh * pl->nqp + vl - 1) / vl * vl;
+    const int64_t per_qb = p->Hkv * pl->nhc;
+    if (p->cu_q) {
+        pl->start = (int64_t *)malloc((size_t)(p->B + 1) * sizeof(int64_t));
+        if (!pl->start) return FA_ERR_NOMEM;
+        pl->start[0] = 0;
+        for (int64_t b = 0; b < p->B; b++) {
+            int64_t nqb = (fa_seq_len(p->cu_q, b, 0) + pl->nqp - 1) / pl->nqp;
+            pl->start[b + 1] = pl->start[b] + nqb * per_qb;
+        }
+        pl->items = pl->start[p->B];
+        pl->per_seq = 0;
+    } else {
+        pl->per_seq = (p->Lq + pl->nqp - 1) / pl->nqp * per_qb;
+        pl->items = p->B * pl->per_seq;
+    }
+    return FA_OK;
+}
+
+/* Item t of the plan.  Within a sequence, query blocks run last first: with causal
+ * masking the last blocks see the most keys, so the most expensive items start
+ * first and dynamic scheduling balances the rest across threads. */
+static void fa_item_of(const fa_params *p, const fa_plan *pl, int64_t t, fa_item *it)
+{
+    int64_t b, u;
+    if (pl->start) {
+        int64_t lo = 0, hi = p->B - 1; /* last b with start[b] <= t */
+        while (lo < hi) {
+            int64_t mid = (lo + hi + 1) / 2;
+            if (pl->start[mid] <= t) lo = mid;
+            else hi = mid - 1;
+        }
+        b = lo;
+        u = t - pl->start[b];
+    } else {
+        const int64_t nbk = p->B * p->Hkv * pl->nhc; /* items per query block index */
+        b = (t % nbk) / (p->Hkv * pl->nhc);
+        u = (t / nbk) * p->Hkv * pl->nhc + t % (p->Hkv * pl->nhc);
+    }
+    const int64_t per_qb = p->Hkv * pl->nhc;
+    const int64_t Lq = fa_seq_len(p->cu_q, b, p->Lq), Lk = fa_seq_len(p->cu_k, b, p->Lk);
+    const int64_t nqb = (Lq + pl->nqp - 1) / pl->nqp;
+    const int64_t qb = p->causal ? nqb - 1 - u / per_qb : u / per_qb;
+    const int64_t hc = u % pl->nhc;
+    it->b = b;
+    it->g = (u % per_qb) / pl->nhc;
+    it->h0 = it->g * pl->G + hc * pl->nh;
+    it->nh = pl->G - hc * pl->nh < pl->nh ? pl->G - hc * pl->nh : pl->nh;
+    it->q0 = qb * pl->nqp;
+    it->nq = Lq - it->q0 < pl->nqp ? Lq - it->q0 : pl->nqp;
+    it->Lq = Lq;
+    it->Lk = Lk;
+    it->qoff = p->cu_q ? p->cu_q[b] : 0;
+    it->koff = p->cu_k ? p->cu_k[b] : 0;
+    /* keys visible to some row: row i sees a-left <= j <= a+right, a = i + diag */
+    const int64_t diag = p->causal == FA_CAUSAL_TOP_LEFT ? 0 : Lk - Lq;
+    const int64_t right = p->causal != FA_CAUSAL_NONE ? 0 : p->window_right; /* min(right, 0) */
+    int64_t kv0 = p->window_left >= 0 ? it->q0 + diag - p->window_left : 0;
+    int64_t kv1 = right >= 0 ? it->q0 + it->nq - 1 + diag + right + 1 : Lk;
+    if (kv0 < 0) kv0 = 0;
+    if (kv1 > Lk) kv1 = Lk;
+    if (kv1 < kv0) kv1 = kv0;
+    it->kv0 = kv0;
+    it->kv1 = kv1;
 }
 
 int fa_attention_forward(const fa_params *p)
@@ -153,18 +241,14 @@ int fa_attention_forward(const fa_params *p)
     if (rc != FA_OK) return rc;
     const fa_kernel *kern = fa_kernel_for_isa(p->isa < 0 ? fa_default_isa() : p->isa);
     if (!kern || (p->isa >= 0 && !(fa_cpu_supported_isas() & (1u << p->isa)))) return FA_ERR_ARG;
-    if (p->B == 0 || p->Hq == 0 || p->Lq == 0) return FA_OK;
+    if (p->B == 0 || p->Hq == 0 || (!p->cu_q && p->Lq == 0)) return FA_OK;
 
-    const int dt = p->dtype;
-    const fa_blocks bl = fa_choose_blocks(kern, p);
-    const int64_t br = bl.q;
-    const int64_t nqb = (p->Lq + br - 1) / br;
-    const int64_t nbh = p->B * p->Hq;
-    const int64_t items = nbh * nqb;
-    /* Causal: the last visible key of row i is i + diag. */
-    const int64_t diag = p->causal == FA_CAUSAL_BOTTOM_RIGHT ? p->Lk - p->Lq : 0;
-    const fa_qblock_fn qblock = kern->qblock[dt];
-    const size_t scratch_bytes = kern->scratch_bytes[dt](p, &bl);
+    fa_plan pl;
+    rc = fa_make_plan(kern, p, &pl);
+    if (rc != FA_OK) return rc;
+    const fa_qblock_fn qblock = kern->qblock[p->dtype];
+    const size_t scratch_bytes = kern->scratch_bytes[p->dtype](p, &pl.bl);
+    const int64_t items = pl.items;
 
     int nth = p->num_threads > 0 ? p->num_threads : fa_max_threads();
     if ((int64_t)nth > items) nth = (int)items;
@@ -174,22 +258,29 @@ int fa_attention_forward(const fa_params *p)
     if (nth == 1) {
         /* One thread: no parallel region at all (short calls stay cheap). */
         void *scratch = fa_scratch_alloc(scratch_bytes);
-        if (!scratch) return FA_ERR_NOMEM;
-        for (int64_t t = 0; t < items; t++) fa_run_item(p, qblock, &bl, nqb, nbh, diag, t, scratch);
-        free(scratch);
-        return FA_OK;
-    }
-    /* Items run most expensive first (see fa_run_item); dynamic scheduling hands the
-     * cheap ones to whichever thread is free, so causal rows balance. */
-#pragma omp parallel num_threads(nth) reduction(| : failed)
-    {
-        void *scratch = fa_scratch_alloc(scratch_bytes);
         if (!scratch) failed = 1;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < items; t++)
-            if (scratch) fa_run_item(p, qblock, &bl, nqb, nbh, diag, t, scratch);
+        for (int64_t t = 0; t < items && scratch; t++) {
+            fa_item it;
+            fa_item_of(p, &pl, t, &it);
+            qblock(p, &pl.bl, &it, scratch);
+        }
         free(scratch);
+    } else {
+#pragma omp parallel num_threads(nth) reduction(| : failed)
+        {
+            void *scratch = fa_scratch_alloc(scratch_bytes);
+            if (!scratch) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t t = 0; t < items; t++) {
+                if (!scratch) continue;
+                fa_item it;
+                fa_item_of(p, &pl, t, &it);
+                qblock(p, &pl.bl, &it, scratch);
+            }
+            free(scratch);
+        }
     }
+    free(pl.start);
     return failed ? FA_ERR_NOMEM : FA_OK;
 }
 

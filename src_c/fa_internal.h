@@ -26,15 +26,22 @@ typedef struct fa_blocks {
     int64_t q, k;
 } fa_blocks;
 
-/*
- * One query block of one (batch, query head): rows q0 .. q0+nq-1 against keys
- * 0 .. kv_end-1 (the driver has already cut off every key block that causality
- * hides from all nq rows).  Writes the nq output rows and, if requested, lse.
- * `scratch` holds fa_kernel.scratch_bytes(p, bl) bytes, FA_ALIGN-aligned, owned by
- * the calling thread.
- */
-typedef void (*fa_qblock_fn)(const fa_params *p, const fa_blocks *bl, int64_t b, int64_t h,
-                             int64_t q0, int64_t nq, int64_t kv_end, void *scratch);
+/* One work item: the query rows of nh heads that share one key/value head, all
+ * against the same key tiles (so a K/V tile is loaded once for the group). */
+typedef struct fa_item {
+    int64_t b, g;       /* batch (sequence), key/value head                       */
+    int64_t h0, nh;     /* query heads h0 .. h0+nh-1, all reading kv head g       */
+    int64_t q0, nq;     /* positions q0 .. q0+nq-1 of each of those heads         */
+    int64_t Lq, Lk;     /* this sequence's lengths                                */
+    int64_t qoff, koff; /* its first row on the L axis of q/out/lse and of k/v    */
+    int64_t kv0, kv1;   /* keys that may be visible to some row: [kv0, kv1)       */
+} fa_item;
+
+/* Computes one item (rows r = hh*nq + i), writing its output rows and lse (or its
+ * rows of attention weights).  `scratch` holds fa_kernel.scratch_bytes(p, bl) bytes,
+ * FA_ALIGN-aligned, owned by the calling thread. */
+typedef void (*fa_qblock_fn)(const fa_params *p, const fa_blocks *bl, const fa_item *it,
+                             void *scratch);
 typedef size_t (*fa_scratch_fn)(const fa_params *p, const fa_blocks *bl);
 typedef void (*fa_exp_fn)(const void *x, void *y, int64_t n);
 

@@ -48,7 +48,8 @@ typedef struct fa_params {
     const void *q;      /* (B, Hq,  Lq, D)                                        */
     const void *k;      /* (B, Hkv, Lk, D)                                        */
     const void *v;      /* (B, Hkv, Lk, Dv)                                       */
-    void *out;          /* (B, Hq,  Lq, Dv), written; must not overlap q, k, v    */
+    void *out;          /* (B, Hq,  Lq, Dv), written; must not overlap q, k, v
+                           (unused when weights is set)                           */
     void *lse;          /* (B, Hq,  Lq) natural-log sum of exp, or NULL           */
     int64_t B, Hq, Hkv; /* batch, query heads, key/value heads (Hq % Hkv == 0)    */
     int64_t Lq, Lk;     /* query and key lengths (>= 0)                           */
@@ -64,6 +65,22 @@ typedef struct fa_params {
     int isa;            /* < 0: the kernel chosen at start-up; else an enum fa_isa */
     int64_t block_q;    /* query rows per block; 0: chosen by the library (a value is  */
     int64_t block_k;    /* rounded up to the vector width); keys per block; 0: chosen */
+
+    /* ---- variants; each is off when its pointer is NULL / its value is 0 or < 0 ---- */
+    double softcap;     /* > 0: s = softcap * tanh(s / softcap) after scaling      */
+    const void *alibi;  /* slopes, q's dtype: s -= slope[b,h] |i + Lk - Lq - j|     */
+    int64_t alibi_sb, alibi_sh;     /* element strides (alibi_sb = 0 for (Hq,))   */
+    const void *bias;   /* additive, q's dtype, addressed (b, h, i, j)             */
+    int64_t bias_sb, bias_sh, bias_sq, bias_sk; /* element strides (0: broadcast)  */
+    const uint8_t *mask;/* bool bytes, nonzero = attend, addressed (b, h, i, j)    */
+    int64_t mask_sb, mask_sh, mask_sq, mask_sk; /* byte strides (0: broadcast)     */
+    int64_t window_left, window_right; /* visible iff a-left <= j <= a+right, a the
+                           causal convention's diagonal; < 0: unbounded side      */
+    const int64_t *cu_q, *cu_k; /* varlen: B+1 offsets on the L axis of q/out/lse and
+                           of k/v (sequence b is rows cu[b] .. cu[b+1]-1, with q_sb,
+                           k_sb, ... unused); NULL: fixed lengths Lq, Lk          */
+    void *weights;      /* attention_weights: (B, Hq, Lq, Lk) output instead of out */
+    int64_t w_sb, w_sh, w_sq;       /* element strides; the key axis is contiguous */
 } fa_params;
 
 /* The forward pass.  Thread-safe: no global mutable state is touched.

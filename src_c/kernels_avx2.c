@@ -7,6 +7,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <string.h>
 #include "fa_internal.h"
 #include "fa_exp.h"
 
@@ -93,6 +94,43 @@ static inline __m256d fa_loadu_n_pd(const double *p, int n)
     return _mm256_maskload_pd(p, _mm256_cmpgt_epi64(_mm256_set1_epi64x(n), lanes));
 }
 
+static inline __m256 fa_abs_ps(__m256 x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x); }
+static inline __m256d fa_abs_pd(__m256d x) { return _mm256_andnot_pd(_mm256_set1_pd(-0.0), x); }
+static inline __m256 fa_copysign_ps(__m256 mag, __m256 sgn)
+{
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    return _mm256_or_ps(_mm256_andnot_ps(sign, mag), _mm256_and_ps(sign, sgn));
+}
+static inline __m256d fa_copysign_pd(__m256d mag, __m256d sgn)
+{
+    const __m256d sign = _mm256_set1_pd(-0.0);
+    return _mm256_or_pd(_mm256_andnot_pd(sign, mag), _mm256_and_pd(sign, sgn));
+}
+static inline __m256 fa_in_range_ps(__m256 x, __m256 j, __m256 lo, __m256 hi)
+{
+    __m256 in = _mm256_and_ps(_mm256_cmp_ps(lo, j, _CMP_LE_OQ), _mm256_cmp_ps(j, hi, _CMP_LE_OQ));
+    return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), x, in);
+}
+static inline __m256d fa_in_range_pd(__m256d x, __m256d j, __m256d lo, __m256d hi)
+{
+    __m256d in = _mm256_and_pd(_mm256_cmp_pd(lo, j, _CMP_LE_OQ), _mm256_cmp_pd(j, hi, _CMP_LE_OQ));
+    return _mm256_blendv_pd(_mm256_set1_pd(-INFINITY), x, in);
+}
+static inline __m256 fa_mask_bytes_ps(__m256 x, const uint8_t *p)
+{
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    __m256 hidden = _mm256_castsi256_ps(_mm256_cmpeq_epi32(b, _mm256_setzero_si256()));
+    return _mm256_blendv_ps(x, _mm256_set1_ps(-INFINITY), hidden);
+}
+static inline __m256d fa_mask_bytes_pd(__m256d x, const uint8_t *p)
+{
+    int32_t four;
+    memcpy(&four, p, sizeof four);
+    __m256i b = _mm256_cvtepu8_epi64(_mm_cvtsi32_si128(four));
+    __m256d hidden = _mm256_castsi256_pd(_mm256_cmpeq_epi64(b, _mm256_setzero_si256()));
+    return _mm256_blendv_pd(x, _mm256_set1_pd(-INFINITY), hidden);
+}
+
 /* ---------------- float32 ---------------- */
 #define FA_T float
 #define FA_V __m256
@@ -116,6 +154,11 @@ static inline __m256d fa_loadu_n_pd(const double *p, int n)
 #define FA_VMAX(a, b) _mm256_max_ps((a), (b))
 #define FA_VEXP(x) fa_exp_f32_avx2(x)
 #define FA_VNEGINF_TO_ZERO(x) fa_neginf_to_zero_ps(x)
+#define FA_VABS(x) fa_abs_ps(x)
+#define FA_VDIV(a, b) _mm256_div_ps((a), (b))
+#define FA_VCOPYSIGN(m, s) fa_copysign_ps((m), (s))
+#define FA_VIN_RANGE(x, j, lo, hi) fa_in_range_ps((x), (j), (lo), (hi))
+#define FA_VMASK_BYTES(x, p) fa_mask_bytes_ps((x), (p))
 #include "kernels_tmpl.h"
 #include "kernels_undef.h"
 
@@ -142,6 +185,11 @@ static inline __m256d fa_loadu_n_pd(const double *p, int n)
 #define FA_VMAX(a, b) _mm256_max_pd((a), (b))
 #define FA_VEXP(x) fa_exp_f64_avx2(x)
 #define FA_VNEGINF_TO_ZERO(x) fa_neginf_to_zero_pd(x)
+#define FA_VABS(x) fa_abs_pd(x)
+#define FA_VDIV(a, b) _mm256_div_pd((a), (b))
+#define FA_VCOPYSIGN(m, s) fa_copysign_pd((m), (s))
+#define FA_VIN_RANGE(x, j, lo, hi) fa_in_range_pd((x), (j), (lo), (hi))
+#define FA_VMASK_BYTES(x, p) fa_mask_bytes_pd((x), (p))
 #include "kernels_tmpl.h"
 #include "kernels_undef.h"
 

@@ -62,6 +62,39 @@ static inline __m512d fa_neginf_to_zero_pd(__m512d x)
     return _mm512_mask_blend_pd(inf, x, _mm512_setzero_pd());
 }
 
+static inline __m512 fa_copysign_ps(__m512 mag, __m512 sgn)
+{
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_andnot_si512(sign, _mm512_castps_si512(mag)),
+                                               _mm512_and_si512(sign, _mm512_castps_si512(sgn))));
+}
+static inline __m512d fa_copysign_pd(__m512d mag, __m512d sgn)
+{
+    const __m512i sign = _mm512_set1_epi64((long long)0x8000000000000000ull);
+    return _mm512_castsi512_pd(_mm512_or_si512(_mm512_andnot_si512(sign, _mm512_castpd_si512(mag)),
+                                               _mm512_and_si512(sign, _mm512_castpd_si512(sgn))));
+}
+static inline __m512 fa_in_range_ps(__m512 x, __m512 j, __m512 lo, __m512 hi)
+{
+    __mmask16 in = _mm512_cmp_ps_mask(lo, j, _CMP_LE_OQ) & _mm512_cmp_ps_mask(j, hi, _CMP_LE_OQ);
+    return _mm512_mask_blend_ps(in, _mm512_set1_ps(-INFINITY), x);
+}
+static inline __m512d fa_in_range_pd(__m512d x, __m512d j, __m512d lo, __m512d hi)
+{
+    __mmask8 in = _mm512_cmp_pd_mask(lo, j, _CMP_LE_OQ) & _mm512_cmp_pd_mask(j, hi, _CMP_LE_OQ);
+    return _mm512_mask_blend_pd(in, _mm512_set1_pd(-INFINITY), x);
+}
+static inline __m512 fa_mask_bytes_ps(__m512 x, const uint8_t *p)
+{
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm512_mask_blend_ps(_mm512_test_epi32_mask(b, b), _mm512_set1_ps(-INFINITY), x);
+}
+static inline __m512d fa_mask_bytes_pd(__m512d x, const uint8_t *p)
+{
+    __m512i b = _mm512_cvtepu8_epi64(_mm_loadl_epi64((const __m128i *)p));
+    return _mm512_mask_blend_pd(_mm512_test_epi64_mask(b, b), _mm512_set1_pd(-INFINITY), x);
+}
+
 /* ---------------- float32 ---------------- */
 #define FA_T float
 #define FA_V __m512
@@ -85,6 +118,11 @@ static inline __m512d fa_neginf_to_zero_pd(__m512d x)
 #define FA_VMAX(a, b) _mm512_max_ps((a), (b))
 #define FA_VEXP(x) fa_exp_f32_avx512(x)
 #define FA_VNEGINF_TO_ZERO(x) fa_neginf_to_zero_ps(x)
+#define FA_VABS(x) _mm512_abs_ps(x)
+#define FA_VDIV(a, b) _mm512_div_ps((a), (b))
+#define FA_VCOPYSIGN(m, s) fa_copysign_ps((m), (s))
+#define FA_VIN_RANGE(x, j, lo, hi) fa_in_range_ps((x), (j), (lo), (hi))
+#define FA_VMASK_BYTES(x, p) fa_mask_bytes_ps((x), (p))
 #include "kernels_tmpl.h"
 #include "kernels_undef.h"
 
@@ -111,6 +149,11 @@ static inline __m512d fa_neginf_to_zero_pd(__m512d x)
 #define FA_VMAX(a, b) _mm512_max_pd((a), (b))
 #define FA_VEXP(x) fa_exp_f64_avx512(x)
 #define FA_VNEGINF_TO_ZERO(x) fa_neginf_to_zero_pd(x)
+#define FA_VABS(x) _mm512_abs_pd(x)
+#define FA_VDIV(a, b) _mm512_div_pd((a), (b))
+#define FA_VCOPYSIGN(m, s) fa_copysign_pd((m), (s))
+#define FA_VIN_RANGE(x, j, lo, hi) fa_in_range_pd((x), (j), (lo), (hi))
+#define FA_VMASK_BYTES(x, p) fa_mask_bytes_pd((x), (p))
 #include "kernels_tmpl.h"
 #include "kernels_undef.h"
 

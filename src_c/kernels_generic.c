@@ -68,6 +68,33 @@ static inline fa_v2d fa_neginf_to_zero_v2d(fa_v2d x)
     return (fa_v2d)((fa_v2l)x & ~inf);
 }
 
+/* Lane-by-lane helpers for the variants (softcap, ALiBi, masks), one per element type. */
+#define FA_GENERIC_LANE_OPS(V, T, N, ABS, COPYSIGN)                                          \
+    static inline V fa_abs_##V(V x)                                                          \
+    {                                                                                        \
+        for (int i = 0; i < N; i++) x[i] = ABS(x[i]);                                        \
+        return x;                                                                            \
+    }                                                                                        \
+    static inline V fa_copysign_##V(V m, V s)                                                \
+    {                                                                                        \
+        for (int i = 0; i < N; i++) m[i] = COPYSIGN(m[i], s[i]);                             \
+        return m;                                                                            \
+    }                                                                                        \
+    static inline V fa_in_range_##V(V x, V j, V lo, V hi)                                    \
+    {                                                                                        \
+        for (int i = 0; i < N; i++)                                                          \
+            if (!(lo[i] <= j[i] && j[i] <= hi[i])) x[i] = -(T)INFINITY;                      \
+        return x;                                                                            \
+    }                                                                                        \
+    static inline V fa_mask_bytes_##V(V x, const uint8_t *p)                                 \
+    {                                                                                        \
+        for (int i = 0; i < N; i++)                                                          \
+            if (!p[i]) x[i] = -(T)INFINITY;                                                  \
+        return x;                                                                            \
+    }
+FA_GENERIC_LANE_OPS(fa_v4f, float, 4, fabsf, copysignf)
+FA_GENERIC_LANE_OPS(fa_v2d, double, 2, fabs, copysign)
+
 /* ---------------- float32 ---------------- */
 #define FA_T float
 #define FA_V fa_v4f
@@ -91,6 +118,11 @@ static inline fa_v2d fa_neginf_to_zero_v2d(fa_v2d x)
 #define FA_VMAX(a, b) fa_max_v4f((a), (b))
 #define FA_VEXP(x) fa_exp_v4f(x)
 #define FA_VNEGINF_TO_ZERO(x) fa_neginf_to_zero_v4f(x)
+#define FA_VABS(x) fa_abs_fa_v4f(x)
+#define FA_VDIV(a, b) ((a) / (b))
+#define FA_VCOPYSIGN(m, s) fa_copysign_fa_v4f((m), (s))
+#define FA_VIN_RANGE(x, j, lo, hi) fa_in_range_fa_v4f((x), (j), (lo), (hi))
+#define FA_VMASK_BYTES(x, p) fa_mask_bytes_fa_v4f((x), (p))
 #include "kernels_tmpl.h"
 #include "kernels_undef.h"
 
@@ -117,6 +149,11 @@ static inline fa_v2d fa_neginf_to_zero_v2d(fa_v2d x)
 #define FA_VMAX(a, b) fa_max_v2d((a), (b))
 #define FA_VEXP(x) fa_exp_v2d(x)
 #define FA_VNEGINF_TO_ZERO(x) fa_neginf_to_zero_v2d(x)
+#define FA_VABS(x) fa_abs_fa_v2d(x)
+#define FA_VDIV(a, b) ((a) / (b))
+#define FA_VCOPYSIGN(m, s) fa_copysign_fa_v2d((m), (s))
+#define FA_VIN_RANGE(x, j, lo, hi) fa_in_range_fa_v2d((x), (j), (lo), (hi))
+#define FA_VMASK_BYTES(x, p) fa_mask_bytes_fa_v2d((x), (p))
 #include "kernels_tmpl.h"
 #include "kernels_undef.h"
 

@@ -17,6 +17,9 @@
  *   FA_VMAX(a,b)         lane max; if b is NaN the result is NaN
  *   FA_VEXP(x)           lane exp; exp(-inf) = +0 exactly, NaN stays NaN
  *   FA_VNEGINF_TO_ZERO(x) lanes equal to -inf become 0, others unchanged
+ *   FA_VABS(x) FA_VDIV(a,b) FA_VCOPYSIGN(mag, sgn)
+ *   FA_VIN_RANGE(x, j, lo, hi)  x where lo <= j <= hi (j a broadcast), else -inf
+ *   FA_VMASK_BYTES(x, p)        x where the byte p[lane] != 0, else -inf
  *
  * Layout: the query axis is the SIMD axis.  A query block is packed transposed
  * (qt[d][i], pre-multiplied by scale), so S^T = K qt is computed with one key
@@ -36,38 +39,68 @@
 
 static inline int64_t FA_NAME(fa_round_up)(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-/* Block sizes come from the driver at run time (bl->q query rows, a multiple of
- * FA_VL, which is also the row stride "brp" of qt and s; bl->k keys).
- * Scratch, in FA_T elements, each piece starting on an FA_ALIGN boundary:
- *   qt    D    x brp   Q block, transposed and scaled
- *   s     bl.k x brp   logits of one key block, then its probabilities (key-major)
- *   o     brp  x dvp   running unnormalized output (dvp = Dv rounded up to FA_VL)
- *   m, l, alpha        brp each: running max, running sum, last rescale factor   */
-#define FA_PIECE(n) FA_NAME(fa_round_up)((int64_t)(n), FA_ALIGN / (int64_t)sizeof(FA_T))
+/* The scratch of one thread, carved from one allocation into FA_ALIGN-aligned
+ * pieces (brp = the block's query rows, a multiple of FA_VL; dvp = Dv rounded up
+ * to FA_VL; bc = keys per block):
+ *   qt      D  x brp   Q block, transposed, times scale (or scale/softcap)
+ *   s       bc x brp   logits of one key block, then its probabilities (key-major)
+ *   o       brp x dvp  running unnormalized output, row-major
+ *   m l alpha          brp each: running max, running sum, last rescale factor
+ *   rlo rhi            brp each: a row's visible keys relative to the tile
+ *   slope apos         brp each: ALiBi slope and aligned position of a row
+ *   lo hi              brp int64: a row's visible key range [lo, hi]
+ *   bt      bc x brp   bias tile, transposed (with a bias only)
+ *   mt      bc x brp   mask tile as bytes, transposed (with a mask only)
+ *   mrow brow orow     brp pointers: a row's mask, bias and output rows        */
+typedef struct FA_NAME(fa_scratch) {
+    FA_T *qt, *s, *o, *m, *l, *alpha, *rlo, *rhi, *slope, *apos, *bt;
+    int64_t *lo, *hi;
+    uint8_t *mt;
+    const uint8_t **mrow;
+    const FA_T **brow;
+    FA_T **orow;
+} FA_NAME(fa_scratch);
+
+static inline void *FA_NAME(fa_carve)(char **cur, size_t bytes)
+{
+    void *piece = *cur;
+    *cur += (bytes + FA_ALIGN - 1) / FA_ALIGN * FA_ALIGN;
+    return piece;
+}
+
+/* Carves `base` (or, with base NULL, only measures) and returns the bytes used. */
+static size_t FA_NAME(fa_layout)(const fa_params *p, const fa_blocks *bl, void *base,
+                                 FA_NAME(fa_scratch) *sc)
+{
+    const size_t brp = (size_t)bl->q, bc = (size_t)bl->k, t = sizeof(FA_T);
+    const size_t dvp = (size_t)FA_NAME(fa_round_up)(p->Dv, FA_VL);
+    FA_NAME(fa_scratch) dummy;
+    if (!sc) sc = &dummy;
+    char *cur = base ? (char *)base : (char *)0 + FA_ALIGN;
+    char *first = cur;
+    sc->qt = (FA_T *)FA_NAME(fa_carve)(&cur, (size_t)p->D * brp * t);
+    sc->s = (FA_T *)FA_NAME(fa_carve)(&cur, bc * brp * t);
+    sc->o = (FA_T *)FA_NAME(fa_carve)(&cur, brp * dvp * t);
+    sc->m = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
+    sc->l = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
+    sc->alpha = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
+    sc->rlo = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
+    sc->rhi = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
+    sc->slope = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
+    sc->apos = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
+    sc->lo = (int64_t *)FA_NAME(fa_carve)(&cur, brp * sizeof(int64_t));
+    sc->hi = (int64_t *)FA_NAME(fa_carve)(&cur, brp * sizeof(int64_t));
+    sc->bt = p->bias ? (FA_T *)FA_NAME(fa_carve)(&cur, bc * brp * t) : NULL;
+    sc->mt = p->mask ? (uint8_t *)FA_NAME(fa_carve)(&cur, bc * brp) : NULL;
+    sc->mrow = (const uint8_t **)FA_NAME(fa_carve)(&cur, brp * sizeof(void *));
+    sc->brow = (const FA_T **)FA_NAME(fa_carve)(&cur, brp * sizeof(void *));
+    sc->orow = (FA_T **)FA_NAME(fa_carve)(&cur, brp * sizeof(void *));
+    return (size_t)(cur - first);
+}
 
 static size_t FA_NAME(fa_scratch_bytes)(const fa_params *p, const fa_blocks *bl)
 {
-    int64_t dvp = FA_NAME(fa_round_up)(p->Dv, FA_VL), brp = bl->q;
-    int64_t n = FA_PIECE(p->D * brp) + FA_PIECE(bl->k * brp) + FA_PIECE(brp * dvp) +
-                3 * FA_PIECE(brp);
-    return (size_t)n * sizeof(FA_T);
-}
-
-/* qt[d*brp + i] = scale * q[i][d]; lanes nq up to the next vector boundary are zero
- * so padded queries give finite logits (never stored); lanes past it are never read. */
-static void FA_NAME(fa_pack_q)(const FA_T *FA_RESTRICT q, int64_t q_sl, int64_t nq, int64_t D,
-                               FA_T scale, FA_T *FA_RESTRICT qt, int64_t brp)
-{
-    const int64_t nqp = FA_NAME(fa_round_up)(nq, FA_VL);
-    for (int64_t d = 0; d < D; d++) {
-        FA_T *row = qt + d * brp;
-        for (int64_t i = nq; i < nqp; i++) row[i] = (FA_T)0;
-    }
-    /* Row by row: each q row is read contiguously, once. */
-    for (int64_t i = 0; i < nq; i++) {
-        const FA_T *qi = q + i * q_sl;
-        for (int64_t d = 0; d < D; d++) qt[d * brp + i] = scale * qi[d];
-    }
+    return FA_NAME(fa_layout)(p, bl, NULL, NULL);
 }
 
 /* S^T tile: s[j][c*VL ...] = sum_d k[j][d] * qt[d][c*VL ...] for R keys and NV query
@@ -228,73 +261,229 @@ static void FA_NAME(fa_pv_tile)(const FA_T *FA_RESTRICT p, int64_t nq, int64_t n
 }
 #undef FA_PV_CASE
 
-/* Hide the keys of a tile that causality hides from some of the block's rows:
- * row i (absolute q0 + i) sees key j (absolute j0 + jj) iff j0 + jj <= q0 + i + diag. */
-static void FA_NAME(fa_causal_mask_tile)(FA_T *FA_RESTRICT s, int64_t nk, int nv, int64_t q0,
-                                         int64_t j0, int64_t diag, int64_t brp)
+/* Per-row set-up of a block: row r is query position i = q0 + r % nq of head
+ * h = h0 + r / nq.  Packs Q transposed and scaled (padded lanes zero, so padded
+ * rows give finite logits that are never stored) and fills each row's visible key
+ * range, ALiBi slope and position, and its mask, bias and output row pointers. */
+static void FA_NAME(fa_setup_rows)(const fa_params *p, const fa_item *it, int64_t nr,
+                                   int64_t nvl, int64_t brp, int64_t bc, FA_NAME(fa_scratch) *sc)
 {
-    const int64_t lanes = (int64_t)nv * FA_VL;
-    for (int64_t jj = 0; jj < nk; jj++) {
-        int64_t first = j0 + jj - diag - q0; /* first row that sees this key */
-        if (first <= 0) continue;
-        if (first > lanes) first = lanes;
-        FA_T *row = s + jj * brp;
-        for (int64_t i = 0; i < first; i++) row[i] = -(FA_T)INFINITY;
+    const int64_t D = p->D, Lq = it->Lq, Lk = it->Lk;
+    const double qscale = p->softcap > 0 ? p->scale / p->softcap : p->scale;
+    const int64_t diag = p->causal == FA_CAUSAL_TOP_LEFT ? 0 : Lk - Lq;
+    const int64_t left = p->window_left, right = p->window_right;
+    const int causal = p->causal != FA_CAUSAL_NONE;
+    for (int64_t r = nr; r < nvl; r++) {
+        for (int64_t d = 0; d < D; d++) sc->qt[d * brp + r] = (FA_T)0;
+        sc->lo[r] = 0;
+        sc->hi[r] = -1;
+        sc->slope[r] = sc->apos[r] = (FA_T)0;
+        if (sc->mt)
+            for (int64_t j = 0; j < bc; j++) sc->mt[j * brp + r] = 0;
+        if (sc->bt)
+            for (int64_t j = 0; j < bc; j++) sc->bt[j * brp + r] = (FA_T)0;
+    }
+    for (int64_t r = 0; r < nr; r++) {
+        const int64_t h = it->h0 + r / it->nq, i = it->q0 + r % it->nq, row = it->qoff + i;
+        const FA_T *qi = (const FA_T *)p->q + it->b * p->q_sb + h * p->q_sh + row * p->q_sl;
+        for (int64_t d = 0; d < D; d++) sc->qt[d * brp + r] = (FA_T)(qscale * qi[d]);
+        const int64_t a = i + diag; /* the aligned diagonal of this row */
+        int64_t lo = 0, hi = Lk - 1;
+        if (left >= 0 && a - left > lo) lo = a - left;
+        if (right >= 0 && a + right < hi) hi = a + right;
+        if (causal && a < hi) hi = a;
+        sc->lo[r] = lo;
+        sc->hi[r] = hi;
+        sc->slope[r] = p->alibi ? ((const FA_T *)p->alibi)[it->b * p->alibi_sb + h * p->alibi_sh]
+                                : (FA_T)0;
+        sc->apos[r] = (FA_T)(i + Lk - Lq); /* ALiBi distance is |apos - j| */
+        if (p->mask) sc->mrow[r] = p->mask + it->b * p->mask_sb + h * p->mask_sh + row * p->mask_sq;
+        if (p->bias)
+            sc->brow[r] = (const FA_T *)p->bias + it->b * p->bias_sb + h * p->bias_sh + row * p->bias_sq;
+        sc->orow[r] = (FA_T *)p->out + it->b * p->o_sb + h * p->o_sh + row * p->o_sl;
     }
 }
 
-static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, int64_t b, int64_t h,
-                               int64_t q0, int64_t nq, int64_t kv_end, void *scratch)
+/* The mask of keys j0 .. j0+nk-1 for every row, transposed into bytes mt[jj][r].
+ * Returns 0 if no key of the tile is visible to any row (the tile is skipped),
+ * 1 if some are hidden, 2 if all are visible (nothing to apply). */
+static int FA_NAME(fa_mask_tile)(const fa_params *p, int64_t nr, int64_t j0, int64_t nk,
+                                 int64_t brp, FA_NAME(fa_scratch) *sc)
 {
-    const int64_t brp = bl->q, bc = bl->k;
-    const int64_t D = p->D, Dv = p->Dv;
-    const int64_t g = h / (p->Hq / p->Hkv);
-    const FA_T *q = (const FA_T *)p->q + b * p->q_sb + h * p->q_sh + q0 * p->q_sl;
-    const FA_T *k = (const FA_T *)p->k + b * p->k_sb + g * p->k_sh;
-    const FA_T *v = (const FA_T *)p->v + b * p->v_sb + g * p->v_sh;
+    const int64_t sk = p->mask_sk;
+    unsigned any = 0, all = 1;
+    for (int64_t r = 0; r < nr; r++) {
+        const uint8_t *row = sc->mrow[r] + j0 * sk;
+        uint8_t *col = sc->mt + r;
+        for (int64_t jj = 0; jj < nk; jj++) {
+            uint8_t bit = row[jj * sk] != 0;
+            col[jj * brp] = bit;
+            any |= bit;
+            all &= bit;
+        }
+    }
+    return any ? (all ? 2 : 1) : 0;
+}
+
+/* bt[jj][r] = bias(row r, key j0 + jj). */
+static void FA_NAME(fa_bias_tile)(const fa_params *p, int64_t nr, int64_t j0, int64_t nk,
+                                  int64_t brp, FA_NAME(fa_scratch) *sc)
+{
+    const int64_t sk = p->bias_sk;
+    for (int64_t r = 0; r < nr; r++) {
+        const FA_T *row = sc->brow[r] + j0 * sk;
+        FA_T *col = sc->bt + r;
+        for (int64_t jj = 0; jj < nk; jj++) col[jj * brp] = row[jj * sk];
+    }
+}
+
+/* Steps 2-5 of the semantics on one tile of logits, in order: softcap, ALiBi,
+ * bias, mask, causal/window range.  `need_range`: some row hides some key of the
+ * tile by position; `mask_state` from fa_mask_tile (or 2 without a mask). */
+static void FA_NAME(fa_logit_tile)(const fa_params *p, FA_T *FA_RESTRICT s, int64_t nk, int nv,
+                                   int64_t j0, int need_range, int mask_state, int64_t brp,
+                                   FA_NAME(fa_scratch) *sc)
+{
+    const int softcap = p->softcap > 0, alibi = p->alibi != NULL, bias = p->bias != NULL;
+    const int mask = mask_state == 1;
+    if (!(softcap || alibi || bias || mask || need_range)) return;
+    const FA_V cap = FA_VSET1((FA_T)p->softcap), one = FA_VSET1((FA_T)1),
+               m2 = FA_VSET1((FA_T)-2);
+    for (int c = 0; c < nv; c++) {
+        const int64_t off = (int64_t)c * FA_VL;
+        const FA_V slope = FA_VLOAD(sc->slope + off);
+        const FA_V apos = FA_VSUB(FA_VLOAD(sc->apos + off), FA_VSET1((FA_T)j0));
+        const FA_V rlo = FA_VLOAD(sc->rlo + off), rhi = FA_VLOAD(sc->rhi + off);
+        for (int64_t jj = 0; jj < nk; jj++) {
+            FA_T *sp = s + jj * brp + off;
+            const FA_V jf = FA_VSET1((FA_T)jj);
+            FA_V x = FA_VLOAD(sp);
+            if (softcap) { /* c * tanh(y), y = s / c: tanh = sign(y) (1 - e) / (1 + e), e = exp(-2|y|) */
+                FA_V e = FA_VEXP(FA_VMUL(m2, FA_VABS(x)));
+                x = FA_VMUL(cap, FA_VCOPYSIGN(FA_VDIV(FA_VSUB(one, e), FA_VADD(one, e)), x));
+            }
+            if (alibi) x = FA_VSUB(x, FA_VMUL(slope, FA_VABS(FA_VSUB(apos, jf))));
+            if (bias) x = FA_VADD(x, FA_VLOAD(sc->bt + jj * brp + off));
+            if (mask) x = FA_VMASK_BYTES(x, sc->mt + jj * brp + off);
+            if (need_range) x = FA_VIN_RANGE(x, jf, rlo, rhi);
+            FA_VSTORE(sp, x);
+        }
+    }
+}
+
+/* One key tile through steps 1-5 (QK^T, then fa_logit_tile).  Returns 0 if the
+ * mask hides the whole tile (nothing was computed). */
+static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr, int nv,
+                              int64_t j0, int64_t nk, int64_t lo_max, int64_t hi_min,
+                              int64_t brp, FA_NAME(fa_scratch) *sc)
+{
+    const FA_T *k = (const FA_T *)p->k + it->b * p->k_sb + it->g * p->k_sh + it->koff * p->k_sl;
+    int mask_state = 2;
+    if (p->mask) {
+        mask_state = FA_NAME(fa_mask_tile)(p, nr, j0, nk, brp, sc);
+        if (mask_state == 0) return 0;
+    }
+    FA_NAME(fa_qk_tile)(sc->qt, nv, k + j0 * p->k_sl, p->k_sl, nk, p->D, sc->s, brp);
+    if (p->bias) FA_NAME(fa_bias_tile)(p, nr, j0, nk, brp, sc);
+    const int need_range = lo_max > j0 || hi_min < j0 + nk - 1;
+    if (need_range) {
+        const int64_t nvl = (int64_t)nv * FA_VL;
+        for (int64_t r = 0; r < nvl; r++) { /* exact small integers in FA_T */
+            int64_t a = sc->lo[r] - j0, z = sc->hi[r] - j0;
+            sc->rlo[r] = (FA_T)(a < -1 ? -1 : a > nk ? nk : a);
+            sc->rhi[r] = (FA_T)(z < -1 ? -1 : z > nk ? nk : z);
+        }
+    }
+    FA_NAME(fa_logit_tile)(p, sc->s, nk, nv, j0, need_range, mask_state, brp, sc);
+    return 1;
+}
+
+/* One work item: nr = nh * nq rows against the keys [kv0, kv1) of one kv head. */
+static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa_item *it,
+                               void *scratch)
+{
+    const int64_t brp = bl->q, bc = bl->k, Dv = p->Dv;
+    const int64_t nr = it->nh * it->nq;
+    const int nv = (int)((nr + FA_VL - 1) / FA_VL);
+    const int64_t nvl = (int64_t)nv * FA_VL;
     const int64_t dvp = FA_NAME(fa_round_up)(Dv, FA_VL);
-    const int nv = (int)((nq + FA_VL - 1) / FA_VL);
-    const int64_t diag = p->causal == FA_CAUSAL_BOTTOM_RIGHT ? p->Lk - p->Lq : 0;
+    FA_NAME(fa_scratch) sc;
+    FA_NAME(fa_layout)(p, bl, scratch, &sc);
+    FA_NAME(fa_setup_rows)(p, it, nr, nvl, brp, bc, &sc);
+    const FA_T *v = (const FA_T *)p->v + it->b * p->v_sb + it->g * p->v_sh + it->koff * p->v_sl;
 
-    FA_T *qt = (FA_T *)scratch;
-    FA_T *s = qt + FA_PIECE(D * brp);
-    FA_T *o = s + FA_PIECE(bc * brp);
-    FA_T *m = o + FA_PIECE(brp * dvp);
-    FA_T *l = m + FA_PIECE(brp);
-    FA_T *alpha = l + FA_PIECE(brp);
-
-    FA_NAME(fa_pack_q)(q, p->q_sl, nq, D, (FA_T)p->scale, qt, brp);
-    for (int64_t i = 0; i < nq * dvp; i++) o[i] = (FA_T)0;
-    for (int64_t i = 0; i < (int64_t)nv * FA_VL; i++) {
-        m[i] = -(FA_T)INFINITY;
-        l[i] = (FA_T)0;
+    int64_t lo_max = INT64_MIN, hi_min = INT64_MAX;
+    for (int64_t r = 0; r < nr; r++) {
+        if (sc.lo[r] > lo_max) lo_max = sc.lo[r];
+        if (sc.hi[r] < hi_min) hi_min = sc.hi[r];
+    }
+    for (int64_t i = 0; i < nr * dvp; i++) sc.o[i] = (FA_T)0;
+    for (int64_t i = 0; i < nvl; i++) {
+        sc.m[i] = -(FA_T)INFINITY;
+        sc.l[i] = (FA_T)0;
     }
 
-    for (int64_t j0 = 0; j0 < kv_end; j0 += bc) {
-        int64_t nk = kv_end - j0 < bc ? kv_end - j0 : bc;
-        FA_NAME(fa_qk_tile)(qt, nv, k + j0 * p->k_sl, p->k_sl, nk, D, s, brp);
-        if (p->causal != FA_CAUSAL_NONE && j0 + nk - 1 > q0 + diag)
-            FA_NAME(fa_causal_mask_tile)(s, nk, nv, q0, j0, diag, brp);
-        FA_NAME(fa_softmax_tile)(s, nk, nv, m, l, alpha, brp);
-        FA_NAME(fa_pv_tile)(s, nq, nk, v + j0 * p->v_sl, p->v_sl, Dv, o, dvp, alpha, brp);
+    /* Pass over the visible key blocks: online softmax (and P.V unless only the
+     * weights are wanted). */
+    for (int64_t j0 = it->kv0; j0 < it->kv1; j0 += bc) {
+        const int64_t nk = it->kv1 - j0 < bc ? it->kv1 - j0 : bc;
+        if (!FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc)) continue;
+        FA_NAME(fa_softmax_tile)(sc.s, nk, nv, sc.m, sc.l, sc.alpha, brp);
+        if (!p->weights)
+            FA_NAME(fa_pv_tile)(sc.s, nr, nk, v + j0 * p->v_sl, p->v_sl, Dv, sc.o, dvp, sc.alpha, brp);
     }
 
     /* Normalize once.  A row that saw no visible key (l == 0) gives 0 and lse -inf;
      * a NaN row keeps its NaN in both. */
-    FA_T *out = (FA_T *)p->out + b * p->o_sb + h * p->o_sh + q0 * p->o_sl;
-    FA_T *lse = p->lse ? (FA_T *)p->lse + b * p->lse_sb + h * p->lse_sh + q0 * p->lse_sl : NULL;
-    for (int64_t i = 0; i < nq; i++) {
-        FA_T *orow = out + i * p->o_sl;
-        const FA_T *acc = o + i * dvp;
-        if (l[i] == (FA_T)0) {
+    for (int64_t r = 0; r < nr; r++) {
+        const int64_t h = it->h0 + r / it->nq, row = it->qoff + it->q0 + r % it->nq;
+        FA_T *lse = p->lse ? (FA_T *)p->lse + it->b * p->lse_sb + h * p->lse_sh + row * p->lse_sl
+                           : NULL;
+        if (lse) lse[0] = sc.l[r] == (FA_T)0 ? -(FA_T)INFINITY
+                                             : sc.m[r] + (FA_T)log((double)sc.l[r]);
+        if (p->weights) continue;
+        FA_T *orow = sc.orow[r];
+        const FA_T *acc = sc.o + r * dvp;
+        if (sc.l[r] == (FA_T)0) {
             for (int64_t c = 0; c < Dv; c++) orow[c] = (FA_T)0;
-            if (lse) lse[i * p->lse_sl] = -(FA_T)INFINITY;
         } else {
             /* one division per row, then multiplies (a vector divide costs ~10x) */
-            const FA_T inv = (FA_T)1 / l[i];
+            const FA_T inv = (FA_T)1 / sc.l[r];
             for (int64_t c = 0; c < Dv; c++) orow[c] = acc[c] * inv;
-            if (lse) lse[i * p->lse_sl] = m[i] + (FA_T)log((double)l[i]);
         }
+    }
+    if (!p->weights) return;
+
+    /* attention_weights: a second pass recomputes each tile's logits with the same
+     * code and writes exp(s - m) / l, transposed into the (Lq, Lk) rows; keys no
+     * row can see are written as 0. */
+    for (int64_t i = 0; i < nvl; i++) {
+        sc.alpha[i] = sc.l[i] == (FA_T)0 ? (FA_T)0 : (FA_T)1 / sc.l[i];
+        sc.m[i] = sc.m[i] == -(FA_T)INFINITY ? (FA_T)0 : sc.m[i];
+    }
+    for (int64_t r = 0; r < nr; r++) {
+        const int64_t h = it->h0 + r / it->nq, row = it->qoff + it->q0 + r % it->nq;
+        sc.orow[r] = (FA_T *)p->weights + it->b * p->w_sb + h * p->w_sh + row * p->w_sq;
+    }
+    for (int64_t j0 = 0; j0 < it->Lk; j0 += bc) {
+        const int64_t nk = it->Lk - j0 < bc ? it->Lk - j0 : bc;
+        const int live = j0 + nk > it->kv0 && j0 < it->kv1 &&
+                         FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc);
+        if (!live) {
+            for (int64_t r = 0; r < nr; r++)
+                for (int64_t jj = 0; jj < nk; jj++) sc.orow[r][j0 + jj] = (FA_T)0;
+            continue;
+        }
+        /* keys outside a row's range are -inf here already, so exp gives them 0 */
+        for (int64_t c = 0; c < nv; c++) {
+            const FA_V mv = FA_VLOAD(sc.m + c * FA_VL), inv = FA_VLOAD(sc.alpha + c * FA_VL);
+            for (int64_t jj = 0; jj < nk; jj++) {
+                FA_T *sp = sc.s + jj * brp + c * FA_VL;
+                FA_VSTORE(sp, FA_VMUL(FA_VEXP(FA_VSUB(FA_VLOAD(sp), mv)), inv));
+            }
+        }
+        for (int64_t r = 0; r < nr; r++)
+            for (int64_t jj = 0; jj < nk; jj++) sc.orow[r][j0 + jj] = sc.s[jj * brp + r];
     }
 }
 
@@ -312,4 +501,3 @@ static void FA_NAME(fa_exp_array)(const void *xv, void *yv, int64_t n)
     }
 }
 
-#undef FA_PIECE

@@ -22,3 +22,8 @@
 #undef FA_VMAX
 #undef FA_VEXP
 #undef FA_VNEGINF_TO_ZERO
+#undef FA_VABS
+#undef FA_VDIV
+#undef FA_VCOPYSIGN
+#undef FA_VIN_RANGE
+#undef FA_VMASK_BYTES
