@@ -8,11 +8,12 @@ result is checked against.
 import os as _os
 
 from . import _kernels
-from ._api import attention
+from ._api import attention, attention_weights, merge, varlen_attention
 from ._config import show_config
 
 __version__ = "0.1.0"
-__all__ = ["attention", "show_config", "reference", "__version__"]
+__all__ = ["attention", "attention_weights", "merge", "varlen_attention", "show_config",
+           "reference", "__version__"]
 
 _kernels.select_kernel(_os.environ.get("FASTATTN_DISABLE_CPU_FEATURES", ""))
 

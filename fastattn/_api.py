@@ -1,5 +1,6 @@
-"""fastattn's public entry points: argument checking, shapes and strides, dtype,
-thread count.  The maths is in C (src_c/), reached through fastattn._kernels."""
+"""fastattn's public entry points: argument checking, broadcasting, layout and
+strides, dtype, thread count.  The maths is in C (src_c/), reached through
+fastattn._kernels; this module only decides what to pass."""
 
 import math
 import numbers
@@ -8,37 +9,39 @@ import numpy as np
 
 from . import _kernels
 
-__all__ = ["attention"]
+__all__ = ["attention", "attention_weights", "merge", "varlen_attention"]
 
 _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
 _CAUSAL = {"bottom-right": 1, "top-left": 2}
+_LAYOUTS = ("bhsd", "bshd")
 
 
 def _describe(**arrays):
-    return ", ".join(f"{n}{tuple(a.shape)}" for n, a in arrays.items())
+    return ", ".join(f"{n}{tuple(np.shape(a))}" for n, a in arrays.items())
 
 
-def _as_array(x, name):
+def _as_array(x, name, fn="attention"):
     if type(x) is np.ndarray:
         return x
     try:
         return np.asarray(x)
     except Exception as e:  # noqa: BLE001 -- reported as a TypeError naming the argument
-        raise TypeError(f"fastattn.attention: {name} must be an array, got {type(x).__name__}") from e
+        raise TypeError(f"fastattn.{fn}: {name} must be an array, got {type(x).__name__}") from e
 
 
-def _check_dtypes(q, k, v):
+def _check_dtypes(fn, **arrays):
+    (qn, q), *rest = arrays.items()
     dt = q.dtype
     if dt != _F32 and dt != _F64:
-        raise TypeError(f"fastattn.attention: q has dtype {dt}; supported dtypes are float32 and "
+        raise TypeError(f"fastattn.{fn}: {qn} has dtype {dt}; supported dtypes are float32 and "
                         "float64 (native byte order)")
-    if k.dtype != dt or v.dtype != dt:
-        raise TypeError(f"fastattn.attention: q, k and v must share one dtype, got "
-                        f"q {dt}, k {k.dtype}, v {v.dtype}")
+    if any(a.dtype != dt for _, a in rest):
+        raise TypeError(f"fastattn.{fn}: {', '.join(arrays)} must share one dtype, got "
+                        + ", ".join(f"{n} {a.dtype}" for n, a in arrays.items()))
 
 
-def _parse_causal(causal):
+def _parse_causal(causal, fn="attention"):
     if causal is False or causal is None:
         return 0
     if causal is True:
@@ -48,32 +51,162 @@ def _parse_causal(causal):
     if isinstance(causal, str) and causal in _CAUSAL:
         return _CAUSAL[causal]
     raise ValueError(
-        f"fastattn.attention: causal must be False, True, 'bottom-right' or 'top-left', got {causal!r}")
+        f"fastattn.{fn}: causal must be False, True, 'bottom-right' or 'top-left', got {causal!r}")
 
 
-def _parse_scale(scale, D):
+def _parse_scale(scale, D, fn="attention"):
     if scale is None:
         return 1.0 / math.sqrt(D) if D > 0 else 1.0
     if type(scale) is float and math.isfinite(scale):
         return scale
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"fastattn.attention: scale must be a real number, got {type(scale).__name__}")
+        raise TypeError(f"fastattn.{fn}: scale must be a real number, got {type(scale).__name__}")
     s = float(scale)
     if not math.isfinite(s):
-        raise ValueError(f"fastattn.attention: scale must be finite, got {scale!r}")
+        raise ValueError(f"fastattn.{fn}: scale must be finite, got {scale!r}")
     return s
 
 
-def _parse_threads(num_threads):
+def _parse_softcap(softcap, fn):
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"fastattn.{fn}: softcap must be a real number or None, "
+                        f"got {type(softcap).__name__}")
+    c = float(softcap)
+    if not (math.isfinite(c) and c > 0):
+        raise ValueError(f"fastattn.{fn}: softcap must be finite and > 0, got {softcap!r}")
+    return c
+
+
+def _parse_window(window, fn):
+    """(left, right) with -1 for an unbounded side."""
+    if window is None:
+        return -1, -1
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        raise ValueError(f"fastattn.{fn}: window must be a (left, right) pair, got {window!r}") from None
+    sides = []
+    for name, w in (("left", left), ("right", right)):
+        if w is None:
+            sides.append(-1)
+            continue
+        if isinstance(w, (bool, np.bool_)) or not isinstance(w, numbers.Integral):
+            raise TypeError(f"fastattn.{fn}: window {name} size must be an int or None, got {w!r}")
+        if w < 0:
+            raise ValueError(f"fastattn.{fn}: window {name} size must be >= 0, got window={window!r}")
+        sides.append(min(int(w), 2**62))
+    return sides[0], sides[1]
+
+
+def _parse_threads(num_threads, fn="attention"):
     if num_threads is None:
         return 0
     if isinstance(num_threads, (bool, np.bool_)) or not isinstance(num_threads, numbers.Integral):
         raise TypeError(
-            f"fastattn.attention: num_threads must be an int or None, got {type(num_threads).__name__}")
+            f"fastattn.{fn}: num_threads must be an int or None, got {type(num_threads).__name__}")
     n = int(num_threads)
     if n < 1:
-        raise ValueError(f"fastattn.attention: num_threads must be >= 1, got {n}")
+        raise ValueError(f"fastattn.{fn}: num_threads must be >= 1, got {n}")
     return min(n, 1 << 16)
+
+
+def _parse_flag(value, name, fn):
+    if value is not False and value is not True and not isinstance(value, np.bool_):
+        raise TypeError(f"fastattn.{fn}: {name} must be a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+def _compact(a, dt):
+    """`a` in dtype dt, aligned, with strides of whole elements: the kernel reads it in
+    place.  Called on the caller's own (un-broadcast) array, so a copy is never larger
+    than what the caller passed."""
+    if a.dtype != dt or not a.flags.aligned or any(s % dt.itemsize for s in a.strides):
+        return np.ascontiguousarray(a, dtype=dt)
+    return a
+
+
+def _broadcast4(a, name, full, fn):
+    """A (B, Hq, Lq, Lk) view of `a` broadcast (right-aligned, stride 0) against the
+    logits shape `full` of the user's ndim; nothing is materialized."""
+    try:
+        ok = np.broadcast_shapes(a.shape, full) == full
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"fastattn.{fn}: {name} of shape {a.shape} does not broadcast to the "
+                         f"logits shape {full} (B, Hq, Lq, Lk)")
+    return np.broadcast_to(a, full).reshape((1,) * (4 - len(full)) + full)
+
+
+class _Problem:
+    """q, k, v of one call as (…, H, L, D) views in the "bhsd" order, with the sizes."""
+
+    def __init__(self, fn, q, k, v, layout):
+        if layout not in _LAYOUTS:
+            raise ValueError(f"fastattn.{fn}: layout must be 'bhsd' or 'bshd', got {layout!r}")
+        arrays = {"q": q, "k": k} if v is None else {"q": q, "k": k, "v": v}
+        _check_dtypes(fn, **arrays)
+        nd = q.ndim
+        if nd < 2 or nd > 4 or any(a.ndim != nd for a in arrays.values()):
+            raise ValueError(f"fastattn.{fn}: q, k and v must all be 2-D (L, D), 3-D (H, L, D) or "
+                             f"4-D (B, H, L, D); got {_describe(**arrays)}")
+        self.user_shapes = _describe(**arrays)
+        if layout == "bshd" and nd > 2:
+            q, k = q.swapaxes(-2, -3), k.swapaxes(-2, -3)
+            v = None if v is None else v.swapaxes(-2, -3)
+        qs, ks = q.shape, k.shape
+        vs = ks if v is None else v.shape
+        if ks[-1] != qs[-1] or vs[-2] != ks[-2] or qs[:-3] != ks[:-3] or ks[:-1] != vs[:-1]:
+            order = "(..., L, H, D)" if layout == "bshd" else "(..., H, L, D)"
+            raise ValueError(f"fastattn.{fn}: shapes do not match: need q, k, v as {order} with "
+                             f"equal batch, k and v heads and lengths equal, q and k feature "
+                             f"sizes equal; got {self.user_shapes}")
+        self.Hq = qs[-3] if nd > 2 else 1
+        self.Hkv = ks[-3] if nd > 2 else 1
+        if self.Hkv == 0 and self.Hq != 0 or self.Hkv and self.Hq % self.Hkv:
+            raise ValueError(f"fastattn.{fn}: the number of query heads must be a multiple of "
+                             f"the number of key/value heads; got {self.user_shapes}")
+        self.fn, self.nd, self.layout = fn, nd, layout
+        self.q, self.k, self.v = q, k, v
+        self.dtype = q.dtype
+        self.B = qs[0] if nd == 4 else 1
+        self.Lq, self.D, self.Lk = qs[-2], qs[-1], ks[-2]
+        self.logits_shape = (self.B, self.Hq, self.Lq, self.Lk)[4 - nd:]
+
+    def variants(self, window, mask, bias, alibi_slopes, softcap):
+        """The optional arguments as a _kernels.Variants (None if all are off)."""
+        fn, dt = self.fn, self.dtype
+        wl, wr = _parse_window(window, fn)
+        cap = _parse_softcap(softcap, fn)
+        m = b = al = None
+        if mask is not None:
+            m = _as_array(mask, "mask", fn)
+            if m.dtype != np.bool_:
+                raise TypeError(f"fastattn.{fn}: mask must be a bool array (True = attend), got "
+                                f"dtype {m.dtype} with shape {m.shape}")
+            m = _broadcast4(m, "mask", self.logits_shape, fn)
+        if bias is not None:
+            b = _as_array(bias, "bias", fn)
+            if b.dtype.kind != "f":
+                raise TypeError(f"fastattn.{fn}: bias must be a float array, got dtype {b.dtype} "
+                                f"with shape {b.shape}")
+            b = _broadcast4(_compact(b, dt), "bias", self.logits_shape, fn)
+        if alibi_slopes is not None:
+            al = _as_array(alibi_slopes, "alibi_slopes", fn)
+            if al.dtype.kind not in "fiu":
+                raise TypeError(f"fastattn.{fn}: alibi_slopes must be a float array, got dtype "
+                                f"{al.dtype}")
+            shapes = [(self.Hq,)] + ([(self.B, self.Hq)] if self.nd == 4 else [])
+            if al.shape not in shapes:
+                raise ValueError(f"fastattn.{fn}: alibi_slopes must have shape "
+                                 f"{' or '.join(map(str, shapes))}, got {al.shape} ({self.user_shapes})")
+            al = np.broadcast_to(_compact(al, dt), (self.B, self.Hq))
+        if m is None and b is None and al is None and cap == 0 and wl < 0 and wr < 0:
+            return None
+        return _kernels.Variants(mask=m, bias=b, alibi=al, softcap=cap, window_left=wl,
+                                 window_right=wr)
 
 
 def _check_out(out, shape, dtype, inputs):
@@ -93,28 +226,32 @@ def _check_out(out, shape, dtype, inputs):
     if any(s == 0 and n > 1 for s, n in zip(out.strides, out.shape)):
         raise ValueError(f"fastattn.attention: out has a zero stride (a broadcast view), strides {out.strides}")
     for name, a in inputs.items():
-        if np.may_share_memory(out, a) and np.shares_memory(out, a, max_work=10_000):
+        if a is not None and np.may_share_memory(out, a) and np.shares_memory(out, a, max_work=10_000):
             raise ValueError(f"fastattn.attention: out overlaps {name}; pass a separate output array")
 
 
-def attention(q, k, v, *, scale=None, causal=False, return_lse=False, out=None, num_threads=None):
-    """Exact scaled dot-product attention, ``softmax(scale * q @ k^T) @ v``.
+def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias=None,
+              alibi_slopes=None, softcap=None, layout="bhsd", return_lse=False, out=None,
+              num_threads=None):
+    """Exact scaled dot-product attention, ``softmax(scale * q @ k^T + ...) @ v``.
 
     Computed by a blocked online softmax (FlashAttention-2 loop) in C, OpenMP-parallel
-    over (batch, head, query block), with SIMD micro-kernels chosen for this CPU at
-    import.  Extra memory is O(block size) per thread: the Lq x Lk score matrix is
-    never formed.
+    over (batch, head group, query block), with SIMD micro-kernels chosen for this
+    CPU at import.  Extra memory is O(block size) per thread: the Lq x Lk score
+    matrix is never formed, and broadcast masks and biases are never expanded.
 
     Parameters
     ----------
     q : ndarray, shape (Lq, D), (Hq, Lq, D) or (B, Hq, Lq, D)
-        Queries, float32 or float64.
+        Queries, float32 or float64 (with ``layout="bshd"``: (Lq, Hq, D) or
+        (B, Lq, Hq, D)).
     k : ndarray, shape (Lk, D), (Hkv, Lk, D) or (B, Hkv, Lk, D)
-        Keys, same dtype and ndim as `q`.  ``Hq`` must be a multiple of ``Hkv``:
-        query head ``h`` reads key/value head ``h // (Hq // Hkv)`` (grouped-query
-        attention; no copy of k or v is made).
+        Keys, same dtype, ndim and layout as `q`.  ``Hq`` must be a multiple of
+        ``Hkv``: query head ``h`` reads key/value head ``h // (Hq // Hkv)``
+        (grouped-query / multi-query attention; no copy of k or v is made, and the
+        heads of a group share each K/V tile the kernel loads).
     v : ndarray, shape (Lk, Dv), (Hkv, Lk, Dv) or (B, Hkv, Lk, Dv)
-        Values, same dtype and ndim; ``Dv`` may differ from ``D``.
+        Values, same dtype, ndim and layout; ``Dv`` may differ from ``D``.
     scale : float, optional
         Multiplies ``q . k``.  Default ``1 / sqrt(D)``.  Any finite value: 0 gives
         the plain mean of the visible values, negative values are allowed.
@@ -122,93 +259,101 @@ def attention(q, k, v, *, scale=None, causal=False, return_lse=False, out=None, 
         ``True`` or ``'bottom-right'``: key ``j`` is visible to query ``i`` iff
         ``j <= i + (Lk - Lq)`` (the last query sees the last key, right for decoding
         against a cache).  ``'top-left'``: ``j <= i`` (PyTorch's ``is_causal``).
-        Equal lengths: the same.
+    window : (int or None, int or None), optional
+        Sliding window ``(left, right)``: key ``j`` is visible iff
+        ``a - left <= j <= a + right`` where ``a = i + (Lk - Lq)``, or ``a = i``
+        with ``causal='top-left'``; ``None`` on a side means unbounded.  Combines
+        with ``causal`` (both must allow).  Key blocks outside the band are never
+        touched, so the work is proportional to the visible keys.
+    mask : ndarray of bool, optional
+        True = attend.  Broadcastable (right-aligned) to the logits shape
+        ``(B, Hq, Lq, Lk)`` (of the inputs' ndim) whatever the layout; broadcast axes
+        are read with stride 0, and key tiles that the mask hides from every row of a
+        block are skipped.
+    bias : ndarray of float, optional
+        Added to the logits; broadcastable like `mask`.  ``-inf`` hides a key.
+    alibi_slopes : ndarray, shape (Hq,) or (B, Hq), optional
+        ALiBi: ``s -= slope[b, h] * |i + Lk - Lq - j|``, computed in the kernel.
+    softcap : float, optional
+        Logit soft-capping ``s = softcap * tanh(s / softcap)`` (applied after the
+        scale, before ALiBi and bias); finite and > 0.
+    layout : {'bhsd', 'bshd'}, optional
+        Axis order of q, k, v and the output: (batch, heads, sequence, features) or
+        (batch, sequence, heads, features).  Any strides with a contiguous last axis
+        are used in place (e.g. slices of a fused QKV projection (B, L, 3, H, D)).
     return_lse : bool, optional
-        Also return ``lse = log(sum_j exp(s_ij))`` (natural log) over visible keys.
+        Also return ``lse = log(sum_j exp(s_ij))`` (natural log) over visible keys,
+        shape ``(..., Hq, Lq)`` in either layout.
     out : ndarray, optional
-        Where to write the output: shape ``(..., Hq, Lq, Dv)``, ``q``'s dtype,
-        contiguous last axis, not overlapping ``q``, ``k`` or ``v``.
+        Where to write the output (its shape and q's dtype, contiguous last axis, not
+        overlapping the inputs).
     num_threads : int, optional
         Threads to use; default OpenMP's (``OMP_NUM_THREADS``, threadpoolctl).
         Results are bitwise identical for any value.
 
     Returns
     -------
-    out : ndarray, shape (..., Hq, Lq, Dv), q's dtype
+    out : ndarray, shape (..., Hq, Lq, Dv) (or (..., Lq, Hq, Dv) for 'bshd'), q's dtype
     lse : ndarray, shape (..., Hq, Lq), q's dtype
         Only with ``return_lse=True``.
 
     Notes
     -----
-    A query row that sees no key (causal with ``Lq > Lk``, or ``Lk = 0``) gives an
-    output row of zeros and ``lse = -inf``.  Inputs may be any strided views whose
-    last axis is contiguous (e.g. slices of a fused QKV projection); they are used in
-    place.  Other layouts are copied once.  The GIL is released during the kernel.
+    The logits follow DESIGN.md in this order: scale, softcap, ALiBi, bias, then
+    mask/causal/window hide keys.  A query row that sees no key gives an output row
+    of zeros and ``lse = -inf``, whatever hid the keys.  Large logits (|s| ~ 1e4) do
+    not overflow.  Inputs that cannot be read in place (a non-contiguous last axis,
+    misaligned data) are copied once.  The GIL is released during the kernel.
     """
     # The common call is checked and run in compiled code (a short call must cost a
     # few microseconds); anything else, and every error, takes the path below.
     if (out is None and scale is None and (causal is False or causal is True)
             and (return_lse is False or return_lse is True)
+            and window is None and mask is None and bias is None and alibi_slopes is None
+            and softcap is None and layout == "bhsd"
             and (num_threads is None or type(num_threads) is int and num_threads >= 1)):
         res = _kernels.attention_common(q, k, v, causal, return_lse, num_threads or 0)
         if res is not None:
             return res
-    if type(q) is not np.ndarray:
-        q = _as_array(q, "q")
-    if type(k) is not np.ndarray:
-        k = _as_array(k, "k")
-    if type(v) is not np.ndarray:
-        v = _as_array(v, "v")
-    dt = q.dtype
-    if dt is not _F32 and dt is not _F64:
-        _check_dtypes(q, k, v)
-    if k.dtype is not dt or v.dtype is not dt:
-        _check_dtypes(q, k, v)
-    nd = q.ndim
-    if nd < 2 or nd > 4 or k.ndim != nd or v.ndim != nd:
-        raise ValueError("fastattn.attention: q, k and v must all be 2-D (L, D), 3-D (H, L, D) or "
-                         f"4-D (B, H, L, D); got {_describe(q=q, k=k, v=v)}")
-    qs, ks, vs = q.shape, k.shape, v.shape
-    D = qs[-1]
-    Lk = ks[-2]
-    if ks[-1] != D or vs[-2] != Lk or qs[:-3] != ks[:-3] or ks[:-1] != vs[:-1]:
-        raise ValueError("fastattn.attention: shapes do not match: need q (..., Hq, Lq, D), "
-                         f"k (..., Hkv, Lk, D), v (..., Hkv, Lk, Dv); got {_describe(q=q, k=k, v=v)}")
-    if nd > 2:
-        Hq, Hkv = qs[-3], ks[-3]
-        if Hkv == 0 and Hq != 0 or Hkv and Hq % Hkv:
-            raise ValueError("fastattn.attention: the number of query heads must be a multiple of "
-                             f"the number of key/value heads; got {_describe(q=q, k=k, v=v)}")
-    if return_lse is not False and return_lse is not True and not isinstance(return_lse, np.bool_):
-        raise TypeError(f"fastattn.attention: return_lse must be a bool, got {type(return_lse).__name__}")
-    causal_code = 0 if causal is False else 1 if causal is True else _parse_causal(causal)
-    scale_f = _parse_scale(scale, D)
-    nth = 0 if num_threads is None else _parse_threads(num_threads)
 
-    out_shape = qs[:-1] + (vs[-1],)
-    if out is None:
-        out = np.empty(out_shape, dtype=dt)
+    fn = "attention"
+    pr = _Problem(fn, _as_array(q, "q"), _as_array(k, "k"), _as_array(v, "v"), layout)
+    return_lse = _parse_flag(return_lse, "return_lse", fn)
+    causal_code = _parse_causal(causal)
+    scale_f = _parse_scale(scale, pr.D)
+    nth = _parse_threads(num_threads)
+    variants = pr.variants(window, mask, bias, alibi_slopes, softcap)
+
+    out_shape = pr.q.shape[:-1] + (pr.v.shape[-1],)
+    if layout == "bshd" and pr.nd > 2:
+        user_shape = out_shape[:-3] + (out_shape[-2], out_shape[-3], out_shape[-1])
     else:
-        _check_out(out, out_shape, dt, {"q": q, "k": k, "v": v})
-    lse = np.empty(qs[:-1], dtype=dt) if return_lse else None
+        user_shape = out_shape
+    if out is None:
+        out = np.empty(user_shape, dtype=pr.dtype)
+    else:
+        _check_out(out, user_shape, pr.dtype, {"q": q, "k": k, "v": v, "mask": mask, "bias": bias})
+    out_bhsd = out.swapaxes(-2, -3) if layout == "bshd" and pr.nd > 2 else out
+    lse = np.empty(pr.q.shape[:-1], dtype=pr.dtype) if return_lse else None
 
     if out.size or lse is not None and lse.size:
-        _run(q, k, v, out, lse, scale_f, causal_code, nth)
+        _run(pr.q, pr.k, pr.v, out_bhsd, lse, scale_f, causal_code, nth, variants)
     return (out, lse) if return_lse else out
 
 
-def _run(q, k, v, out, lse, scale, causal, nth):
+def _run(q, k, v, out, lse, scale, causal, nth, variants=None):
+    """Call the kernel on (…, H, L, D) views, copying an input it cannot read in place."""
     if q.shape[-1] == 0 or k.shape[-2] and v.shape[-1] == 0:
-        _run_degenerate(q, k, v, out, lse, scale, causal, nth)
-    elif not _kernels.forward(q, k, v, out, lse, scale, causal, nth):
+        _run_degenerate(q, k, v, out, lse, scale, causal, nth, variants)
+    elif not _kernels.forward(q, k, v, out, lse, scale, causal, nth, 0, 0, variants):
         # an input the kernel cannot read in place (misaligned, a non-contiguous last
         # axis, strides that are not whole elements): one contiguous copy of each
         q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
-        _kernels.forward(q, k, v, out, lse, scale, causal, nth)
+        _kernels.forward(q, k, v, out, lse, scale, causal, nth, 0, 0, variants)
 
 
-def _run_degenerate(q, k, v, out, lse, scale, causal, nth):
-    """D = 0 (every logit is 0) or Dv = 0 (nothing to write but lse): run the kernel
+def _run_degenerate(q, k, v, out, lse, scale, causal, nth, variants):
+    """D = 0 (every logit q.k is 0) or Dv = 0 (nothing to write but lse): run the kernel
     on feature size 1 (zero q/k, or a zero value column) and keep what is asked."""
     dt = q.dtype
     if q.shape[-1] == 0:
@@ -216,7 +361,139 @@ def _run_degenerate(q, k, v, out, lse, scale, causal, nth):
         k = np.zeros(k.shape[:-1] + (1,), dt)
     if v.shape[-1] == 0:
         v = np.zeros(v.shape[:-1] + (1,), dt)
-        tmp = np.empty(out.shape[:-1] + (1,), dt)
-        _run(q, k, v, tmp, lse, scale, causal, nth)
-        return
-    _run(q, k, v, out, lse, scale, causal, nth)
+        out = np.empty(out.shape[:-1] + (1,), dt)
+    _run(q, k, v, out, lse, scale, causal, nth, variants)
+
+
+def attention_weights(q, k, *, scale=None, causal=False, window=None, mask=None, bias=None,
+                      alibi_slopes=None, softcap=None, layout="bhsd", num_threads=None):
+    """The exact attention weights ``softmax(logits)``, shape (..., Hq, Lq, Lk).
+
+    Computed by the same logits code as :func:`attention` (same arguments and
+    semantics), for analysis of what each query reads: each row is on the
+    probability simplex (>= 0, sums to 1); a row with no visible key is all 0.
+    Memory is Lq x Lk by nature.  Returned in q's dtype, in the (..., Hq, Lq, Lk)
+    order whatever the layout.
+    """
+    fn = "attention_weights"
+    pr = _Problem(fn, _as_array(q, "q", fn), _as_array(k, "k", fn), None, layout)
+    causal_code = _parse_causal(causal, fn)
+    scale_f = _parse_scale(scale, pr.D, fn)
+    nth = _parse_threads(num_threads, fn)
+    va = pr.variants(window, mask, bias, alibi_slopes, softcap) or _kernels.Variants()
+    weights = np.empty(pr.logits_shape, dtype=pr.dtype)
+    if weights.size == 0:
+        return weights
+    va.weights = weights.reshape((1,) * (4 - pr.nd) + pr.logits_shape)
+    qk, kk = pr.q, pr.k
+    if pr.D == 0:
+        qk = np.zeros(qk.shape[:-1] + (1,), pr.dtype)
+        kk = np.zeros(kk.shape[:-1] + (1,), pr.dtype)
+    unused_out = np.empty((1, 1, 1, 1), pr.dtype)  # the kernel writes only the weights
+    if not _kernels.forward(qk, kk, kk, unused_out, None, scale_f, causal_code, nth, 0, 0, va):
+        qk, kk = np.ascontiguousarray(qk), np.ascontiguousarray(kk)
+        _kernels.forward(qk, kk, kk, unused_out, None, scale_f, causal_code, nth, 0, 0, va)
+    return weights
+
+
+def merge(outs, lses):
+    """Combine partial attentions over disjoint key sets into the whole.
+
+    If ``out_p, lse_p = attention(q, k_p, v_p, return_lse=True)`` for key sets
+    ``p = 1..P`` that partition the keys, the merge equals the attention over all of
+    them: ``lse = log(sum_p exp(lse_p))`` and ``out = sum_p exp(lse_p - lse) out_p``.
+
+    Parameters
+    ----------
+    outs : sequence of ndarray, each (..., Lq, Dv) (any layout, the same shape)
+    lses : sequence of ndarray, each ``outs[p].shape[:-1]``
+
+    Returns
+    -------
+    out, lse : ndarrays in the common float dtype of the inputs.  Stable for parts
+    with ``lse = -inf`` (no visible key: they contribute nothing); if every part is
+    -inf the row is 0 with lse -inf.  Parts merge in the order given.
+    """
+    outs, lses = list(outs), list(lses)
+    if not outs or len(outs) != len(lses):
+        raise ValueError(f"fastattn.merge: outs and lses must be non-empty and of equal length, "
+                         f"got {len(outs)} outs and {len(lses)} lses")
+    outs = [_as_array(o, f"outs[{i}]", "merge") for i, o in enumerate(outs)]
+    lses = [_as_array(x, f"lses[{i}]", "merge") for i, x in enumerate(lses)]
+    dt = np.result_type(*outs, *lses)
+    if dt != _F32 and dt != _F64:
+        raise TypeError(f"fastattn.merge: outs and lses must be float32 or float64, got "
+                        f"{sorted({str(a.dtype) for a in outs + lses})}")
+    shape = outs[0].shape
+    for i, (o, x) in enumerate(zip(outs, lses)):
+        if o.ndim < 1 or o.shape != shape or x.shape != shape[:-1]:
+            raise ValueError(f"fastattn.merge: outs[{i}] {o.shape} and lses[{i}] {x.shape} must "
+                             f"have the shapes of outs[0] {shape} and outs[0].shape[:-1]")
+    rows = int(np.prod(shape[:-1]))
+    O = np.stack([np.ascontiguousarray(o, dtype=dt).reshape(rows, shape[-1]) for o in outs])
+    L = np.stack([np.ascontiguousarray(x, dtype=dt).reshape(rows) for x in lses])
+    out = np.empty((rows, shape[-1]), dt)
+    lse = np.empty(rows, dt)
+    _kernels.merge(O, L, out, lse)
+    return out.reshape(shape), lse.reshape(shape[:-1])
+
+
+def _cu_seqlens(a, name, total):
+    a = _as_array(a, name, "varlen_attention")
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"fastattn.varlen_attention: {name} must be an integer array, got dtype {a.dtype}")
+    if a.ndim != 1 or a.size < 1 or a[0] != 0 or np.any(np.diff(a) < 0) or a[-1] != total:
+        raise ValueError(f"fastattn.varlen_attention: {name} must be 1-D, start at 0, be "
+                         f"non-decreasing and end at the packed length {total}; got shape "
+                         f"{a.shape}: {a.tolist() if a.size <= 20 else str(a[:20].tolist()) + '...'}")
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=False,
+                     window=None, alibi_slopes=None, softcap=None, return_lse=False,
+                     num_threads=None):
+    """Attention over a packed ragged batch: each sequence attends only to its own keys.
+
+    Parameters
+    ----------
+    q : ndarray (total_q, Hq, D); k : (total_k, Hkv, D); v : (total_k, Hkv, Dv)
+        The sequences packed one after another (float32 or float64).
+    cu_seqlens_q, cu_seqlens_k : int arrays (nseq + 1,)
+        Cumulative lengths: start at 0, non-decreasing, end at total_q / total_k,
+        the same count.  Sequence s is q rows ``cu_q[s]:cu_q[s+1]`` against key rows
+        ``cu_k[s]:cu_k[s+1]``.
+    scale, causal, window, alibi_slopes (Hq,), softcap, num_threads
+        As for :func:`attention`; causal and window are aligned per sequence
+        (bottom-right: each sequence's last query sees its last key).
+    return_lse : bool
+        Also return lse of shape (Hq, total_q).
+
+    Returns
+    -------
+    out : ndarray (total_q, Hq, Dv); lse : (Hq, total_q) with ``return_lse``.
+    """
+    fn = "varlen_attention"
+    q, k, v = (_as_array(a, n, fn) for a, n in ((q, "q"), (k, "k"), (v, "v")))
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if a.ndim != 3:
+            raise ValueError(f"fastattn.{fn}: {name} must be 3-D (total, H, D), got shape {a.shape}")
+    pr = _Problem(fn, q, k, v, "bshd")
+    cq = _cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0])
+    ck = _cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0])
+    if cq.shape != ck.shape:
+        raise ValueError(f"fastattn.{fn}: cu_seqlens_q {cq.shape} and cu_seqlens_k {ck.shape} "
+                         "must have the same length (one entry per sequence, plus one)")
+    return_lse = _parse_flag(return_lse, "return_lse", fn)
+    causal_code = _parse_causal(causal, fn)
+    scale_f = _parse_scale(scale, pr.D, fn)
+    nth = _parse_threads(num_threads, fn)
+    va = pr.variants(window, None, None, alibi_slopes, softcap) or _kernels.Variants()
+    va.cu_q, va.cu_k = cq, ck
+    Dv = v.shape[-1]
+    out = np.empty(q.shape[:-1] + (Dv,), pr.dtype)
+    lse = np.empty((pr.Hq, q.shape[0]), pr.dtype) if return_lse else None
+    if cq.size > 1 and (out.size or return_lse and lse.size):
+        # (1, H, total, D) views: the sequences are offsets on the L axis
+        _run(pr.q[None], pr.k[None], pr.v[None], out.swapaxes(0, 1)[None],
+             None if lse is None else lse[None], scale_f, causal_code, nth, va)
+    return (out, lse) if return_lse else out

@@ -43,6 +43,8 @@ cdef extern from "fastattn.h" nogil:
         int64_t w_sb, w_sh, w_sq
     int FA_OK, FA_ERR_NOMEM, FA_ERR_ARG, FA_F32, FA_F64, FA_ISA_COUNT
     int fa_attention_forward(const fa_params *p)
+    int fa_merge(int dtype, int64_t parts, int64_t rows, int64_t dv, const void *outs,
+                 const void *lses, void *out, void *lse)
     unsigned fa_cpu_supported_isas()
     int fa_cpu_select(const char *disabled, char *why, int why_len)
     int fa_default_isa()
@@ -322,3 +324,24 @@ def attention_common(object q, object k, object v, bint causal, bint return_lse,
     cdef object lse = cnp.PyArray_EMPTY(nd - 1, qd, t, 0) if return_lse else None
     _launch(a, b, c, out, lse, 1.0 / sqrt(<double>D), 1 if causal else 0, num_threads)
     return (out, lse) if return_lse else out
+
+
+def merge(cnp.ndarray outs, cnp.ndarray lses, cnp.ndarray out, cnp.ndarray lse):
+    """outs (P, rows, Dv), lses (P, rows), out (rows, Dv), lse (rows): C-contiguous,
+    one float dtype (checked by fastattn._api.merge)."""
+    cdef int dt = FA_F32 if cnp.PyArray_TYPE(outs) == cnp.NPY_FLOAT32 else FA_F64
+    cdef int rc
+    for a in (outs, lses, out, lse):
+        if not cnp.PyArray_IS_C_CONTIGUOUS(a) or cnp.PyArray_TYPE(a) != cnp.PyArray_TYPE(outs):
+            raise ValueError("merge expects C-contiguous arrays of one dtype")
+    if (cnp.PyArray_NDIM(outs) != 3 or cnp.PyArray_NDIM(lses) != 2 or cnp.PyArray_NDIM(out) != 2
+            or cnp.PyArray_NDIM(lse) != 1 or lses.shape[0] != outs.shape[0]
+            or lses.shape[1] != outs.shape[1] or out.shape[0] != outs.shape[1]
+            or out.shape[1] != outs.shape[2] or lse.shape[0] != outs.shape[1]):
+        raise ValueError("merge: inconsistent shapes")
+    cdef int64_t P = outs.shape[0], rows = outs.shape[1], dv = outs.shape[2]
+    with nogil:
+        rc = fa_merge(dt, P, rows, dv, cnp.PyArray_DATA(outs), cnp.PyArray_DATA(lses),
+                      cnp.PyArray_DATA(out), cnp.PyArray_DATA(lse))
+    if rc != FA_OK:
+        raise ValueError("merge: the kernel rejected the arguments")

@@ -292,3 +292,49 @@ int fa_exp_array(int isa, int dtype, const void *x, void *y, int64_t n)
     kern->exp_array[dtype](x, y, n);
     return FA_OK;
 }
+
+/* merge: row by row, parts in the given order.  m = max_p lse_p (0 where every part
+ * is -inf), w_p = exp(lse_p - m), out = sum_p w_p out_p / sum_p w_p, lse = m + log
+ * sum_p w_p; a part at -inf has w_p = 0 and never touches the row (so a non-finite
+ * out_p of an empty part cannot leak), and an all -inf row gives 0 and -inf. */
+#define FA_MERGE_BODY(T, EXP, LOG)                                                          \
+    {                                                                                       \
+        const T *O = (const T *)outs, *L = (const T *)lses;                                 \
+        T *o = (T *)out, *l = (T *)lse;                                                     \
+        for (int64_t r = 0; r < rows; r++) {                                                \
+            T m = -(T)INFINITY;                                                             \
+            for (int64_t q = 0; q < parts; q++) {                                           \
+                T x = L[q * rows + r];                                                      \
+                if (x > m || x != x) m = x;                                                 \
+                if (m != m) break;                                                          \
+            }                                                                               \
+            T *orow = o + r * dv;                                                           \
+            for (int64_t c = 0; c < dv; c++) orow[c] = (T)0;                                \
+            if (m == -(T)INFINITY) {                                                        \
+                l[r] = -(T)INFINITY;                                                        \
+                continue;                                                                   \
+            }                                                                               \
+            T total = 0;                                                                    \
+            for (int64_t q = 0; q < parts; q++) {                                           \
+                T x = L[q * rows + r];                                                      \
+                if (x == -(T)INFINITY) continue;                                            \
+                T w = EXP(x - m);                                                           \
+                total += w;                                                                 \
+                const T *src = O + (q * rows + r) * dv;                                     \
+                for (int64_t c = 0; c < dv; c++) orow[c] += w * src[c];                     \
+            }                                                                               \
+            const T inv = (T)1 / total;                                                     \
+            for (int64_t c = 0; c < dv; c++) orow[c] *= inv;                                \
+            l[r] = m + LOG(total);                                                          \
+        }                                                                                   \
+    }
+
+int fa_merge(int dtype, int64_t parts, int64_t rows, int64_t dv, const void *outs,
+             const void *lses, void *out, void *lse)
+{
+    if (parts < 1 || rows < 0 || dv < 0) return FA_ERR_ARG;
+    if (dtype == FA_F32) FA_MERGE_BODY(float, expf, logf)
+    else if (dtype == FA_F64) FA_MERGE_BODY(double, exp, log)
+    else return FA_ERR_ARG;
+    return FA_OK;
+}

@@ -87,6 +87,12 @@ typedef struct fa_params {
  * Returns an enum fa_status. */
 int fa_attention_forward(const fa_params *p);
 
+/* Combine partial attentions over disjoint key sets (fastattn.merge): outs
+ * (parts, rows, dv) and lses (parts, rows) contiguous, into out (rows, dv) and lse
+ * (rows).  Parts merge in index order, so the result does not depend on threads. */
+int fa_merge(int dtype, int64_t parts, int64_t rows, int64_t dv, const void *outs,
+             const void *lses, void *out, void *lse);
+
 /* ---- CPU dispatch (cpu.c) ---- */
 
 /* Which instruction sets this CPU and OS can execute (bit i set = enum fa_isa i). */

@@ -300,7 +300,7 @@ static void FA_NAME(fa_setup_rows)(const fa_params *p, const fa_item *it, int64_
         if (p->mask) sc->mrow[r] = p->mask + it->b * p->mask_sb + h * p->mask_sh + row * p->mask_sq;
         if (p->bias)
             sc->brow[r] = (const FA_T *)p->bias + it->b * p->bias_sb + h * p->bias_sh + row * p->bias_sq;
-        sc->orow[r] = (FA_T *)p->out + it->b * p->o_sb + h * p->o_sh + row * p->o_sl;
+        if (!p->weights) sc->orow[r] = (FA_T *)p->out + it->b * p->o_sb + h * p->o_sh + row * p->o_sl;
     }
 }
 
