@@ -11,9 +11,9 @@
 #include "fa_internal.h"
 #include "fa_exp.h"
 
-/* 2^n for integer-valued n in [-252, 254] as the product of two normal powers of
- * two, so results in the subnormal range round once, correctly, and -inf (clamped)
- * gives exactly 0.  y * 2^(n - n/2) is exact; the second product rounds once. */
+/* 2^n for integer-valued n in [-125, 128] from the exponent bits, times y.  n = 128
+ * (inputs near the overflow clamp) is built as 2^64 * 2^64 so it overflows to inf
+ * in the product, as it should. */
 static inline __m256 fa_scale2_f32_avx2(__m256 y, __m256 n)
 {
     __m256i ni = _mm256_cvtps_epi32(n);
@@ -24,11 +24,13 @@ static inline __m256 fa_scale2_f32_avx2(__m256 y, __m256 n)
     return _mm256_mul_ps(_mm256_mul_ps(y, p1), p2);
 }
 
-/* exp for 8 floats: the scheme and error bound of fa_exp.h (degree-7 Taylor after
- * Cody-Waite reduction); clamp [-110, 89]; NaN kept (second operand of max/min). */
+/* exp for 8 floats: the scheme, error and range of fa_exp.h (degree-7 Taylor after
+ * Cody-Waite); inputs below -86.5 give +0, NaN stays NaN (max/min return their
+ * second operand, and the flush compare is false for NaN). */
 static inline __m256 fa_exp_f32_avx2(__m256 x)
 {
-    x = _mm256_max_ps(_mm256_set1_ps(FA_EXP_F32_LO), x);
+    const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(FA_EXP_F32_FLUSH), _CMP_NLT_UQ);
+    x = _mm256_max_ps(_mm256_set1_ps(FA_EXP_F32_FLUSH), x);
     x = _mm256_min_ps(_mm256_set1_ps(FA_EXP_F32_HI), x);
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(FA_LOG2E_F)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -42,11 +44,10 @@ static inline __m256 fa_exp_f32_avx2(__m256 x)
     y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(FA_EXP_F32_C2));
     y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
     y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
-    /* NaN input: y is NaN, whatever the integer conversion of n made of it. */
-    return fa_scale2_f32_avx2(y, n);
+    return _mm256_and_ps(keep, fa_scale2_f32_avx2(y, n));
 }
 
-/* 2^n for doubles, n in [-2044, 2046], as two normal powers of two (see above). */
+/* 2^n times y for doubles, n in [-1021, 1025], as two normal powers of two. */
 static inline __m256d fa_scale2_f64_avx2(__m256d y, __m256d n)
 {
     __m128i ni = _mm256_cvtpd_epi32(n);
@@ -57,10 +58,11 @@ static inline __m256d fa_scale2_f64_avx2(__m256d y, __m256d n)
     return _mm256_mul_pd(_mm256_mul_pd(y, _mm256_castsi256_pd(e1)), _mm256_castsi256_pd(e2));
 }
 
-/* exp for 4 doubles: degree-13 Taylor after Cody-Waite; clamp [-746, 710]. */
+/* exp for 4 doubles: degree-13 Taylor after Cody-Waite; range [-707, 710]. */
 static inline __m256d fa_exp_f64_avx2(__m256d x)
 {
-    x = _mm256_max_pd(_mm256_set1_pd(FA_EXP_F64_LO), x);
+    const __m256d keep = _mm256_cmp_pd(x, _mm256_set1_pd(FA_EXP_F64_FLUSH), _CMP_NLT_UQ);
+    x = _mm256_max_pd(_mm256_set1_pd(FA_EXP_F64_FLUSH), x);
     x = _mm256_min_pd(_mm256_set1_pd(FA_EXP_F64_HI), x);
     __m256d n = _mm256_round_pd(_mm256_mul_pd(x, _mm256_set1_pd(FA_LOG2E)),
                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -69,7 +71,7 @@ static inline __m256d fa_exp_f64_avx2(__m256d x)
     __m256d y = _mm256_set1_pd(fa_exp_f64_coef[FA_EXP_F64_DEG]);
     for (int i = FA_EXP_F64_DEG - 1; i >= 0; i--)
         y = _mm256_fmadd_pd(y, r, _mm256_set1_pd(fa_exp_f64_coef[i]));
-    return fa_scale2_f64_avx2(y, n);
+    return _mm256_and_pd(keep, fa_scale2_f64_avx2(y, n));
 }
 
 static inline __m256 fa_neginf_to_zero_ps(__m256 x)
