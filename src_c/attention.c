@@ -59,7 +59,8 @@ const char *fa_build_info(void)
  *   avx512 f32 D=64  L=4096: q=96 k=128 223 | q=64 k=64 213 | q=192 k=64 ~200
  *   avx512 f32 D=64  L=512 (H=16): q=64 k=64 148 | q=96 k=64 131 | q=192 k=64 83
  *   avx512 f32 D=128 L=2048: q=64 k=64 228 | q=96 k=64 223 | q=96 k=128 215
- * So: 192 x 64 for AVX-512 (64 x 64 causal), 96 x 128 for AVX2 (64 x 128 causal);
+ * So: 192 x 64 for AVX-512 (64 x 64 causal or windowed: a window is a diagonal
+ * band too), 96 x 128 for AVX2 (64 x 128 causal or windowed);
  * the generic kernel (not tuned: the portable fallback) 64 x 128.  Then two
  * adjustments:
  *  - the query rows are split into equal blocks (Lq = 256 runs as 2 x 128, not
@@ -75,10 +76,10 @@ static fa_blocks fa_default_blocks(const fa_kernel *kern, const fa_params *p)
     const int64_t item = p->dtype == FA_F64 ? 8 : 4;
     fa_blocks bl = {64, 128};
     if (kern == fa_kernel_for_isa(FA_ISA_AVX512)) {
-        bl.q = p->causal ? 64 : 192;
+        bl.q = p->causal || p->window_left >= 0 || p->window_right >= 0 ? 64 : 192;
         bl.k = 64;
     } else if (kern == fa_kernel_for_isa(FA_ISA_AVX2)) {
-        bl.q = p->causal ? 64 : 96;
+        bl.q = p->causal || p->window_left >= 0 || p->window_right >= 0 ? 64 : 96;
         bl.k = 128;
     }
     const int64_t budget = fa_cpu_l2_bytes() / 2;

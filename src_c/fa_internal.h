@@ -7,6 +7,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 #include "fastattn.h"
 
 #if defined(__GNUC__) || defined(__clang__)

@@ -20,6 +20,10 @@
  *   FA_VABS(x) FA_VDIV(a,b) FA_VCOPYSIGN(mag, sgn)
  *   FA_VIN_RANGE(x, j, lo, hi)  x where lo <= j <= hi (j a broadcast), else -inf
  *   FA_VMASK_BYTES(x, p)        x where the byte p[lane] != 0, else -inf
+ * and, optionally (FA_HAVE_GATHER), gathers that read a bias or mask tile in place:
+ *   FA_VGATHER(base, off)       base[off[lane]] (off: int32 element offsets)
+ *   FA_VMASK_GATHER(x, top, off) x where the byte top[off[lane]] != 0, else -inf,
+ *                               reading the 4 bytes that END at that byte
  *
  * Layout: the query axis is the SIMD axis.  A query block is packed transposed
  * (qt[d][i], pre-multiplied by scale), so S^T = K qt is computed with one key
@@ -51,10 +55,16 @@ static inline int64_t FA_NAME(fa_round_up)(int64_t x, int64_t m) { return (x + m
  *   lo hi              brp int64: a row's visible key range [lo, hi]
  *   bt      bc x brp   bias tile, transposed (with a bias only)
  *   mt      bc x brp   mask tile as bytes, transposed (with a mask only)
- *   mrow brow orow     brp pointers: a row's mask, bias and output rows        */
+ *   mrow brow orow     brp pointers: a row's mask, bias and output rows
+ *   boff moff          brp int32: the same rows as offsets from row 0 (gathers)
+ *   kt, vt  bc x D, bc x Dv  K and V tiles copied contiguous, when their rows are
+ *                      strided (e.g. "bshd"): rows a power-of-two apart would all
+ *                      fall in a few L1 sets and evict each other              */
 typedef struct FA_NAME(fa_scratch) {
-    FA_T *qt, *s, *o, *m, *l, *alpha, *rlo, *rhi, *slope, *apos, *bt;
+    FA_T *qt, *s, *o, *m, *l, *alpha, *rlo, *rhi, *slope, *apos, *bt, *kt, *vt;
     int64_t *lo, *hi;
+    int32_t *boff, *moff; /* rows' bias / mask offsets from row 0, for gathers */
+    int gather_bias, gather_mask;
     uint8_t *mt;
     const uint8_t **mrow;
     const FA_T **brow;
@@ -95,6 +105,10 @@ static size_t FA_NAME(fa_layout)(const fa_params *p, const fa_blocks *bl, void *
     sc->mrow = (const uint8_t **)FA_NAME(fa_carve)(&cur, brp * sizeof(void *));
     sc->brow = (const FA_T **)FA_NAME(fa_carve)(&cur, brp * sizeof(void *));
     sc->orow = (FA_T **)FA_NAME(fa_carve)(&cur, brp * sizeof(void *));
+    sc->boff = (int32_t *)FA_NAME(fa_carve)(&cur, brp * sizeof(int32_t));
+    sc->moff = (int32_t *)FA_NAME(fa_carve)(&cur, brp * sizeof(int32_t));
+    sc->kt = p->k_sl != p->D ? (FA_T *)FA_NAME(fa_carve)(&cur, bc * (size_t)p->D * t) : NULL;
+    sc->vt = p->v_sl != p->Dv ? (FA_T *)FA_NAME(fa_carve)(&cur, bc * (size_t)p->Dv * t) : NULL;
     return (size_t)(cur - first);
 }
 
@@ -302,16 +316,57 @@ static void FA_NAME(fa_setup_rows)(const fa_params *p, const fa_item *it, int64_
             sc->brow[r] = (const FA_T *)p->bias + it->b * p->bias_sb + h * p->bias_sh + row * p->bias_sq;
         if (!p->weights) sc->orow[r] = (FA_T *)p->out + it->b * p->o_sb + h * p->o_sh + row * p->o_sl;
     }
+    /* Gathers read a row's bias/mask at an int32 offset from row 0's; possible when
+     * every offset fits (padded rows read row 0 again). */
+    sc->gather_bias = sc->gather_mask = 0;
+#ifdef FA_HAVE_GATHER
+    if (p->bias) {
+        sc->gather_bias = 1;
+        for (int64_t r = 0; r < nvl; r++) {
+            int64_t d = r < nr ? sc->brow[r] - sc->brow[0] : 0;
+            if (d != (int32_t)d) sc->gather_bias = 0;
+            sc->boff[r] = (int32_t)d;
+        }
+    }
+    if (p->mask && p->mask_lo) {
+        sc->gather_mask = 1;
+        for (int64_t r = 0; r < nvl; r++) {
+            int64_t d = r < nr ? sc->mrow[r] - sc->mrow[0] : 0;
+            if (d != (int32_t)d) sc->gather_mask = 0;
+            sc->moff[r] = (int32_t)d;
+        }
+    }
+#endif
 }
 
-/* The mask of keys j0 .. j0+nk-1 for every row, transposed into bytes mt[jj][r].
- * Returns 0 if no key of the tile is visible to any row (the tile is skipped),
- * 1 if some are hidden, 2 if all are visible (nothing to apply). */
+/* Classifies the mask of keys j0 .. j0+nk-1 over the block's rows: 0 if no key is
+ * visible to any row (the tile is skipped), 1 if some are hidden, 2 if all are
+ * visible (nothing to apply).  Without gathers it also transposes the tile into
+ * bytes mt[jj][r] for FA_VMASK_BYTES. */
 static int FA_NAME(fa_mask_tile)(const fa_params *p, int64_t nr, int64_t j0, int64_t nk,
                                  int64_t brp, FA_NAME(fa_scratch) *sc)
 {
     const int64_t sk = p->mask_sk;
-    unsigned any = 0, all = 1;
+    uint64_t any = 0, all = 1;
+    if (sc->gather_mask && sk == 1) {
+        /* numpy bools are bytes 0 or 1: 8 keys per word */
+        const uint64_t ones = 0x0101010101010101ull;
+        for (int64_t r = 0; r < nr; r++) {
+            const uint8_t *row = sc->mrow[r] + j0;
+            int64_t jj = 0;
+            for (; jj + 8 <= nk; jj += 8) {
+                uint64_t w;
+                memcpy(&w, row + jj, sizeof w);
+                any |= w;
+                all &= w == ones;
+            }
+            for (; jj < nk; jj++) {
+                any |= row[jj];
+                all &= row[jj] == 1;
+            }
+        }
+        return any ? (all ? 2 : 1) : 0;
+    }
     for (int64_t r = 0; r < nr; r++) {
         const uint8_t *row = sc->mrow[r] + j0 * sk;
         uint8_t *col = sc->mt + r;
@@ -363,12 +418,41 @@ static void FA_NAME(fa_logit_tile)(const fa_params *p, FA_T *FA_RESTRICT s, int6
                 x = FA_VMUL(cap, FA_VCOPYSIGN(FA_VDIV(FA_VSUB(one, e), FA_VADD(one, e)), x));
             }
             if (alibi) x = FA_VSUB(x, FA_VMUL(slope, FA_VABS(FA_VSUB(apos, jf))));
+#ifdef FA_HAVE_GATHER
+            if (bias && sc->gather_bias)
+                x = FA_VADD(x, FA_VGATHER(sc->brow[0] + (j0 + jj) * p->bias_sk, sc->boff + off));
+            else
+#endif
             if (bias) x = FA_VADD(x, FA_VLOAD(sc->bt + jj * brp + off));
+#ifdef FA_HAVE_GATHER
+            if (mask && sc->gather_mask)
+                x = FA_VMASK_GATHER(x, sc->mrow[0] + (j0 + jj) * p->mask_sk, sc->moff + off);
+            else
+#endif
             if (mask) x = FA_VMASK_BYTES(x, sc->mt + jj * brp + off);
             if (need_range) x = FA_VIN_RANGE(x, jf, rlo, rhi);
             FA_VSTORE(sp, x);
         }
     }
+}
+
+/* Copies nk rows of a strided K or V tile contiguous (see kt, vt in fa_scratch). */
+static const FA_T *FA_NAME(fa_pack_rows)(const FA_T *src, int64_t stride, int64_t nk, int64_t width,
+                                         FA_T *dst)
+{
+    for (int64_t j = 0; j < nk; j++) memcpy(dst + j * width, src + j * stride, (size_t)width * sizeof(FA_T));
+    return dst;
+}
+
+/* Would a mask gather for this tile read below the mask's lowest byte? */
+static int FA_NAME(fa_mask_gather_unsafe)(const fa_params *p, const FA_NAME(fa_scratch) *sc,
+                                          int64_t nr, int64_t j0, int64_t nk)
+{
+    const int64_t lo_k = p->mask_sk >= 0 ? j0 * p->mask_sk : (j0 + nk - 1) * p->mask_sk;
+    const uint8_t *lowest = sc->mrow[0];
+    for (int64_t r = 1; r < nr; r++)
+        if (sc->mrow[r] < lowest) lowest = sc->mrow[r];
+    return (uintptr_t)lowest + (uintptr_t)lo_k < (uintptr_t)p->mask_lo + 3;
 }
 
 /* One key tile through steps 1-5 (QK^T, then fa_logit_tile).  Returns 0 if the
@@ -378,24 +462,34 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
                               int64_t brp, FA_NAME(fa_scratch) *sc)
 {
     const FA_T *k = (const FA_T *)p->k + it->b * p->k_sb + it->g * p->k_sh + it->koff * p->k_sl;
+    const int gather_mask = sc->gather_mask; /* the block's choice, restored below */
     int mask_state = 2;
     if (p->mask) {
+        if (gather_mask && FA_NAME(fa_mask_gather_unsafe)(p, sc, nr, j0, nk)) sc->gather_mask = 0;
         mask_state = FA_NAME(fa_mask_tile)(p, nr, j0, nk, brp, sc);
-        if (mask_state == 0) return 0;
     }
-    FA_NAME(fa_qk_tile)(sc->qt, nv, k + j0 * p->k_sl, p->k_sl, nk, p->D, sc->s, brp);
-    if (p->bias) FA_NAME(fa_bias_tile)(p, nr, j0, nk, brp, sc);
-    const int need_range = lo_max > j0 || hi_min < j0 + nk - 1;
-    if (need_range) {
-        const int64_t nvl = (int64_t)nv * FA_VL;
-        for (int64_t r = 0; r < nvl; r++) { /* exact small integers in FA_T */
-            int64_t a = sc->lo[r] - j0, z = sc->hi[r] - j0;
-            sc->rlo[r] = (FA_T)(a < -1 ? -1 : a > nk ? nk : a);
-            sc->rhi[r] = (FA_T)(z < -1 ? -1 : z > nk ? nk : z);
+    if (mask_state != 0) {
+        const FA_T *kj = k + j0 * p->k_sl;
+        int64_t ks = p->k_sl;
+        if (sc->kt) {
+            kj = FA_NAME(fa_pack_rows)(kj, ks, nk, p->D, sc->kt);
+            ks = p->D;
         }
+        FA_NAME(fa_qk_tile)(sc->qt, nv, kj, ks, nk, p->D, sc->s, brp);
+        if (p->bias && !sc->gather_bias) FA_NAME(fa_bias_tile)(p, nr, j0, nk, brp, sc);
+        const int need_range = lo_max > j0 || hi_min < j0 + nk - 1;
+        if (need_range) {
+            const int64_t nvl = (int64_t)nv * FA_VL;
+            for (int64_t r = 0; r < nvl; r++) { /* exact small integers in FA_T */
+                int64_t a = sc->lo[r] - j0, z = sc->hi[r] - j0;
+                sc->rlo[r] = (FA_T)(a < -1 ? -1 : a > nk ? nk : a);
+                sc->rhi[r] = (FA_T)(z < -1 ? -1 : z > nk ? nk : z);
+            }
+        }
+        FA_NAME(fa_logit_tile)(p, sc->s, nk, nv, j0, need_range, mask_state, brp, sc);
     }
-    FA_NAME(fa_logit_tile)(p, sc->s, nk, nv, j0, need_range, mask_state, brp, sc);
-    return 1;
+    sc->gather_mask = gather_mask;
+    return mask_state != 0;
 }
 
 /* One work item: nr = nh * nq rows against the keys [kv0, kv1) of one kv head. */
@@ -429,8 +523,15 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
         const int64_t nk = it->kv1 - j0 < bc ? it->kv1 - j0 : bc;
         if (!FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc)) continue;
         FA_NAME(fa_softmax_tile)(sc.s, nk, nv, sc.m, sc.l, sc.alpha, brp);
-        if (!p->weights)
-            FA_NAME(fa_pv_tile)(sc.s, nr, nk, v + j0 * p->v_sl, p->v_sl, Dv, sc.o, dvp, sc.alpha, brp);
+        if (!p->weights) {
+            const FA_T *vj = v + j0 * p->v_sl;
+            int64_t vs = p->v_sl;
+            if (sc.vt) {
+                vj = FA_NAME(fa_pack_rows)(vj, vs, nk, Dv, sc.vt);
+                vs = Dv;
+            }
+            FA_NAME(fa_pv_tile)(sc.s, nr, nk, vj, vs, Dv, sc.o, dvp, sc.alpha, brp);
+        }
     }
 
     /* Normalize once.  A row that saw no visible key (l == 0) gives 0 and lse -inf;

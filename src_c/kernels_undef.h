@@ -27,3 +27,5 @@
 #undef FA_VCOPYSIGN
 #undef FA_VIN_RANGE
 #undef FA_VMASK_BYTES
+#undef FA_VGATHER
+#undef FA_VMASK_GATHER
