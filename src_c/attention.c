@@ -165,9 +165,10 @@ static int fa_make_plan(const fa_kernel *kern, const fa_params *p, fa_plan *pl)
         pl->nh = pl->bl.q / lmax < pl->G ? pl->bl.q / lmax : pl->G;
         pl->nqp = lmax;
     } else {
+        /* equal blocks, each a whole number of vectors (no padded lanes but the last) */
         int64_t nblocks = (lmax + pl->bl.q - 1) / pl->bl.q;
         pl->nh = 1;
-        pl->nqp = (lmax + nblocks - 1) / nblocks;
+        pl->nqp = ((lmax + nblocks - 1) / nblocks + vl - 1) / vl * vl;
     }
     pl->nhc = (pl->G + pl->nh - 1) / pl->nh;
     pl->bl.q = (pl->nh * pl->nqp + vl - 1) / vl * vl;

@@ -12,14 +12,14 @@
 
 /* exp for 16 floats: Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, then
  * exp(r) by its degree-7 Taylor polynomial (truncation < 1e-8 relative) and
- * scalef (exact 2^n).  Error and range: fa_exp.h (max 0.91 ulp measured; inputs
- * below -86.5, -inf included, give +0 without ever forming a subnormal); max/min
- * keep a NaN input (it is their second operand) and the flush compare is false
- * for NaN, so NaN stays NaN. */
+ * scalef (exact 2^n).  Error and range: fa_exp.h (max 0.91 ulp measured).  Lanes
+ * below -86.5 (-inf included) are masked out of the final scalef, which zeroes
+ * them without computing them (no subnormal, no assist; their n may be -inf and
+ * r NaN, harmlessly).  The flush compare is true for NaN and min keeps a NaN input
+ * (its second operand), so NaN stays NaN. */
 static inline __m512 fa_exp_f32_avx512(__m512 x)
 {
     const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(FA_EXP_F32_FLUSH), _CMP_NLT_UQ);
-    x = _mm512_max_ps(_mm512_set1_ps(FA_EXP_F32_FLUSH), x);
     x = _mm512_min_ps(_mm512_set1_ps(FA_EXP_F32_HI), x);
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(FA_LOG2E_F)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -33,7 +33,7 @@ static inline __m512 fa_exp_f32_avx512(__m512 x)
     y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(FA_EXP_F32_C2));
     y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
     y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(y, n));
+    return _mm512_maskz_scalef_ps(keep, y, n); /* lanes below FLUSH: +0, never computed */
 }
 
 /* exp for 8 doubles: the same scheme with the degree-13 Taylor polynomial
@@ -41,7 +41,6 @@ static inline __m512 fa_exp_f32_avx512(__m512 x)
 static inline __m512d fa_exp_f64_avx512(__m512d x)
 {
     const __mmask8 keep = _mm512_cmp_pd_mask(x, _mm512_set1_pd(FA_EXP_F64_FLUSH), _CMP_NLT_UQ);
-    x = _mm512_max_pd(_mm512_set1_pd(FA_EXP_F64_FLUSH), x);
     x = _mm512_min_pd(_mm512_set1_pd(FA_EXP_F64_HI), x);
     __m512d n = _mm512_roundscale_pd(_mm512_mul_pd(x, _mm512_set1_pd(FA_LOG2E)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -50,7 +49,7 @@ static inline __m512d fa_exp_f64_avx512(__m512d x)
     __m512d y = _mm512_set1_pd(fa_exp_f64_coef[FA_EXP_F64_DEG]);
     for (int i = FA_EXP_F64_DEG - 1; i >= 0; i--)
         y = _mm512_fmadd_pd(y, r, _mm512_set1_pd(fa_exp_f64_coef[i]));
-    return _mm512_maskz_mov_pd(keep, _mm512_scalef_pd(y, n));
+    return _mm512_maskz_scalef_pd(keep, y, n);
 }
 
 static inline __m512 fa_neginf_to_zero_ps(__m512 x)
