@@ -261,6 +261,8 @@ cdef void _set_variants(fa_params *p, Variants va, int64_t item) except *:
         p.B = cnp.PyArray_DIM(a, 0) - 1
         a = <cnp.ndarray>va.cu_k
         p.cu_k = <const int64_t *>cnp.PyArray_DATA(a)
+        # the sequences are offsets on the L axis: no batch axis to step along
+        p.q_sb = p.k_sb = p.v_sb = p.o_sb = p.lse_sb = 0
     if va.weights is not None:
         a = <cnp.ndarray>va.weights
         p.weights = cnp.PyArray_DATA(a)

@@ -80,8 +80,8 @@ typedef struct fa_params {
     int64_t window_left, window_right; /* visible iff a-left <= j <= a+right, a the
                            causal convention's diagonal; < 0: unbounded side      */
     const int64_t *cu_q, *cu_k; /* varlen: B+1 offsets on the L axis of q/out/lse and
-                           of k/v (sequence b is rows cu[b] .. cu[b+1]-1, with q_sb,
-                           k_sb, ... unused); NULL: fixed lengths Lq, Lk          */
+                           of k/v (sequence b is rows cu[b] .. cu[b+1]-1; the batch
+                           strides q_sb, k_sb, ... must be 0); NULL: fixed Lq, Lk */
     void *weights;      /* attention_weights: (B, Hq, Lq, Lk) output instead of out */
     int64_t w_sb, w_sh, w_sq;       /* element strides; the key axis is contiguous */
 } fa_params;

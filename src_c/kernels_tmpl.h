@@ -56,12 +56,9 @@ static inline int64_t FA_NAME(fa_round_up)(int64_t x, int64_t m) { return (x + m
  *   bt      bc x brp   bias tile, transposed (with a bias only)
  *   mt      bc x brp   mask tile as bytes, transposed (with a mask only)
  *   mrow brow orow     brp pointers: a row's mask, bias and output rows
- *   boff moff          brp int32: the same rows as offsets from row 0 (gathers)
- *   kt, vt  bc x D, bc x Dv  K and V tiles copied contiguous, when their rows are
- *                      strided (e.g. "bshd"): rows a power-of-two apart would all
- *                      fall in a few L1 sets and evict each other              */
+ *   boff moff          brp int32: the same rows as offsets from row 0 (gathers) */
 typedef struct FA_NAME(fa_scratch) {
-    FA_T *qt, *s, *o, *m, *l, *alpha, *rlo, *rhi, *slope, *apos, *bt, *kt, *vt;
+    FA_T *qt, *s, *o, *m, *l, *alpha, *rlo, *rhi, *slope, *apos, *bt;
     int64_t *lo, *hi;
     int32_t *boff, *moff; /* rows' bias / mask offsets from row 0, for gathers */
     int gather_bias, gather_mask;
@@ -107,8 +104,6 @@ static size_t FA_NAME(fa_layout)(const fa_params *p, const fa_blocks *bl, void *
     sc->orow = (FA_T **)FA_NAME(fa_carve)(&cur, brp * sizeof(void *));
     sc->boff = (int32_t *)FA_NAME(fa_carve)(&cur, brp * sizeof(int32_t));
     sc->moff = (int32_t *)FA_NAME(fa_carve)(&cur, brp * sizeof(int32_t));
-    sc->kt = p->k_sl != p->D ? (FA_T *)FA_NAME(fa_carve)(&cur, bc * (size_t)p->D * t) : NULL;
-    sc->vt = p->v_sl != p->Dv ? (FA_T *)FA_NAME(fa_carve)(&cur, bc * (size_t)p->Dv * t) : NULL;
     return (size_t)(cur - first);
 }
 
@@ -436,14 +431,6 @@ static void FA_NAME(fa_logit_tile)(const fa_params *p, FA_T *FA_RESTRICT s, int6
     }
 }
 
-/* Copies nk rows of a strided K or V tile contiguous (see kt, vt in fa_scratch). */
-static const FA_T *FA_NAME(fa_pack_rows)(const FA_T *src, int64_t stride, int64_t nk, int64_t width,
-                                         FA_T *dst)
-{
-    for (int64_t j = 0; j < nk; j++) memcpy(dst + j * width, src + j * stride, (size_t)width * sizeof(FA_T));
-    return dst;
-}
-
 /* Would a mask gather for this tile read below the mask's lowest byte? */
 static int FA_NAME(fa_mask_gather_unsafe)(const fa_params *p, const FA_NAME(fa_scratch) *sc,
                                           int64_t nr, int64_t j0, int64_t nk)
@@ -469,13 +456,7 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
         mask_state = FA_NAME(fa_mask_tile)(p, nr, j0, nk, brp, sc);
     }
     if (mask_state != 0) {
-        const FA_T *kj = k + j0 * p->k_sl;
-        int64_t ks = p->k_sl;
-        if (sc->kt) {
-            kj = FA_NAME(fa_pack_rows)(kj, ks, nk, p->D, sc->kt);
-            ks = p->D;
-        }
-        FA_NAME(fa_qk_tile)(sc->qt, nv, kj, ks, nk, p->D, sc->s, brp);
+        FA_NAME(fa_qk_tile)(sc->qt, nv, k + j0 * p->k_sl, p->k_sl, nk, p->D, sc->s, brp);
         if (p->bias && !sc->gather_bias) FA_NAME(fa_bias_tile)(p, nr, j0, nk, brp, sc);
         const int need_range = lo_max > j0 || hi_min < j0 + nk - 1;
         if (need_range) {
@@ -523,15 +504,8 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
         const int64_t nk = it->kv1 - j0 < bc ? it->kv1 - j0 : bc;
         if (!FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc)) continue;
         FA_NAME(fa_softmax_tile)(sc.s, nk, nv, sc.m, sc.l, sc.alpha, brp);
-        if (!p->weights) {
-            const FA_T *vj = v + j0 * p->v_sl;
-            int64_t vs = p->v_sl;
-            if (sc.vt) {
-                vj = FA_NAME(fa_pack_rows)(vj, vs, nk, Dv, sc.vt);
-                vs = Dv;
-            }
-            FA_NAME(fa_pv_tile)(sc.s, nr, nk, vj, vs, Dv, sc.o, dvp, sc.alpha, brp);
-        }
+        if (!p->weights)
+            FA_NAME(fa_pv_tile)(sc.s, nr, nk, v + j0 * p->v_sl, p->v_sl, Dv, sc.o, dvp, sc.alpha, brp);
     }
 
     /* Normalize once.  A row that saw no visible key (l == 0) gives 0 and lse -inf;

@@ -249,3 +249,15 @@ def test_merge_errors():
         fastattn.merge([np.ones((3, 4)), np.ones((3, 5))], [np.ones(3), np.ones(3)])
     with pytest.raises(TypeError, match="float32 or float64"):
         fastattn.merge([np.ones((3, 4), np.int64)], [np.ones(3, np.int64)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_kv_long_enough_to_be_copied(kernel, rng, dtype):
+    """Strided K/V read by several query blocks are copied once into a contiguous
+    buffer (attention.c, fa_maybe_copy_kv): same answers as in place."""
+    qkv = rng.standard_normal((2, 450, 3, 4, 20)).astype(dtype)
+    q, k, v = qkv[:, :, 0], qkv[:, 5:, 1], qkv[:, 5:, 2, :, :13]
+    for kw in (dict(causal=True), dict(window=(30, 10), mask=rng.random((450, 445)) > 0.2)):
+        out, _ = _compare(q, k, v, dtype, layout="bshd", **kw)
+        dense = fastattn.attention(*(np.ascontiguousarray(a) for a in (q, k, v)), layout="bshd", **kw)
+        np.testing.assert_array_equal(out, dense)
