@@ -99,6 +99,7 @@ def pytest_terminal_summary(terminalreporter, config):
     session = getattr(config, "_benchmarksession", None)
     if session is None or getattr(session, "disabled", True):
         return
+    _variant_summary(terminalreporter, session.benchmarks)
     rows = _rows(session.benchmarks)
     sgemm = rows.pop("sgemm", {}).get("numpy sgemm")
     sgemm_gf = sgemm[1]["flops"] / sgemm[0] / 1e9 if sgemm else None
@@ -127,3 +128,17 @@ def pytest_terminal_summary(terminalreporter, config):
                  else f"{'-':>6}")
         w(f"{group:<34} {cell('fastattn', 9)} {cell('fastattn-1t', 9)} {cell('torch', 8)} "
           f"{cell('numpy', 8)} {pct} {ratio('torch')} {ratio('numpy')} {scale}")
+
+
+def _variant_summary(terminalreporter, benchmarks):
+    """Each variant's time over its baseline's, measured interleaved (bench/test_variants.py)."""
+    rows = [(bm.group, bm.extra_info, bm.stats) for bm in benchmarks
+            if "variant" in (getattr(bm, "extra_info", {}) or {}) and getattr(bm, "stats", None)]
+    if not rows:
+        return
+    w = terminalreporter.write_line
+    w("")
+    w("variants vs their baseline, run interleaved (time ratio: best rounds / median rounds):")
+    for group, info, st in rows:
+        w(f"  {group:<36} {info['variant']} / {info['baseline']}: "
+          f"{st.min / info['baseline_min_s']:.3f}x / {st.median / info['baseline_median_s']:.3f}x")
