@@ -190,34 +190,14 @@ static int fa_make_plan(const fa_kernel *kern, const fa_params *p, fa_plan *pl)
     return FA_OK;
 }
 
-/* Item t of the plan.  Within a sequence, query blocks run last first: with causal
- * masking the last blocks see the most keys, so the most expensive items start
- * first and dynamic scheduling balances the rest across threads. */
-static void fa_item_of(const fa_params *p, const fa_plan *pl, int64_t t, fa_item *it)
+/* The item for query block qb of head chunk hc of kv head g in sequence b. */
+static void fa_item_make(const fa_params *p, const fa_plan *pl, int64_t b, int64_t g, int64_t hc,
+                         int64_t qb, fa_item *it)
 {
-    int64_t b, u;
-    if (pl->start) {
-        int64_t lo = 0, hi = p->B - 1; /* last b with start[b] <= t */
-        while (lo < hi) {
-            int64_t mid = (lo + hi + 1) / 2;
-            if (pl->start[mid] <= t) lo = mid;
-            else hi = mid - 1;
-        }
-        b = lo;
-        u = t - pl->start[b];
-    } else {
-        const int64_t nbk = p->B * p->Hkv * pl->nhc; /* items per query block index */
-        b = (t % nbk) / (p->Hkv * pl->nhc);
-        u = (t / nbk) * p->Hkv * pl->nhc + t % (p->Hkv * pl->nhc);
-    }
-    const int64_t per_qb = p->Hkv * pl->nhc;
     const int64_t Lq = fa_seq_len(p->cu_q, b, p->Lq), Lk = fa_seq_len(p->cu_k, b, p->Lk);
-    const int64_t nqb = (Lq + pl->nqp - 1) / pl->nqp;
-    const int64_t qb = p->causal ? nqb - 1 - u / per_qb : u / per_qb;
-    const int64_t hc = u % pl->nhc;
     it->b = b;
-    it->g = (u % per_qb) / pl->nhc;
-    it->h0 = it->g * pl->G + hc * pl->nh;
+    it->g = g;
+    it->h0 = g * pl->G + hc * pl->nh;
     it->nh = pl->G - hc * pl->nh < pl->nh ? pl->G - hc * pl->nh : pl->nh;
     it->q0 = qb * pl->nqp;
     it->nq = Lq - it->q0 < pl->nqp ? Lq - it->q0 : pl->nqp;
@@ -237,67 +217,94 @@ static void fa_item_of(const fa_params *p, const fa_plan *pl, int64_t t, fa_item
     it->kv1 = kv1;
 }
 
+static int64_t fa_qblocks(const fa_params *p, const fa_plan *pl, int64_t b)
+{
+    return (fa_seq_len(p->cu_q, b, p->Lq) + pl->nqp - 1) / pl->nqp;
+}
+
+/* Item t of the plan.  Within a sequence, query blocks run last first: with causal
+ * masking the last blocks see the most keys, so the most expensive items start
+ * first and dynamic scheduling balances the rest across threads. */
+static void fa_item_of(const fa_params *p, const fa_plan *pl, int64_t t, fa_item *it)
+{
+    const int64_t per_qb = p->Hkv * pl->nhc;
+    int64_t b, u;
+    if (pl->start) {
+        int64_t lo = 0, hi = p->B - 1; /* last b with start[b] <= t */
+        while (lo < hi) {
+            int64_t mid = (lo + hi + 1) / 2;
+            if (pl->start[mid] <= t) lo = mid;
+            else hi = mid - 1;
+        }
+        b = lo;
+        u = t - pl->start[b];
+    } else {
+        const int64_t nbk = p->B * per_qb; /* items per query block index */
+        b = (t % nbk) / per_qb;
+        u = (t / nbk) * per_qb + t % per_qb;
+    }
+    const int64_t nqb = fa_qblocks(p, pl, b);
+    const int64_t qb = p->causal ? nqb - 1 - u / per_qb : u / per_qb;
+    fa_item_make(p, pl, b, (u % per_qb) / pl->nhc, u % pl->nhc, qb, it);
+}
+
 /*
- * K and V whose rows are strided (layout "bshd", slices of a fused projection) are
- * copied once into a contiguous (B, Hkv, Lk, D) buffer when more than one work item
- * reads each of their tiles: rows a power-of-two apart fall into a few L1 sets and
- * evict each other, and the TLB sees a page per row or two; measured on "bshd"
- * B=1 H=8 L=2048 D=64: 1.11-1.14x the "bhsd" time read in place, 1.04x with
- * per-tile copies, about 1.0x with this one copy.  The buffer is O(input), never
- * O(Lq Lk), and the copy is parallel.  Items that each read their K/V once (short
- * queries, decoding) read them in place.
+ * K and V whose rows are strided (layout "bshd", slices of a fused projection) and
+ * that several query blocks read: read in place, rows a power-of-two apart fall into
+ * a few L1 sets and evict each other, and the TLB sees a page per row or two
+ * (measured on "bshd" B=1 H=8 L=2048 D=64: 1.11-1.14x the "bhsd" time).  So the
+ * work is cut per head instead: a task is every query block of one (sequence, kv
+ * head, head chunk), and it first copies that head's K and V rows into a
+ * contiguous per-thread buffer (O(Lk), never O(Lq Lk)), which the blocks then read
+ * from L2.  Needs enough heads to keep the threads busy; otherwise (one long head)
+ * the blocks read K/V in place.
  */
-typedef struct fa_kv_copy {
-    void *k, *v;
-} fa_kv_copy;
-
-static int fa_copy_rows(const fa_params *p, int64_t nb, int64_t nl, int nth, const char *src,
-                        int64_t sb, int64_t sh, int64_t sl, int64_t width, void **dst)
+static int fa_use_head_tasks(const fa_params *p, const fa_plan *pl, int nth)
 {
-    const size_t item = p->dtype == FA_F64 ? 8 : 4, row = (size_t)width * item;
-    const int64_t rows = nb * p->Hkv * nl;
-    char *buf = (char *)fa_scratch_alloc((size_t)rows * row);
-    if (!buf) return FA_ERR_NOMEM;
-#pragma omp parallel for num_threads(nth) if (nth > 1) schedule(static)
-    for (int64_t t = 0; t < rows; t++) {
-        const int64_t b = t / (p->Hkv * nl), g = (t / nl) % p->Hkv, l = t % nl;
-        memcpy(buf + (size_t)t * row, src + (size_t)((b * sb + g * sh + l * sl) * (int64_t)item), row);
-    }
-    *dst = buf;
-    return FA_OK;
+    if ((p->k_sl == p->D && p->v_sl == p->Dv) || p->weights) return 0;
+    const int64_t tasks = p->B * p->Hkv * pl->nhc;
+    return pl->items >= 2 * tasks && tasks >= 4 * (int64_t)nth;
 }
 
-static int fa_maybe_copy_kv(const fa_params *p, const fa_plan *pl, int nth, fa_params *q,
-                            fa_kv_copy *copy)
+static int64_t fa_max_seq_len(const int64_t *cu, int64_t B, int64_t fixed)
 {
-    copy->k = copy->v = NULL;
-    const int64_t readers = (p->cu_q ? 2 : (p->Lq + pl->nqp - 1) / pl->nqp) * pl->nhc;
-    if ((p->k_sl == p->D && p->v_sl == p->Dv) || readers < 2 || p->weights) return FA_OK;
-    const int64_t nb = p->cu_k ? 1 : p->B;
-    const int64_t nl = p->cu_k ? p->cu_k[p->B] : p->Lk;
-    *q = *p;
-    if (p->k_sl != p->D) {
-        int rc = fa_copy_rows(p, nb, nl, nth, (const char *)p->k, p->k_sb, p->k_sh, p->k_sl, p->D, &copy->k);
-        if (rc != FA_OK) return rc;
-        q->k = copy->k;
-        q->k_sl = p->D;
-        q->k_sh = nl * p->D;
-        q->k_sb = p->cu_k ? 0 : p->Hkv * nl * p->D; /* varlen: one packed "batch" */
-    }
-    if (p->v_sl != p->Dv) {
-        int rc = fa_copy_rows(p, nb, nl, nth, (const char *)p->v, p->v_sb, p->v_sh, p->v_sl, p->Dv, &copy->v);
-        if (rc != FA_OK) return rc;
-        q->v = copy->v;
-        q->v_sl = p->Dv;
-        q->v_sh = nl * p->Dv;
-        q->v_sb = p->cu_k ? 0 : p->Hkv * nl * p->Dv;
-    }
-    return FA_OK;
+    int64_t m = cu ? 0 : fixed;
+    for (int64_t b = 0; cu && b < B; b++)
+        if (cu[b + 1] - cu[b] > m) m = cu[b + 1] - cu[b];
+    return m;
 }
 
-int fa_attention_forward(const fa_params *p_in)
+/* Task t = (b, g, hc): copy the head's keys and values, then run its query blocks. */
+static void fa_run_head_task(const fa_params *p, const fa_plan *pl, fa_qblock_fn qblock, int64_t t,
+                             char *kvbuf, void *scratch)
 {
-    const fa_params *p = p_in;
+    const int64_t b = t / (p->Hkv * pl->nhc), g = (t / pl->nhc) % p->Hkv, hc = t % pl->nhc;
+    const size_t item = p->dtype == FA_F64 ? 8 : 4;
+    const int64_t Lk = fa_seq_len(p->cu_k, b, p->Lk), koff = p->cu_k ? p->cu_k[b] : 0;
+    char *kc = kvbuf, *vc = kvbuf + (size_t)Lk * (size_t)p->D * item;
+    const char *k = (const char *)p->k + (size_t)((b * p->k_sb + g * p->k_sh + koff * p->k_sl) * (int64_t)item);
+    const char *v = (const char *)p->v + (size_t)((b * p->v_sb + g * p->v_sh + koff * p->v_sl) * (int64_t)item);
+    for (int64_t j = 0; j < Lk; j++) {
+        memcpy(kc + (size_t)j * (size_t)p->D * item, k + (size_t)(j * p->k_sl * (int64_t)item), (size_t)p->D * item);
+        memcpy(vc + (size_t)j * (size_t)p->Dv * item, v + (size_t)(j * p->v_sl * (int64_t)item), (size_t)p->Dv * item);
+    }
+    fa_params local = *p; /* this head's K/V, contiguous, at b = g = koff = 0 offsets */
+    local.k = kc;
+    local.v = vc;
+    local.k_sb = local.k_sh = local.v_sb = local.v_sh = 0;
+    local.k_sl = p->D;
+    local.v_sl = p->Dv;
+    const int64_t nqb = fa_qblocks(p, pl, b);
+    for (int64_t i = 0; i < nqb; i++) {
+        fa_item it;
+        fa_item_make(p, pl, b, g, hc, p->causal ? nqb - 1 - i : i, &it);
+        it.koff = 0;
+        qblock(&local, &pl->bl, &it, scratch);
+    }
+}
+
+int fa_attention_forward(const fa_params *p)
+{
     int rc = fa_check(p);
     if (rc != FA_OK) return rc;
     const fa_kernel *kern = fa_kernel_for_isa(p->isa < 0 ? fa_default_isa() : p->isa);
@@ -315,14 +322,23 @@ int fa_attention_forward(const fa_params *p_in)
     if ((int64_t)nth > items) nth = (int)items;
     if (nth < 1) nth = 1;
 
-    fa_params contiguous;
-    fa_kv_copy copy;
-    rc = fa_maybe_copy_kv(p, &pl, nth, &contiguous, &copy);
-    if (rc == FA_OK && (copy.k || copy.v)) p = &contiguous;
-
-    int failed = rc != FA_OK;
-    if (failed) {
-        /* the copy of K/V could not be allocated: nothing runs */
+    int failed = 0;
+    if (fa_use_head_tasks(p, &pl, nth)) {
+        const int64_t tasks = p->B * p->Hkv * pl.nhc;
+        const int64_t lk = fa_max_seq_len(p->cu_k, p->B, p->Lk);
+        const size_t kv_bytes = (size_t)lk * (size_t)(p->D + p->Dv) * (p->dtype == FA_F64 ? 8 : 4);
+        if ((int64_t)nth > tasks) nth = (int)tasks;
+#pragma omp parallel num_threads(nth) if (nth > 1) reduction(| : failed)
+        {
+            void *scratch = fa_scratch_alloc(scratch_bytes);
+            char *kvbuf = (char *)fa_scratch_alloc(kv_bytes);
+            if (!scratch || !kvbuf) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t t = 0; t < tasks; t++)
+                if (scratch && kvbuf) fa_run_head_task(p, &pl, qblock, t, kvbuf, scratch);
+            free(kvbuf);
+            free(scratch);
+        }
     } else if (nth == 1) {
         /* One thread: no parallel region at all (short calls stay cheap). */
         void *scratch = fa_scratch_alloc(scratch_bytes);
@@ -349,8 +365,6 @@ int fa_attention_forward(const fa_params *p_in)
         }
     }
     free(pl.start);
-    free(copy.k);
-    free(copy.v);
     return failed ? FA_ERR_NOMEM : FA_OK;
 }
 

@@ -37,3 +37,16 @@ def test_gil_released_concurrent_calls(rng):
             got = list(ex.map(lambda a: fastattn.attention(*a, causal=True, num_threads=2), args))
             for g, w in zip(got, want):
                 assert np.array_equal(g, w)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_bitwise_equal_across_threads_strided_kv(kernel, rng, dtype):
+    """bshd K/V: per-head tasks copy each head's K/V (or, with few heads, read them
+    in place); either way the bits do not depend on the thread count."""
+    q = rng.standard_normal((2, 300, 6, 24)).astype(dtype)
+    k = rng.standard_normal((2, 280, 3, 24)).astype(dtype)
+    v = rng.standard_normal((2, 280, 3, 16)).astype(dtype)
+    for kw in (dict(causal=True), dict(window=(40, 5)), dict()):
+        base = fastattn.attention(q, k, v, layout="bshd", num_threads=1, **kw)
+        for n in (2, 3, 8):
+            assert np.array_equal(fastattn.attention(q, k, v, layout="bshd", num_threads=n, **kw), base)
