@@ -303,6 +303,104 @@ static void fa_run_head_task(const fa_params *p, const fa_plan *pl, fa_qblock_fn
     }
 }
 
+static void fa_merge_row_f32(int64_t parts, int64_t dv, const float *out, int64_t ostride,
+                             const float *lse, int64_t lstride, float *dst, float *dst_lse);
+static void fa_merge_row_f64(int64_t parts, int64_t dv, const double *out, int64_t ostride,
+                             const double *lse, int64_t lstride, double *dst, double *dst_lse);
+
+/*
+ * Decoding (a few queries against a long KV cache): split-KV.  The keys are cut
+ * into chunks whose number and boundaries depend only on Lk, never on the thread
+ * count; every (sequence, kv head group, chunk) is a work item that writes a
+ * partial (out, lse); the partials are merged in chunk order by the maths of
+ * fastattn.merge.  So the threads spread over chunks too (a handful of heads can
+ * use every core) and the bits do not depend on how many there are.
+ * Used for fixed-length calls with Lq <= FA_DECODE_MAX_LQ (see fa_use_split).
+ */
+#define FA_DECODE_MAX_LQ 8
+#define FA_DECODE_CHUNK 512  /* target keys per chunk */
+#define FA_DECODE_MAX_CHUNKS 64
+
+static int64_t fa_decode_chunk(int64_t Lk)
+{
+    int64_t n = (Lk + FA_DECODE_CHUNK - 1) / FA_DECODE_CHUNK;
+    if (n > FA_DECODE_MAX_CHUNKS) n = FA_DECODE_MAX_CHUNKS;
+    if (n < 1) n = 1;
+    return ((Lk + n - 1) / n + 63) / 64 * 64;
+}
+
+static int fa_use_split(const fa_params *p)
+{
+    return !p->cu_q && !p->weights && p->Lq <= FA_DECODE_MAX_LQ && p->Lk > fa_decode_chunk(p->Lk);
+}
+
+static int fa_decode_split(const fa_params *p, const fa_plan *pl, fa_qblock_fn qblock,
+                           size_t scratch_bytes, int nth_req)
+{
+    const int64_t chunk = fa_decode_chunk(p->Lk), nch = (p->Lk + chunk - 1) / chunk;
+    const int64_t rows = p->B * p->Hq * p->Lq, Dv = p->Dv;
+    const size_t item = p->dtype == FA_F64 ? 8 : 4;
+    char *pout = (char *)fa_scratch_alloc((size_t)(nch * rows * Dv) * item);
+    char *plse = (char *)fa_scratch_alloc((size_t)(nch * rows) * item);
+    if (!pout || !plse) {
+        free(pout);
+        free(plse);
+        return FA_ERR_NOMEM;
+    }
+    /* chunk c writes its partials as a contiguous (B, Hq, Lq, Dv) / (B, Hq, Lq) */
+    fa_params part = *p;
+    part.o_sb = p->Hq * p->Lq * Dv;
+    part.o_sh = p->Lq * Dv;
+    part.o_sl = Dv;
+    part.lse_sb = p->Hq * p->Lq;
+    part.lse_sh = p->Lq;
+    part.lse_sl = 1;
+    const int64_t heads = p->B * p->Hkv * pl->nhc, items = heads * nch;
+    int nth = nth_req;
+    if ((int64_t)nth > items) nth = (int)items;
+    int failed = 0;
+#pragma omp parallel num_threads(nth) if (nth > 1) reduction(| : failed)
+    {
+        void *scratch = fa_scratch_alloc(scratch_bytes);
+        if (!scratch) failed = 1;
+        fa_params local = part;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < items; t++) {
+            if (!scratch) continue;
+            const int64_t c = t % nch, h = t / nch;
+            const int64_t b = h / (p->Hkv * pl->nhc), g = (h / pl->nhc) % p->Hkv, hc = h % pl->nhc;
+            fa_item it;
+            fa_item_make(p, pl, b, g, hc, 0, &it);
+            if (it.kv0 < c * chunk) it.kv0 = c * chunk;
+            if (it.kv1 > (c + 1) * chunk) it.kv1 = (c + 1) * chunk;
+            if (it.kv1 < it.kv0) it.kv1 = it.kv0;
+            local.out = pout + (size_t)(c * rows * Dv) * item;
+            local.lse = plse + (size_t)(c * rows) * item;
+            qblock(&local, &pl->bl, &it, scratch);
+        }
+        free(scratch);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            if (failed) continue;
+            const int64_t b = r / (p->Hq * p->Lq), h = (r / p->Lq) % p->Hq, i = r % p->Lq;
+            const int64_t o = b * p->o_sb + h * p->o_sh + i * p->o_sl;
+            const int64_t l = b * p->lse_sb + h * p->lse_sh + i * p->lse_sl;
+            if (p->dtype == FA_F64) {
+                double scratch_lse, *lse = p->lse ? (double *)p->lse + l : &scratch_lse;
+                fa_merge_row_f64(nch, Dv, (const double *)pout + r * Dv, rows * Dv,
+                                 (const double *)plse + r, rows, (double *)p->out + o, lse);
+            } else {
+                float scratch_lse, *lse = p->lse ? (float *)p->lse + l : &scratch_lse;
+                fa_merge_row_f32(nch, Dv, (const float *)pout + r * Dv, rows * Dv,
+                                 (const float *)plse + r, rows, (float *)p->out + o, lse);
+            }
+        }
+    }
+    free(pout);
+    free(plse);
+    return failed ? FA_ERR_NOMEM : FA_OK;
+}
+
 int fa_attention_forward(const fa_params *p)
 {
     int rc = fa_check(p);
@@ -322,6 +420,12 @@ int fa_attention_forward(const fa_params *p)
     if ((int64_t)nth > items) nth = (int)items;
     if (nth < 1) nth = 1;
 
+    if (fa_use_split(p)) {
+        int nth_all = p->num_threads > 0 ? p->num_threads : fa_max_threads();
+        rc = fa_decode_split(p, &pl, qblock, scratch_bytes, nth_all < 1 ? 1 : nth_all);
+        free(pl.start);
+        return rc;
+    }
     int failed = 0;
     if (fa_use_head_tasks(p, &pl, nth)) {
         const int64_t tasks = p->B * p->Hkv * pl.nhc;
@@ -377,48 +481,56 @@ int fa_exp_array(int isa, int dtype, const void *x, void *y, int64_t n)
     return FA_OK;
 }
 
-/* merge: row by row, parts in the given order.  m = max_p lse_p (0 where every part
- * is -inf), w_p = exp(lse_p - m), out = sum_p w_p out_p / sum_p w_p, lse = m + log
- * sum_p w_p; a part at -inf has w_p = 0 and never touches the row (so a non-finite
- * out_p of an empty part cannot leak), and an all -inf row gives 0 and -inf. */
-#define FA_MERGE_BODY(T, EXP, LOG)                                                          \
+/* Merging partial attentions, one row at a time, parts in the given order (the
+ * maths of fastattn.merge): m = max_p lse_p, w_p = exp(lse_p - m),
+ * out = sum_p w_p out_p / sum_p w_p, lse = m + log sum_p w_p.  A part at -inf has
+ * w_p = 0 and never touches the row (a non-finite out_p of an empty part cannot
+ * leak); an all -inf row gives 0 and -inf; a NaN lse makes the row NaN.
+ * Part q's row is at out + q*ostride, its lse at lse[q*lstride]. */
+#define FA_MERGE_ROW(NAME, T, EXP, LOG)                                                      \
+    static void NAME(int64_t parts, int64_t dv, const T *out, int64_t ostride, const T *lse,  \
+                     int64_t lstride, T *dst, T *dst_lse)                                   \
     {                                                                                       \
-        const T *O = (const T *)outs, *L = (const T *)lses;                                 \
-        T *o = (T *)out, *l = (T *)lse;                                                     \
-        for (int64_t r = 0; r < rows; r++) {                                                \
-            T m = -(T)INFINITY;                                                             \
-            for (int64_t q = 0; q < parts; q++) {                                           \
-                T x = L[q * rows + r];                                                      \
-                if (x > m || x != x) m = x;                                                 \
-                if (m != m) break;                                                          \
-            }                                                                               \
-            T *orow = o + r * dv;                                                           \
-            for (int64_t c = 0; c < dv; c++) orow[c] = (T)0;                                \
-            if (m == -(T)INFINITY) {                                                        \
-                l[r] = -(T)INFINITY;                                                        \
-                continue;                                                                   \
-            }                                                                               \
-            T total = 0;                                                                    \
-            for (int64_t q = 0; q < parts; q++) {                                           \
-                T x = L[q * rows + r];                                                      \
-                if (x == -(T)INFINITY) continue;                                            \
-                T w = EXP(x - m);                                                           \
-                total += w;                                                                 \
-                const T *src = O + (q * rows + r) * dv;                                     \
-                for (int64_t c = 0; c < dv; c++) orow[c] += w * src[c];                     \
-            }                                                                               \
-            const T inv = (T)1 / total;                                                     \
-            for (int64_t c = 0; c < dv; c++) orow[c] *= inv;                                \
-            l[r] = m + LOG(total);                                                          \
+        T m = -(T)INFINITY;                                                                 \
+        for (int64_t q = 0; q < parts; q++) {                                               \
+            T x = lse[q * lstride];                                                         \
+            if (x > m || x != x) m = x;                                                     \
+            if (m != m) break;                                                              \
         }                                                                                   \
+        for (int64_t c = 0; c < dv; c++) dst[c] = (T)0;                                     \
+        if (m == -(T)INFINITY) {                                                            \
+            *dst_lse = -(T)INFINITY;                                                        \
+            return;                                                                         \
+        }                                                                                   \
+        T total = 0;                                                                        \
+        for (int64_t q = 0; q < parts; q++) {                                               \
+            T x = lse[q * lstride];                                                         \
+            if (x == -(T)INFINITY) continue;                                                \
+            T w = EXP(x - m);                                                               \
+            total += w;                                                                     \
+            const T *src = out + q * ostride;                                               \
+            for (int64_t c = 0; c < dv; c++) dst[c] += w * src[c];                          \
+        }                                                                                   \
+        const T inv = (T)1 / total;                                                         \
+        for (int64_t c = 0; c < dv; c++) dst[c] *= inv;                                     \
+        *dst_lse = m + LOG(total);                                                          \
     }
+FA_MERGE_ROW(fa_merge_row_f32, float, expf, logf)
+FA_MERGE_ROW(fa_merge_row_f64, double, exp, log)
 
 int fa_merge(int dtype, int64_t parts, int64_t rows, int64_t dv, const void *outs,
              const void *lses, void *out, void *lse)
 {
     if (parts < 1 || rows < 0 || dv < 0) return FA_ERR_ARG;
-    if (dtype == FA_F32) FA_MERGE_BODY(float, expf, logf)
-    else if (dtype == FA_F64) FA_MERGE_BODY(double, exp, log)
-    else return FA_ERR_ARG;
+    for (int64_t r = 0; r < rows; r++) {
+        if (dtype == FA_F32)
+            fa_merge_row_f32(parts, dv, (const float *)outs + r * dv, rows * dv, (const float *)lses + r,
+                             rows, (float *)out + r * dv, (float *)lse + r);
+        else if (dtype == FA_F64)
+            fa_merge_row_f64(parts, dv, (const double *)outs + r * dv, rows * dv,
+                             (const double *)lses + r, rows, (double *)out + r * dv, (double *)lse + r);
+        else
+            return FA_ERR_ARG;
+    }
     return FA_OK;
 }
