@@ -162,6 +162,19 @@ static inline __m256d fa_mask_gather_pd(__m256d x, const uint8_t *top, const int
                             _mm256_castsi256_pd(_mm256_cvtepi32_epi64(hidden)));
 }
 
+static inline float fa_reduce_ps(__m256 x)
+{
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+    return _mm_cvtss_f32(h);
+}
+static inline double fa_reduce_pd(__m256d x)
+{
+    __m128d h = _mm_add_pd(_mm256_castpd256_pd128(x), _mm256_extractf128_pd(x, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
+}
+
 /* ---------------- float32 ---------------- */
 #define FA_T float
 #define FA_V __m256
@@ -185,6 +198,7 @@ static inline __m256d fa_mask_gather_pd(__m256d x, const uint8_t *top, const int
 #define FA_VMAX(a, b) _mm256_max_ps((a), (b))
 #define FA_VEXP(x) fa_exp_f32_avx2(x)
 #define FA_VNEGINF_TO_ZERO(x) fa_neginf_to_zero_ps(x)
+#define FA_VREDUCE(x) fa_reduce_ps(x)
 #define FA_VABS(x) fa_abs_ps(x)
 #define FA_VDIV(a, b) _mm256_div_ps((a), (b))
 #define FA_VCOPYSIGN(m, s) fa_copysign_ps((m), (s))
@@ -218,6 +232,7 @@ static inline __m256d fa_mask_gather_pd(__m256d x, const uint8_t *top, const int
 #define FA_VMAX(a, b) _mm256_max_pd((a), (b))
 #define FA_VEXP(x) fa_exp_f64_avx2(x)
 #define FA_VNEGINF_TO_ZERO(x) fa_neginf_to_zero_pd(x)
+#define FA_VREDUCE(x) fa_reduce_pd(x)
 #define FA_VABS(x) fa_abs_pd(x)
 #define FA_VDIV(a, b) _mm256_div_pd((a), (b))
 #define FA_VCOPYSIGN(m, s) fa_copysign_pd((m), (s))

@@ -93,6 +93,8 @@ static inline fa_v2d fa_neginf_to_zero_v2d(fa_v2d x)
         return x;                                                                            \
     }
 FA_GENERIC_LANE_OPS(fa_v4f, float, 4, fabsf, copysignf)
+static inline float fa_reduce_fa_v4f(fa_v4f x) { return (x[0] + x[2]) + (x[1] + x[3]); }
+static inline double fa_reduce_fa_v2d(fa_v2d x) { return x[0] + x[1]; }
 FA_GENERIC_LANE_OPS(fa_v2d, double, 2, fabs, copysign)
 
 /* ---------------- float32 ---------------- */
@@ -118,6 +120,7 @@ FA_GENERIC_LANE_OPS(fa_v2d, double, 2, fabs, copysign)
 #define FA_VMAX(a, b) fa_max_v4f((a), (b))
 #define FA_VEXP(x) fa_exp_v4f(x)
 #define FA_VNEGINF_TO_ZERO(x) fa_neginf_to_zero_v4f(x)
+#define FA_VREDUCE(x) fa_reduce_fa_v4f(x)
 #define FA_VABS(x) fa_abs_fa_v4f(x)
 #define FA_VDIV(a, b) ((a) / (b))
 #define FA_VCOPYSIGN(m, s) fa_copysign_fa_v4f((m), (s))
@@ -149,6 +152,7 @@ FA_GENERIC_LANE_OPS(fa_v2d, double, 2, fabs, copysign)
 #define FA_VMAX(a, b) fa_max_v2d((a), (b))
 #define FA_VEXP(x) fa_exp_v2d(x)
 #define FA_VNEGINF_TO_ZERO(x) fa_neginf_to_zero_v2d(x)
+#define FA_VREDUCE(x) fa_reduce_fa_v2d(x)
 #define FA_VABS(x) fa_abs_fa_v2d(x)
 #define FA_VDIV(a, b) ((a) / (b))
 #define FA_VCOPYSIGN(m, s) fa_copysign_fa_v2d((m), (s))

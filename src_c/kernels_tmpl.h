@@ -20,6 +20,7 @@
  *   FA_VABS(x) FA_VDIV(a,b) FA_VCOPYSIGN(mag, sgn)
  *   FA_VIN_RANGE(x, j, lo, hi)  x where lo <= j <= hi (j a broadcast), else -inf
  *   FA_VMASK_BYTES(x, p)        x where the byte p[lane] != 0, else -inf
+ *   FA_VREDUCE(x)               the sum of the lanes
  * and, optionally (FA_HAVE_GATHER), gathers that read a bias or mask tile in place:
  *   FA_VGATHER(base, off)       base[off[lane]] (off: int32 element offsets)
  *   FA_VMASK_GATHER(x, top, off) x where the byte top[off[lane]] != 0, else -inf,
@@ -43,10 +44,16 @@
 
 static inline int64_t FA_NAME(fa_round_up)(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+#ifndef FA_DOT_ROWS
+#define FA_DOT_ROWS 8 /* blocks of up to this many rows take the dot-product QK^T */
+#endif
+
 /* The scratch of one thread, carved from one allocation into FA_ALIGN-aligned
  * pieces (brp = the block's query rows, a multiple of FA_VL; dvp = Dv rounded up
  * to FA_VL; bc = keys per block):
  *   qt      D  x brp   Q block, transposed, times scale (or scale/softcap)
+ *   qn      rows x dp  the same, untransposed (dp = D rounded up to FA_VL), for
+ *                      blocks of at most FA_DOT_ROWS rows (decoding)
  *   s       bc x brp   logits of one key block, then its probabilities (key-major)
  *   o       brp x dvp  running unnormalized output, row-major
  *   m l alpha          brp each: running max, running sum, last rescale factor
@@ -58,7 +65,7 @@ static inline int64_t FA_NAME(fa_round_up)(int64_t x, int64_t m) { return (x + m
  *   mrow brow orow     brp pointers: a row's mask, bias and output rows
  *   boff moff          brp int32: the same rows as offsets from row 0 (gathers) */
 typedef struct FA_NAME(fa_scratch) {
-    FA_T *qt, *s, *o, *m, *l, *alpha, *rlo, *rhi, *slope, *apos, *bt;
+    FA_T *qt, *qn, *s, *o, *m, *l, *alpha, *rlo, *rhi, *slope, *apos, *bt;
     int64_t *lo, *hi;
     int32_t *boff, *moff; /* rows' bias / mask offsets from row 0, for gathers */
     int gather_bias, gather_mask;
@@ -86,6 +93,8 @@ static size_t FA_NAME(fa_layout)(const fa_params *p, const fa_blocks *bl, void *
     char *cur = base ? (char *)base : (char *)0 + FA_ALIGN;
     char *first = cur;
     sc->qt = (FA_T *)FA_NAME(fa_carve)(&cur, (size_t)p->D * brp * t);
+    sc->qn = (FA_T *)FA_NAME(fa_carve)(
+        &cur, (size_t)FA_DOT_ROWS * (size_t)FA_NAME(fa_round_up)(p->D, FA_VL) * t);
     sc->s = (FA_T *)FA_NAME(fa_carve)(&cur, bc * brp * t);
     sc->o = (FA_T *)FA_NAME(fa_carve)(&cur, brp * dvp * t);
     sc->m = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
@@ -160,6 +169,47 @@ static void FA_NAME(fa_qk_tile)(const FA_T *FA_RESTRICT qt, int nv, const FA_T *
     }
 }
 #undef FA_QK_CASE
+
+/* For blocks of at most FA_DOT_ROWS rows (decoding, where the rows are a GQA group's
+ * heads at one position): s[j][r] = q_r . k_j with the feature axis on the SIMD
+ * lanes, so each key row is read as whole vectors once for all the rows, instead of
+ * one broadcast per element (the transposed tile is built for full vectors of
+ * queries and would waste most lanes here). */
+FA_ALWAYS_INLINE void FA_NAME(fa_qk_dot_micro)(const int R, const FA_T *FA_RESTRICT qn, int64_t dp,
+                                               const FA_T *FA_RESTRICT k, int64_t k_sl, int64_t nk,
+                                               int64_t D, FA_T *FA_RESTRICT s, int64_t brp)
+{
+    const int64_t full = D / FA_VL * FA_VL;
+    const int tail = (int)(D - full);
+    for (int64_t j = 0; j < nk; j++) {
+        const FA_T *kj = k + j * k_sl;
+        FA_V acc[FA_DOT_ROWS];
+        for (int r = 0; r < R; r++) acc[r] = FA_VZERO();
+        for (int64_t c = 0; c < full; c += FA_VL) {
+            const FA_V kv = FA_VLOADU(kj + c);
+            for (int r = 0; r < R; r++) acc[r] = FA_VFMA(FA_VLOAD(qn + r * dp + c), kv, acc[r]);
+        }
+        if (tail) {
+            const FA_V kv = FA_VLOADU_N(kj + full, tail);
+            for (int r = 0; r < R; r++) acc[r] = FA_VFMA(FA_VLOAD(qn + r * dp + full), kv, acc[r]);
+        }
+        for (int r = 0; r < R; r++) s[j * brp + r] = FA_VREDUCE(acc[r]);
+    }
+}
+
+static void FA_NAME(fa_qk_dots)(const FA_T *FA_RESTRICT qn, int64_t nr, const FA_T *FA_RESTRICT k,
+                                int64_t k_sl, int64_t nk, int64_t D, FA_T *FA_RESTRICT s, int64_t brp)
+{
+    const int64_t dp = FA_NAME(fa_round_up)(D, FA_VL);
+    switch (nr) {
+#define FA_DOT_CASE(R) \
+    case R: FA_NAME(fa_qk_dot_micro)(R, qn, dp, k, k_sl, nk, D, s, brp); break;
+        FA_DOT_CASE(1) FA_DOT_CASE(2) FA_DOT_CASE(3) FA_DOT_CASE(4)
+        FA_DOT_CASE(5) FA_DOT_CASE(6) FA_DOT_CASE(7) FA_DOT_CASE(8)
+#undef FA_DOT_CASE
+        default: break;
+    }
+}
 
 /* Online-softmax step for one key block, vectorized over queries: new running max,
  * probabilities p = exp(s - m) written over s, running sum l rescaled by
@@ -296,6 +346,10 @@ static void FA_NAME(fa_setup_rows)(const fa_params *p, const fa_item *it, int64_
         const int64_t h = it->h0 + r / it->nq, i = it->q0 + r % it->nq, row = it->qoff + i;
         const FA_T *qi = (const FA_T *)p->q + it->b * p->q_sb + h * p->q_sh + row * p->q_sl;
         for (int64_t d = 0; d < D; d++) sc->qt[d * brp + r] = (FA_T)(qscale * qi[d]);
+        if (nr <= FA_DOT_ROWS) {
+            const int64_t dp = FA_NAME(fa_round_up)(D, FA_VL);
+            for (int64_t d = 0; d < dp; d++) sc->qn[r * dp + d] = d < D ? sc->qt[d * brp + r] : (FA_T)0;
+        }
         const int64_t a = i + diag; /* the aligned diagonal of this row */
         int64_t lo = 0, hi = Lk - 1;
         if (left >= 0 && a - left > lo) lo = a - left;
@@ -456,7 +510,10 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
         mask_state = FA_NAME(fa_mask_tile)(p, nr, j0, nk, brp, sc);
     }
     if (mask_state != 0) {
-        FA_NAME(fa_qk_tile)(sc->qt, nv, k + j0 * p->k_sl, p->k_sl, nk, p->D, sc->s, brp);
+        if (nr <= FA_DOT_ROWS)
+            FA_NAME(fa_qk_dots)(sc->qn, nr, k + j0 * p->k_sl, p->k_sl, nk, p->D, sc->s, brp);
+        else
+            FA_NAME(fa_qk_tile)(sc->qt, nv, k + j0 * p->k_sl, p->k_sl, nk, p->D, sc->s, brp);
         if (p->bias && !sc->gather_bias) FA_NAME(fa_bias_tile)(p, nr, j0, nk, brp, sc);
         const int need_range = lo_max > j0 || hi_min < j0 + nk - 1;
         if (need_range) {

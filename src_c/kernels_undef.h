@@ -29,3 +29,4 @@
 #undef FA_VMASK_BYTES
 #undef FA_VGATHER
 #undef FA_VMASK_GATHER
+#undef FA_VREDUCE
