@@ -21,8 +21,8 @@ SRC = "src_c"
 COMMON_C = ["-O3", "-std=gnu11", "-fno-math-errno", "-Wall", "-Wno-unknown-pragmas"]
 # Per-file instruction-set flags: only these files get them.
 SIMD_FILES = {
-    "kernels_avx2.c": ["-mavx2", "-mfma"],
-    "kernels_avx512.c": ["-mavx512f", "-mavx2", "-mfma"],
+    "kernels_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
+    "kernels_avx512.c": ["-mavx512f", "-mavx2", "-mfma", "-mf16c"],
 }
 IS_X86_64 = platform.machine().lower() in ("x86_64", "amd64")
 

@@ -11,6 +11,7 @@ from . import _kernels
 
 __all__ = ["attention", "attention_weights", "merge", "varlen_attention"]
 
+_F16 = np.dtype(np.float16)
 _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
 _CAUSAL = {"bottom-right": 1, "top-left": 2}
@@ -30,15 +31,23 @@ def _as_array(x, name, fn="attention"):
         raise TypeError(f"fastattn.{fn}: {name} must be an array, got {type(x).__name__}") from e
 
 
-def _check_dtypes(fn, **arrays):
-    (qn, q), *rest = arrays.items()
-    dt = q.dtype
-    if dt != _F32 and dt != _F64:
-        raise TypeError(f"fastattn.{fn}: {qn} has dtype {dt}; supported dtypes are float32 and "
-                        "float64 (native byte order)")
-    if any(a.dtype != dt for _, a in rest):
-        raise TypeError(f"fastattn.{fn}: {', '.join(arrays)} must share one dtype, got "
-                        + ", ".join(f"{n} {a.dtype}" for n, a in arrays.items()))
+def _dtypes(fn, **arrays):
+    """(compute, output, lse) dtypes of a call: all float32, all float64, or float16
+    K/V (with float32 or float16 q), which the kernel converts to float32 in
+    registers; the output takes q's dtype, lse is float32 unless float64."""
+    q = arrays["q"]
+    dq, dkv = q.dtype, {a.dtype for n, a in arrays.items() if n != "q"}
+    if dkv == {dq} and (dq == _F32 or dq == _F64):
+        return dq, dq, dq
+    if dkv == {_F16} and (dq == _F32 or dq == _F16):
+        return _F32, dq, _F32
+    if dq not in (_F32, _F64, _F16):
+        raise TypeError(f"fastattn.{fn}: q has dtype {dq}; supported dtypes are float32, float64 "
+                        "and, for k and v (with float32 or float16 q), float16 (native byte order)")
+    raise TypeError(f"fastattn.{fn}: unsupported dtype combination "
+                    + ", ".join(f"{n} {a.dtype}" for n, a in arrays.items())
+                    + "; q, k and v must share float32 or float64, or k and v be float16 with "
+                    "float32 or float16 q")
 
 
 def _parse_causal(causal, fn="attention"):
@@ -147,7 +156,7 @@ class _Problem:
         if layout not in _LAYOUTS:
             raise ValueError(f"fastattn.{fn}: layout must be 'bhsd' or 'bshd', got {layout!r}")
         arrays = {"q": q, "k": k} if v is None else {"q": q, "k": k, "v": v}
-        _check_dtypes(fn, **arrays)
+        self.dtype, self.out_dtype, self.lse_dtype = _dtypes(fn, **arrays)
         nd = q.ndim
         if nd < 2 or nd > 4 or any(a.ndim != nd for a in arrays.values()):
             raise ValueError(f"fastattn.{fn}: q, k and v must all be 2-D (L, D), 3-D (H, L, D) or "
@@ -170,7 +179,6 @@ class _Problem:
                              f"the number of key/value heads; got {self.user_shapes}")
         self.fn, self.nd, self.layout = fn, nd, layout
         self.q, self.k, self.v = q, k, v
-        self.dtype = q.dtype
         self.B = qs[0] if nd == 4 else 1
         self.Lq, self.D, self.Lk = qs[-2], qs[-1], ks[-2]
         self.logits_shape = (self.B, self.Hq, self.Lq, self.Lk)[4 - nd:]
@@ -244,9 +252,11 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias
     ----------
     q : ndarray, shape (Lq, D), (Hq, Lq, D) or (B, Hq, Lq, D)
         Queries, float32 or float64 (with ``layout="bshd"``: (Lq, Hq, D) or
-        (B, Lq, Hq, D)).
+        (B, Lq, Hq, D)); float16 with float16 k and v.
     k : ndarray, shape (Lk, D), (Hkv, Lk, D) or (B, Hkv, Lk, D)
-        Keys, same dtype, ndim and layout as `q`.  ``Hq`` must be a multiple of
+        Keys, same dtype, ndim and layout as `q`, or float16 with a float32 (or
+        float16) `q`: a float16 KV cache is read at half the bytes and converted to
+        float32 in registers; everything accumulates in float32.  ``Hq`` must be a multiple of
         ``Hkv``: query head ``h`` reads key/value head ``h // (Hq // Hkv)``
         (grouped-query / multi-query attention; no copy of k or v is made, and the
         heads of a group share each K/V tile the kernel loads).
@@ -294,8 +304,8 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias
     Returns
     -------
     out : ndarray, shape (..., Hq, Lq, Dv) (or (..., Lq, Hq, Dv) for 'bshd'), q's dtype
-    lse : ndarray, shape (..., Hq, Lq), q's dtype
-        Only with ``return_lse=True``.
+    lse : ndarray, shape (..., Hq, Lq)
+        Only with ``return_lse=True``; float64 for float64 inputs, else float32.
 
     Notes
     -----
@@ -330,11 +340,11 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias
     else:
         user_shape = out_shape
     if out is None:
-        out = np.empty(user_shape, dtype=pr.dtype)
+        out = np.empty(user_shape, dtype=pr.out_dtype)
     else:
-        _check_out(out, user_shape, pr.dtype, {"q": q, "k": k, "v": v, "mask": mask, "bias": bias})
+        _check_out(out, user_shape, pr.out_dtype, {"q": q, "k": k, "v": v, "mask": mask, "bias": bias})
     out_bhsd = out.swapaxes(-2, -3) if layout == "bshd" and pr.nd > 2 else out
-    lse = np.empty(pr.q.shape[:-1], dtype=pr.dtype) if return_lse else None
+    lse = np.empty(pr.q.shape[:-1], dtype=pr.lse_dtype) if return_lse else None
 
     if out.size or lse is not None and lse.size:
         _run(pr.q, pr.k, pr.v, out_bhsd, lse, scale_f, causal_code, nth, variants)
@@ -355,13 +365,12 @@ def _run(q, k, v, out, lse, scale, causal, nth, variants=None):
 def _run_degenerate(q, k, v, out, lse, scale, causal, nth, variants):
     """D = 0 (every logit q.k is 0) or Dv = 0 (nothing to write but lse): run the kernel
     on feature size 1 (zero q/k, or a zero value column) and keep what is asked."""
-    dt = q.dtype
     if q.shape[-1] == 0:
-        q = np.zeros(q.shape[:-1] + (1,), dt)
-        k = np.zeros(k.shape[:-1] + (1,), dt)
+        q = np.zeros(q.shape[:-1] + (1,), q.dtype)
+        k = np.zeros(k.shape[:-1] + (1,), k.dtype)
     if v.shape[-1] == 0:
-        v = np.zeros(v.shape[:-1] + (1,), dt)
-        out = np.empty(out.shape[:-1] + (1,), dt)
+        v = np.zeros(v.shape[:-1] + (1,), v.dtype)
+        out = np.empty(out.shape[:-1] + (1,), out.dtype)
     _run(q, k, v, out, lse, scale, causal, nth, variants)
 
 
@@ -387,9 +396,9 @@ def attention_weights(q, k, *, scale=None, causal=False, window=None, mask=None,
     va.weights = weights.reshape((1,) * (4 - pr.nd) + pr.logits_shape)
     qk, kk = pr.q, pr.k
     if pr.D == 0:
-        qk = np.zeros(qk.shape[:-1] + (1,), pr.dtype)
-        kk = np.zeros(kk.shape[:-1] + (1,), pr.dtype)
-    unused_out = np.empty((1, 1, 1, 1), pr.dtype)  # the kernel writes only the weights
+        qk = np.zeros(qk.shape[:-1] + (1,), qk.dtype)
+        kk = np.zeros(kk.shape[:-1] + (1,), kk.dtype)
+    unused_out = np.empty((1, 1, 1, 1), pr.out_dtype)  # the kernel writes only the weights
     if not _kernels.forward(qk, kk, kk, unused_out, None, scale_f, causal_code, nth, 0, 0, va):
         qk, kk = np.ascontiguousarray(qk), np.ascontiguousarray(kk)
         _kernels.forward(qk, kk, kk, unused_out, None, scale_f, causal_code, nth, 0, 0, va)
@@ -490,8 +499,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=
     va = pr.variants(window, None, None, alibi_slopes, softcap) or _kernels.Variants()
     va.cu_q, va.cu_k = cq, ck
     Dv = v.shape[-1]
-    out = np.empty(q.shape[:-1] + (Dv,), pr.dtype)
-    lse = np.empty((pr.Hq, q.shape[0]), pr.dtype) if return_lse else None
+    out = np.empty(q.shape[:-1] + (Dv,), pr.out_dtype)
+    lse = np.empty((pr.Hq, q.shape[0]), pr.lse_dtype) if return_lse else None
     if cq.size > 1 and (out.size or return_lse and lse.size):
         # (1, H, total, D) views: the sequences are offsets on the L axis
         _run(pr.q[None], pr.k[None], pr.v[None], out.swapaxes(0, 1)[None],

@@ -28,6 +28,7 @@ cdef extern from "fastattn.h" nogil:
         int causal
         int num_threads
         int isa
+        int kv_f16, q_f16, out_f16
         int64_t block_q, block_k
         double softcap
         const void *alibi
@@ -159,31 +160,35 @@ cdef object _launch(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out
     """Fill the params struct from readable arrays and run the kernel without the GIL."""
     cdef fa_params p
     cdef cnp.ndarray lse
-    cdef int64_t item = cnp.PyArray_ITEMSIZE(q)
+    cdef int64_t item = 8 if cnp.PyArray_TYPE(q) == cnp.NPY_FLOAT64 else 4  # compute dtype
     cdef int64_t sh[4]
     cdef int64_t st[4]
     cdef int rc
     memset(&p, 0, sizeof(p))
-    p.dtype = FA_F32 if cnp.PyArray_TYPE(q) == cnp.NPY_FLOAT32 else FA_F64
+    # float16 q/k/v/out are stored as half bits and computed in float32
+    p.kv_f16 = cnp.PyArray_TYPE(k) == cnp.NPY_FLOAT16
+    p.q_f16 = cnp.PyArray_TYPE(q) == cnp.NPY_FLOAT16
+    p.out_f16 = cnp.PyArray_TYPE(out) == cnp.NPY_FLOAT16
+    p.dtype = FA_F64 if cnp.PyArray_TYPE(q) == cnp.NPY_FLOAT64 else FA_F32
     p.q = cnp.PyArray_DATA(q)
     p.k = cnp.PyArray_DATA(k)
     p.v = cnp.PyArray_DATA(v)
     p.out = cnp.PyArray_DATA(out)
-    _dims(q, item, sh, st)
+    _dims(q, cnp.PyArray_ITEMSIZE(q), sh, st)
     p.B = sh[0]; p.Hq = sh[1]; p.Lq = sh[2]; p.D = sh[3]
     p.q_sb = st[0]; p.q_sh = st[1]; p.q_sl = st[2]
-    _dims(k, item, sh, st)
+    _dims(k, cnp.PyArray_ITEMSIZE(k), sh, st)
     p.Hkv = sh[1]; p.Lk = sh[2]
     p.k_sb = st[0]; p.k_sh = st[1]; p.k_sl = st[2]
-    _dims(v, item, sh, st)
+    _dims(v, cnp.PyArray_ITEMSIZE(v), sh, st)
     p.Dv = sh[3]
     p.v_sb = st[0]; p.v_sh = st[1]; p.v_sl = st[2]
-    _dims(out, item, sh, st)
+    _dims(out, cnp.PyArray_ITEMSIZE(out), sh, st)
     p.o_sb = st[0]; p.o_sh = st[1]; p.o_sl = st[2]
     if lse_obj is not None:
         lse = <cnp.ndarray>lse_obj
         p.lse = cnp.PyArray_DATA(lse)
-        _dims(lse, item, sh, st)  # (B, Hq, Lq) right-aligned: strides land in st[1:]
+        _dims(lse, cnp.PyArray_ITEMSIZE(lse), sh, st)  # (B, Hq, Lq) right-aligned: strides in st[1:]
         p.lse_sb = st[1]; p.lse_sh = st[2]; p.lse_sl = st[3]
     p.scale = scale
     p.causal = causal
@@ -274,15 +279,17 @@ def forward(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, lse_ob
             double scale, int causal, int num_threads, int64_t block_q=0, int64_t block_k=0,
             Variants variants=None):
     """Run the kernel.  q (..., Hq, Lq, D), k (..., Hkv, Lk, D), v (..., Hkv, Lk, Dv),
-    out (..., Hq, Lq, Dv): 2-, 3- or 4-D arrays of one float dtype with matching
-    shapes (checked by fastattn._api); lse (..., Hq, Lq) or None.  Returns False,
+    out (..., Hq, Lq, Dv): 2-, 3- or 4-D arrays with matching shapes (checked by
+    fastattn._api), all float32, all float64, or float16 k/v with float32 q/out, or
+    all float16; lse (..., Hq, Lq) or None, float64 for float64, else float32; the
+    variants' arrays in the compute dtype (float64, else float32).  Returns False,
     without running, if q, k or v cannot be read in place (the caller copies them).
     block_q, block_k: block sizes for measurements (0: the library's choice).
     variants: the optional arguments (a Variants), or None."""
-    cdef int64_t item = cnp.PyArray_ITEMSIZE(q)
-    if not (_readable(q, item) and _readable(k, item) and _readable(v, item)):
+    if not (_readable(q, cnp.PyArray_ITEMSIZE(q)) and _readable(k, cnp.PyArray_ITEMSIZE(k))
+            and _readable(v, cnp.PyArray_ITEMSIZE(v))):
         return False
-    if not _readable(out, item) or not cnp.PyArray_ISWRITEABLE(out):
+    if not _readable(out, cnp.PyArray_ITEMSIZE(out)) or not cnp.PyArray_ISWRITEABLE(out):
         raise ValueError("out must be writeable, aligned, with a contiguous last axis")
     _launch(q, k, v, out, lse_obj, scale, causal, num_threads, block_q, block_k, variants)
     return True

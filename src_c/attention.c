@@ -109,6 +109,8 @@ static int fa_check(const fa_params *p)
     if (!isfinite(p->scale)) return FA_ERR_ARG;
     if (!(p->softcap >= 0) || !isfinite(p->softcap)) return FA_ERR_ARG;
     if ((p->cu_q == NULL) != (p->cu_k == NULL)) return FA_ERR_ARG;
+    if (p->kv_f16 && p->dtype != FA_F32) return FA_ERR_ARG;
+    if ((p->q_f16 || p->out_f16) && !p->kv_f16) return FA_ERR_ARG;
     return FA_OK;
 }
 
@@ -259,6 +261,12 @@ static void fa_item_of(const fa_params *p, const fa_plan *pl, int64_t t, fa_item
  * from L2.  Needs enough heads to keep the threads busy; otherwise (one long head)
  * the blocks read K/V in place.
  */
+/* Bytes per element of K and V. */
+static size_t fa_kv_item(const fa_params *p)
+{
+    return p->kv_f16 ? 2 : p->dtype == FA_F64 ? 8 : 4;
+}
+
 static int fa_use_head_tasks(const fa_params *p, const fa_plan *pl, int nth)
 {
     if ((p->k_sl == p->D && p->v_sl == p->Dv) || p->weights) return 0;
@@ -279,7 +287,7 @@ static void fa_run_head_task(const fa_params *p, const fa_plan *pl, fa_qblock_fn
                              char *kvbuf, void *scratch)
 {
     const int64_t b = t / (p->Hkv * pl->nhc), g = (t / pl->nhc) % p->Hkv, hc = t % pl->nhc;
-    const size_t item = p->dtype == FA_F64 ? 8 : 4;
+    const size_t item = fa_kv_item(p);
     const int64_t Lk = fa_seq_len(p->cu_k, b, p->Lk), koff = p->cu_k ? p->cu_k[b] : 0;
     char *kc = kvbuf, *vc = kvbuf + (size_t)Lk * (size_t)p->D * item;
     const char *k = (const char *)p->k + (size_t)((b * p->k_sb + g * p->k_sh + koff * p->k_sl) * (int64_t)item);
@@ -349,6 +357,7 @@ static int fa_decode_split(const fa_params *p, const fa_plan *pl, fa_qblock_fn q
     }
     /* chunk c writes its partials as a contiguous (B, Hq, Lq, Dv) / (B, Hq, Lq) */
     fa_params part = *p;
+    part.out_f16 = 0; /* partials stay in the compute dtype */
     part.o_sb = p->Hq * p->Lq * Dv;
     part.o_sh = p->Lq * Dv;
     part.o_sl = Dv;
@@ -379,6 +388,8 @@ static int fa_decode_split(const fa_params *p, const fa_plan *pl, fa_qblock_fn q
             qblock(&local, &pl->bl, &it, scratch);
         }
         free(scratch);
+        float *row16 = p->out_f16 ? (float *)malloc((size_t)Dv * sizeof(float)) : NULL;
+        if (p->out_f16 && !row16) failed = 1;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             if (failed) continue;
@@ -391,10 +402,15 @@ static int fa_decode_split(const fa_params *p, const fa_plan *pl, fa_qblock_fn q
                                  (const double *)plse + r, rows, (double *)p->out + o, lse);
             } else {
                 float scratch_lse, *lse = p->lse ? (float *)p->lse + l : &scratch_lse;
+                /* a float16 output is merged into a float row, then converted */
+                float *dst = p->out_f16 ? row16 : (float *)p->out + o;
                 fa_merge_row_f32(nch, Dv, (const float *)pout + r * Dv, rows * Dv,
-                                 (const float *)plse + r, rows, (float *)p->out + o, lse);
+                                 (const float *)plse + r, rows, dst, lse);
+                if (p->out_f16)
+                    for (int64_t c = 0; c < Dv; c++) ((uint16_t *)p->out)[o + c] = fa_float_to_half(dst[c]);
             }
         }
+        free(row16);
     }
     free(pout);
     free(plse);
@@ -412,8 +428,9 @@ int fa_attention_forward(const fa_params *p)
     fa_plan pl;
     rc = fa_make_plan(kern, p, &pl);
     if (rc != FA_OK) return rc;
-    const fa_qblock_fn qblock = kern->qblock[p->dtype];
-    const size_t scratch_bytes = kern->scratch_bytes[p->dtype](p, &pl.bl);
+    const int ki = p->kv_f16 ? FA_KV16 : p->dtype;
+    const fa_qblock_fn qblock = kern->qblock[ki];
+    const size_t scratch_bytes = kern->scratch_bytes[ki](p, &pl.bl);
     const int64_t items = pl.items;
 
     int nth = p->num_threads > 0 ? p->num_threads : fa_max_threads();
@@ -430,7 +447,7 @@ int fa_attention_forward(const fa_params *p)
     if (fa_use_head_tasks(p, &pl, nth)) {
         const int64_t tasks = p->B * p->Hkv * pl.nhc;
         const int64_t lk = fa_max_seq_len(p->cu_k, p->B, p->Lk);
-        const size_t kv_bytes = (size_t)lk * (size_t)(p->D + p->Dv) * (p->dtype == FA_F64 ? 8 : 4);
+        const size_t kv_bytes = (size_t)lk * (size_t)(p->D + p->Dv) * fa_kv_item(p);
         if ((int64_t)nth > tasks) nth = (int)tasks;
 #pragma omp parallel num_threads(nth) if (nth > 1) reduction(| : failed)
         {

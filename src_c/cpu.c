@@ -47,15 +47,15 @@ unsigned fa_cpu_supported_isas(void)
 #ifdef FA_X86
     unsigned a, b, c, d;
     if (!__get_cpuid(1, &a, &b, &c, &d)) return isas;
-    int fma = (c >> 12) & 1, osxsave = (c >> 27) & 1, avx = (c >> 28) & 1;
+    int fma = (c >> 12) & 1, osxsave = (c >> 27) & 1, avx = (c >> 28) & 1, f16c = (c >> 29) & 1;
     if (!osxsave || !avx) return isas;
     uint64_t xcr0 = fa_xgetbv0();
     int os_ymm = (xcr0 & 0x6) == 0x6;    /* XMM and YMM state saved       */
     int os_zmm = (xcr0 & 0xE6) == 0xE6;  /* + opmask, ZMM_Hi256, Hi16_ZMM */
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return isas;
     int avx2 = (b >> 5) & 1, avx512f = (b >> 16) & 1;
-    if (os_ymm && avx2 && fma) isas |= 1u << FA_ISA_AVX2;
-    if (os_zmm && avx512f && avx2 && fma) isas |= 1u << FA_ISA_AVX512;
+    if (os_ymm && avx2 && fma && f16c) isas |= 1u << FA_ISA_AVX2;
+    if (os_zmm && avx512f && avx2 && fma && f16c) isas |= 1u << FA_ISA_AVX512;
 #endif
     return isas;
 }
@@ -134,17 +134,17 @@ int fa_cpu_select(const char *disabled, char *why, int why_len)
     const char *reason;
     if ((have & (1u << FA_ISA_AVX512)) && !no512) {
         isa = FA_ISA_AVX512;
-        reason = "the CPU has AVX512F, AVX2 and FMA and the OS saves the zmm registers";
+        reason = "the CPU has AVX512F, AVX2, FMA and F16C and the OS saves the zmm registers";
     } else if ((have & (1u << FA_ISA_AVX2)) && !no2) {
         isa = FA_ISA_AVX2;
         reason = (have & (1u << FA_ISA_AVX512))
-                     ? "AVX512F disabled by FASTATTN_DISABLE_CPU_FEATURES; the CPU has AVX2 and FMA"
-                     : "the CPU (or the OS) has no usable AVX512F; it has AVX2 and FMA";
+                     ? "AVX512F disabled by FASTATTN_DISABLE_CPU_FEATURES; the CPU has AVX2, FMA and F16C"
+                     : "the CPU (or the OS) has no usable AVX512F; it has AVX2, FMA and F16C";
     } else {
         reason = (have & (1u << FA_ISA_AVX2))
                      ? "AVX2 disabled by FASTATTN_DISABLE_CPU_FEATURES"
 #ifdef FA_HAVE_X86_KERNELS
-                     : "the CPU (or the OS) has neither AVX2+FMA nor AVX512F";
+                     : "the CPU (or the OS) has neither AVX2+FMA+F16C nor AVX512F";
 #else
                      : "this build has no x86 SIMD kernels";
 #endif

@@ -18,6 +18,43 @@
 #define FA_RESTRICT
 #endif
 
+/* IEEE half <-> float in portable C (round to nearest even), for float16 q and
+ * outputs, which are converted once per row; K/V are converted by each ISA's
+ * vector instructions (F16C, AVX-512) in the kernels. */
+static inline float fa_half_to_float(uint16_t h)
+{
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    uint32_t bits;
+    float f;
+    if (exp == 0) {
+        f = (float)man * 5.9604644775390625e-08f; /* subnormal: man * 2^-24, exact */
+        return sign ? -f : f;
+    }
+    bits = exp == 31 ? sign | 0x7f800000u | (man << 13) : sign | ((exp + 112u) << 23) | (man << 13);
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t fa_float_to_half(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u));
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds to >= 65536: inf */
+    if (ax < 0x38800000u) {                                     /* below 2^-14: subnormal */
+        float a;
+        memcpy(&a, &ax, sizeof a);
+        const float m = a * 16777216.0f; /* in units of 2^-24, exact */
+        uint32_t mi = (uint32_t)m;
+        const float frac = m - (float)mi;
+        if (frac > 0.5f || (frac == 0.5f && (mi & 1u))) mi++; /* to nearest even */
+        return (uint16_t)(sign | mi);
+    }
+    const uint32_t r = ax + 0xfffu + ((ax >> 13) & 1u); /* round to nearest even at bit 13 */
+    return (uint16_t)(sign | ((r - 0x38000000u) >> 13));
+}
+
 /* Alignment of every scratch piece: one cache line, enough for any vector load. */
 #define FA_ALIGN 64
 
@@ -46,12 +83,14 @@ typedef void (*fa_qblock_fn)(const fa_params *p, const fa_blocks *bl, const fa_i
 typedef size_t (*fa_scratch_fn)(const fa_params *p, const fa_blocks *bl);
 typedef void (*fa_exp_fn)(const void *x, void *y, int64_t n);
 
-/* The micro-kernels of one instruction set, for each dtype (index enum fa_dtype). */
+/* The micro-kernels of one instruction set, for each dtype (index enum fa_dtype;
+ * FA_KV16 = float32 compute with float16 K/V). */
+#define FA_KV16 2
 typedef struct fa_kernel {
     const char *name;
     int lanes[2];        /* vector width in elements */
-    fa_qblock_fn qblock[2];
-    fa_scratch_fn scratch_bytes[2];
+    fa_qblock_fn qblock[3];        /* float32, float64, float32 with float16 K/V */
+    fa_scratch_fn scratch_bytes[3];
     fa_exp_fn exp_array[2];
 } fa_kernel;
 

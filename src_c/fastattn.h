@@ -63,6 +63,8 @@ typedef struct fa_params {
     int causal;         /* enum fa_causal                                         */
     int num_threads;    /* <= 0: OpenMP's default (OMP_NUM_THREADS, threadpoolctl) */
     int isa;            /* < 0: the kernel chosen at start-up; else an enum fa_isa */
+    int kv_f16;         /* k and v hold float16 (IEEE half) bits; dtype must be FA_F32 */
+    int q_f16, out_f16; /* q / out hold float16 bits (only with kv_f16); lse is f32 */
     int64_t block_q;    /* query rows per block; 0: chosen by the library (a value is  */
     int64_t block_k;    /* rounded up to the vector width); keys per block; 0: chosen */
 

@@ -21,6 +21,9 @@
  *   FA_VIN_RANGE(x, j, lo, hi)  x where lo <= j <= hi (j a broadcast), else -inf
  *   FA_VMASK_BYTES(x, p)        x where the byte p[lane] != 0, else -inf
  *   FA_VREDUCE(x)               the sum of the lanes
+ * and, optionally, for K/V stored in another type FA_KV (float16 K/V: FA_KV_HALF,
+ * computing in float32; default FA_KV = FA_T):
+ *   FA_KV_BCAST(p) FA_KV_LOADU(p) FA_KV_LOADU_N(p, n)   converting loads
  * and, optionally (FA_HAVE_GATHER), gathers that read a bias or mask tile in place:
  *   FA_VGATHER(base, off)       base[off[lane]] (off: int32 element offsets)
  *   FA_VMASK_GATHER(x, top, off) x where the byte top[off[lane]] != 0, else -inf,
@@ -42,8 +45,18 @@
     FA_TILE_ROW(CASE, 1) FA_TILE_ROW(CASE, 2) FA_TILE_ROW(CASE, 3) FA_TILE_ROW(CASE, 4)          \
     FA_TILE_ROW(CASE, 5) FA_TILE_ROW(CASE, 6)
 
+#ifndef FA_KV
+#define FA_KV FA_T
+#define FA_KV_BCAST(p) FA_VSET1(*(p))
+#define FA_KV_LOADU(p) FA_VLOADU(p)
+#define FA_KV_LOADU_N(p, n) FA_VLOADU_N((p), (n))
+#endif
+
 static inline int64_t FA_NAME(fa_round_up)(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+#ifndef FA_DOT_PREFETCH
+#define FA_DOT_PREFETCH 8 /* key rows ahead */
+#endif
 #ifndef FA_DOT_ROWS
 #define FA_DOT_ROWS 8 /* blocks of up to this many rows take the dot-product QK^T */
 #endif
@@ -72,7 +85,7 @@ typedef struct FA_NAME(fa_scratch) {
     uint8_t *mt;
     const uint8_t **mrow;
     const FA_T **brow;
-    FA_T **orow;
+    void **orow; /* FA_T, or float16 bits for a float16 output */
 } FA_NAME(fa_scratch);
 
 static inline void *FA_NAME(fa_carve)(char **cur, size_t bytes)
@@ -110,7 +123,7 @@ static size_t FA_NAME(fa_layout)(const fa_params *p, const fa_blocks *bl, void *
     sc->mt = p->mask ? (uint8_t *)FA_NAME(fa_carve)(&cur, bc * brp) : NULL;
     sc->mrow = (const uint8_t **)FA_NAME(fa_carve)(&cur, brp * sizeof(void *));
     sc->brow = (const FA_T **)FA_NAME(fa_carve)(&cur, brp * sizeof(void *));
-    sc->orow = (FA_T **)FA_NAME(fa_carve)(&cur, brp * sizeof(void *));
+    sc->orow = (void **)FA_NAME(fa_carve)(&cur, brp * sizeof(void *));
     sc->boff = (int32_t *)FA_NAME(fa_carve)(&cur, brp * sizeof(int32_t));
     sc->moff = (int32_t *)FA_NAME(fa_carve)(&cur, brp * sizeof(int32_t));
     return (size_t)(cur - first);
@@ -124,7 +137,7 @@ static size_t FA_NAME(fa_scratch_bytes)(const fa_params *p, const fa_blocks *bl)
 /* S^T tile: s[j][c*VL ...] = sum_d k[j][d] * qt[d][c*VL ...] for R keys and NV query
  * vectors, accumulators in registers (R and NV are constants after inlining). */
 FA_ALWAYS_INLINE void FA_NAME(fa_qk_micro)(const int R, const int NV, const FA_T *FA_RESTRICT qt,
-                                           const FA_T *FA_RESTRICT k, int64_t k_sl, int64_t D,
+                                           const FA_KV *FA_RESTRICT k, int64_t k_sl, int64_t D,
                                            FA_T *FA_RESTRICT s, int64_t brp)
 {
     FA_V acc[FA_QK_R][FA_QK_NV];
@@ -134,7 +147,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_micro)(const int R, const int NV, const FA_T
         FA_V qv[FA_QK_NV];
         for (int c = 0; c < NV; c++) qv[c] = FA_VLOAD(qt + d * brp + c * FA_VL);
         for (int r = 0; r < R; r++) {
-            FA_V kb = FA_VSET1(k[r * k_sl + d]);
+            FA_V kb = FA_KV_BCAST(k + r * k_sl + d);
             for (int c = 0; c < NV; c++) acc[r][c] = FA_VFMA(kb, qv[c], acc[r][c]);
         }
     }
@@ -149,7 +162,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_micro)(const int R, const int NV, const FA_T
         break;
 
 /* The logits of nk keys (rows of k) against the packed query block (nv vectors). */
-static void FA_NAME(fa_qk_tile)(const FA_T *FA_RESTRICT qt, int nv, const FA_T *FA_RESTRICT k,
+static void FA_NAME(fa_qk_tile)(const FA_T *FA_RESTRICT qt, int nv, const FA_KV *FA_RESTRICT k,
                                 int64_t k_sl, int64_t nk, int64_t D, FA_T *FA_RESTRICT s,
                                 int64_t brp)
 {
@@ -159,7 +172,7 @@ static void FA_NAME(fa_qk_tile)(const FA_T *FA_RESTRICT qt, int nv, const FA_T *
         int ncv = nv - cv < FA_QK_NV ? nv - cv : FA_QK_NV;
         for (int64_t j = 0; j < nk; j += FA_QK_R) {
             int r = (int)(nk - j < FA_QK_R ? nk - j : FA_QK_R);
-            const FA_T *kj = k + j * k_sl;
+            const FA_KV *kj = k + j * k_sl;
             FA_T *sj = s + j * brp + cv * FA_VL;
             switch (r * 8 + ncv) {
                 FA_TILE_ROWS(FA_QK_CASE)
@@ -176,28 +189,32 @@ static void FA_NAME(fa_qk_tile)(const FA_T *FA_RESTRICT qt, int nv, const FA_T *
  * one broadcast per element (the transposed tile is built for full vectors of
  * queries and would waste most lanes here). */
 FA_ALWAYS_INLINE void FA_NAME(fa_qk_dot_micro)(const int R, const FA_T *FA_RESTRICT qn, int64_t dp,
-                                               const FA_T *FA_RESTRICT k, int64_t k_sl, int64_t nk,
+                                               const FA_KV *FA_RESTRICT k, int64_t k_sl, int64_t nk,
                                                int64_t D, FA_T *FA_RESTRICT s, int64_t brp)
 {
     const int64_t full = D / FA_VL * FA_VL;
     const int tail = (int)(D - full);
     for (int64_t j = 0; j < nk; j++) {
-        const FA_T *kj = k + j * k_sl;
+        const FA_KV *kj = k + j * k_sl;
+        /* the K stream is the whole cost here: ask for rows a few ahead */
+        for (int64_t c = 0; c < D; c += 64 / (int64_t)sizeof(FA_KV))
+            __builtin_prefetch((const void *)((uintptr_t)(kj + c) +
+                                              (uintptr_t)(FA_DOT_PREFETCH * k_sl) * sizeof(FA_KV)));
         FA_V acc[FA_DOT_ROWS];
         for (int r = 0; r < R; r++) acc[r] = FA_VZERO();
         for (int64_t c = 0; c < full; c += FA_VL) {
-            const FA_V kv = FA_VLOADU(kj + c);
+            const FA_V kv = FA_KV_LOADU(kj + c);
             for (int r = 0; r < R; r++) acc[r] = FA_VFMA(FA_VLOAD(qn + r * dp + c), kv, acc[r]);
         }
         if (tail) {
-            const FA_V kv = FA_VLOADU_N(kj + full, tail);
+            const FA_V kv = FA_KV_LOADU_N(kj + full, tail);
             for (int r = 0; r < R; r++) acc[r] = FA_VFMA(FA_VLOAD(qn + r * dp + full), kv, acc[r]);
         }
         for (int r = 0; r < R; r++) s[j * brp + r] = FA_VREDUCE(acc[r]);
     }
 }
 
-static void FA_NAME(fa_qk_dots)(const FA_T *FA_RESTRICT qn, int64_t nr, const FA_T *FA_RESTRICT k,
+static void FA_NAME(fa_qk_dots)(const FA_T *FA_RESTRICT qn, int64_t nr, const FA_KV *FA_RESTRICT k,
                                 int64_t k_sl, int64_t nk, int64_t D, FA_T *FA_RESTRICT s, int64_t brp)
 {
     const int64_t dp = FA_NAME(fa_round_up)(D, FA_VL);
@@ -251,7 +268,7 @@ static void FA_NAME(fa_softmax_tile)(FA_T *FA_RESTRICT s, int64_t nk, int nv, FA
  * rows and NC value vectors (the last one `tail` lanes wide when tail > 0).  The
  * rescale is skipped when no row's max changed (alpha == 1 for all R rows). */
 FA_ALWAYS_INLINE void FA_NAME(fa_pv_micro)(const int R, const int NC, const FA_T *FA_RESTRICT p,
-                                           const FA_T *FA_RESTRICT v, int64_t v_sl, int64_t nk,
+                                           const FA_KV *FA_RESTRICT v, int64_t v_sl, int64_t nk,
                                            int tail, FA_T *FA_RESTRICT o, int64_t dvp,
                                            const FA_T *FA_RESTRICT alpha, int64_t brp)
 {
@@ -268,7 +285,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_micro)(const int R, const int NC, const FA_T
     if (tail == 0) {
         for (int64_t j = 0; j < nk; j++) {
             FA_V vv[FA_PV_NC];
-            for (int c = 0; c < NC; c++) vv[c] = FA_VLOADU(v + j * v_sl + c * FA_VL);
+            for (int c = 0; c < NC; c++) vv[c] = FA_KV_LOADU(v + j * v_sl + c * FA_VL);
             for (int r = 0; r < R; r++) {
                 FA_V pb = FA_VSET1(p[j * brp + r]);
                 for (int c = 0; c < NC; c++) acc[r][c] = FA_VFMA(pb, vv[c], acc[r][c]);
@@ -277,8 +294,8 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_micro)(const int R, const int NC, const FA_T
     } else {
         for (int64_t j = 0; j < nk; j++) {
             FA_V vv[FA_PV_NC];
-            for (int c = 0; c < NC - 1; c++) vv[c] = FA_VLOADU(v + j * v_sl + c * FA_VL);
-            vv[NC - 1] = FA_VLOADU_N(v + j * v_sl + (NC - 1) * FA_VL, tail);
+            for (int c = 0; c < NC - 1; c++) vv[c] = FA_KV_LOADU(v + j * v_sl + c * FA_VL);
+            vv[NC - 1] = FA_KV_LOADU_N(v + j * v_sl + (NC - 1) * FA_VL, tail);
             for (int r = 0; r < R; r++) {
                 FA_V pb = FA_VSET1(p[j * brp + r]);
                 for (int c = 0; c < NC; c++) acc[r][c] = FA_VFMA(pb, vv[c], acc[r][c]);
@@ -297,7 +314,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_micro)(const int R, const int NC, const FA_T
 
 /* Rescale the running output of nq rows and add this key block's P.V. */
 static void FA_NAME(fa_pv_tile)(const FA_T *FA_RESTRICT p, int64_t nq, int64_t nk,
-                                const FA_T *FA_RESTRICT v, int64_t v_sl, int64_t Dv,
+                                const FA_KV *FA_RESTRICT v, int64_t v_sl, int64_t Dv,
                                 FA_T *FA_RESTRICT o, int64_t dvp, const FA_T *FA_RESTRICT alpha,
                                 int64_t brp)
 {
@@ -308,7 +325,7 @@ static void FA_NAME(fa_pv_tile)(const FA_T *FA_RESTRICT p, int64_t nq, int64_t n
         int64_t w = Dv - c0 < chunk ? Dv - c0 : chunk;
         int nc = (int)((w + FA_VL - 1) / FA_VL);
         int tail = (int)(w % FA_VL);
-        const FA_T *vc = v + c0;
+        const FA_KV *vc = v + c0;
         for (int64_t i = 0; i < nq; i += FA_PV_R) {
             int r = (int)(nq - i < FA_PV_R ? nq - i : FA_PV_R);
             switch (r * 8 + nc) {
@@ -344,8 +361,17 @@ static void FA_NAME(fa_setup_rows)(const fa_params *p, const fa_item *it, int64_
     }
     for (int64_t r = 0; r < nr; r++) {
         const int64_t h = it->h0 + r / it->nq, i = it->q0 + r % it->nq, row = it->qoff + i;
-        const FA_T *qi = (const FA_T *)p->q + it->b * p->q_sb + h * p->q_sh + row * p->q_sl;
-        for (int64_t d = 0; d < D; d++) sc->qt[d * brp + r] = (FA_T)(qscale * qi[d]);
+        const int64_t qoff = it->b * p->q_sb + h * p->q_sh + row * p->q_sl;
+#ifdef FA_KV_HALF
+        if (p->q_f16) {
+            const uint16_t *qh = (const uint16_t *)p->q + qoff;
+            for (int64_t d = 0; d < D; d++) sc->qt[d * brp + r] = (FA_T)(qscale * fa_half_to_float(qh[d]));
+        } else
+#endif
+        {
+            const FA_T *qi = (const FA_T *)p->q + qoff;
+            for (int64_t d = 0; d < D; d++) sc->qt[d * brp + r] = (FA_T)(qscale * qi[d]);
+        }
         if (nr <= FA_DOT_ROWS) {
             const int64_t dp = FA_NAME(fa_round_up)(D, FA_VL);
             for (int64_t d = 0; d < dp; d++) sc->qn[r * dp + d] = d < D ? sc->qt[d * brp + r] : (FA_T)0;
@@ -363,7 +389,10 @@ static void FA_NAME(fa_setup_rows)(const fa_params *p, const fa_item *it, int64_
         if (p->mask) sc->mrow[r] = p->mask + it->b * p->mask_sb + h * p->mask_sh + row * p->mask_sq;
         if (p->bias)
             sc->brow[r] = (const FA_T *)p->bias + it->b * p->bias_sb + h * p->bias_sh + row * p->bias_sq;
-        if (!p->weights) sc->orow[r] = (FA_T *)p->out + it->b * p->o_sb + h * p->o_sh + row * p->o_sl;
+        if (!p->weights) {
+            const int64_t o = it->b * p->o_sb + h * p->o_sh + row * p->o_sl;
+            sc->orow[r] = p->out_f16 ? (void *)((uint16_t *)p->out + o) : (void *)((FA_T *)p->out + o);
+        }
     }
     /* Gathers read a row's bias/mask at an int32 offset from row 0's; possible when
      * every offset fits (padded rows read row 0 again). */
@@ -502,7 +531,7 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
                               int64_t j0, int64_t nk, int64_t lo_max, int64_t hi_min,
                               int64_t brp, FA_NAME(fa_scratch) *sc)
 {
-    const FA_T *k = (const FA_T *)p->k + it->b * p->k_sb + it->g * p->k_sh + it->koff * p->k_sl;
+    const FA_KV *k = (const FA_KV *)p->k + it->b * p->k_sb + it->g * p->k_sh + it->koff * p->k_sl;
     const int gather_mask = sc->gather_mask; /* the block's choice, restored below */
     int mask_state = 2;
     if (p->mask) {
@@ -542,7 +571,7 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
     FA_NAME(fa_scratch) sc;
     FA_NAME(fa_layout)(p, bl, scratch, &sc);
     FA_NAME(fa_setup_rows)(p, it, nr, nvl, brp, bc, &sc);
-    const FA_T *v = (const FA_T *)p->v + it->b * p->v_sb + it->g * p->v_sh + it->koff * p->v_sl;
+    const FA_KV *v = (const FA_KV *)p->v + it->b * p->v_sb + it->g * p->v_sh + it->koff * p->v_sl;
 
     int64_t lo_max = INT64_MIN, hi_min = INT64_MAX;
     for (int64_t r = 0; r < nr; r++) {
@@ -574,15 +603,18 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
         if (lse) lse[0] = sc.l[r] == (FA_T)0 ? -(FA_T)INFINITY
                                              : sc.m[r] + (FA_T)log((double)sc.l[r]);
         if (p->weights) continue;
-        FA_T *orow = sc.orow[r];
-        const FA_T *acc = sc.o + r * dvp;
-        if (sc.l[r] == (FA_T)0) {
-            for (int64_t c = 0; c < Dv; c++) orow[c] = (FA_T)0;
-        } else {
-            /* one division per row, then multiplies (a vector divide costs ~10x) */
-            const FA_T inv = (FA_T)1 / sc.l[r];
-            for (int64_t c = 0; c < Dv; c++) orow[c] = acc[c] * inv;
+        FA_T *acc = sc.o + r * dvp;
+        /* one division per row, then multiplies (a vector divide costs ~10x) */
+        const FA_T inv = sc.l[r] == (FA_T)0 ? (FA_T)0 : (FA_T)1 / sc.l[r];
+        for (int64_t c = 0; c < Dv; c++) acc[c] = sc.l[r] == (FA_T)0 ? (FA_T)0 : acc[c] * inv;
+#ifdef FA_KV_HALF
+        if (p->out_f16) {
+            uint16_t *orow = (uint16_t *)sc.orow[r];
+            for (int64_t c = 0; c < Dv; c++) orow[c] = fa_float_to_half((float)acc[c]);
+            continue;
         }
+#endif
+        memcpy(sc.orow[r], acc, (size_t)Dv * sizeof(FA_T));
     }
     if (!p->weights) return;
 
@@ -597,13 +629,14 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
         const int64_t h = it->h0 + r / it->nq, row = it->qoff + it->q0 + r % it->nq;
         sc.orow[r] = (FA_T *)p->weights + it->b * p->w_sb + h * p->w_sh + row * p->w_sq;
     }
+    FA_T **wrow = (FA_T **)sc.orow;
     for (int64_t j0 = 0; j0 < it->Lk; j0 += bc) {
         const int64_t nk = it->Lk - j0 < bc ? it->Lk - j0 : bc;
         const int live = j0 + nk > it->kv0 && j0 < it->kv1 &&
                          FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc);
         if (!live) {
             for (int64_t r = 0; r < nr; r++)
-                for (int64_t jj = 0; jj < nk; jj++) sc.orow[r][j0 + jj] = (FA_T)0;
+                for (int64_t jj = 0; jj < nk; jj++) wrow[r][j0 + jj] = (FA_T)0;
             continue;
         }
         /* keys outside a row's range are -inf here already, so exp gives them 0 */
@@ -615,10 +648,11 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
             }
         }
         for (int64_t r = 0; r < nr; r++)
-            for (int64_t jj = 0; jj < nk; jj++) sc.orow[r][j0 + jj] = sc.s[jj * brp + r];
+            for (int64_t jj = 0; jj < nk; jj++) wrow[r][j0 + jj] = sc.s[jj * brp + r];
     }
 }
 
+#ifndef FA_KV_HALF
 /* y = exp(x) with this file's vector exp (the ULP test calls it through fa_exp_array). */
 static void FA_NAME(fa_exp_array)(const void *xv, void *yv, int64_t n)
 {
@@ -632,4 +666,4 @@ static void FA_NAME(fa_exp_array)(const void *xv, void *yv, int64_t n)
         for (int64_t t = 0; t < n - i; t++) y[i + t] = tmp[t];
     }
 }
-
+#endif

@@ -30,3 +30,8 @@
 #undef FA_VGATHER
 #undef FA_VMASK_GATHER
 #undef FA_VREDUCE
+#undef FA_KV
+#undef FA_KV_BCAST
+#undef FA_KV_LOADU
+#undef FA_KV_LOADU_N
+#undef FA_KV_HALF

@@ -17,7 +17,7 @@ CASES = [
     ("complex q", lambda q, k, v: dict(q=q.astype(complex), k=k, v=v), TypeError, r"q has dtype complex"),
     ("float16 q", lambda q, k, v: dict(q=q.astype(np.float16), k=k, v=v), TypeError, r"float16"),
     ("mixed dtypes", lambda q, k, v: dict(q=q, k=k.astype(np.float64), v=v), TypeError,
-     r"share one dtype.*k float64"),
+     r"unsupported dtype combination q float32, k float64, v float32"),
     ("object q", lambda q, k, v: dict(q=np.array([[object()]]), k=k, v=v), TypeError, r"q has dtype object"),
     ("1-D", lambda q, k, v: dict(q=q[0, 0], k=k[0, 0], v=v[0, 0]), ValueError, r"2-D.*q\(8,\)"),
     ("5-D", lambda q, k, v: dict(q=q[None, None], k=k[None, None], v=v[None, None]), ValueError,
