@@ -55,7 +55,7 @@
 static inline int64_t FA_NAME(fa_round_up)(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 #ifndef FA_DOT_PREFETCH
-#define FA_DOT_PREFETCH 8 /* key rows ahead */
+#define FA_DOT_PREFETCH 16 /* key rows ahead */
 #endif
 #ifndef FA_DOT_ROWS
 #define FA_DOT_ROWS 8 /* blocks of up to this many rows take the dot-product QK^T */
@@ -272,7 +272,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_micro)(const int R, const int NC, const FA_T
                                            int tail, FA_T *FA_RESTRICT o, int64_t dvp,
                                            const FA_T *FA_RESTRICT alpha, int64_t brp)
 {
-    FA_V acc[FA_PV_R][FA_PV_NC];
+    FA_V acc[FA_PV_R][2 * FA_PV_NC];
     int rescale = 0;
     for (int r = 0; r < R; r++) rescale |= alpha[r] != (FA_T)1;
     for (int r = 0; r < R; r++)
@@ -284,7 +284,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_micro)(const int R, const int NC, const FA_T
         }
     if (tail == 0) {
         for (int64_t j = 0; j < nk; j++) {
-            FA_V vv[FA_PV_NC];
+            FA_V vv[2 * FA_PV_NC];
             for (int c = 0; c < NC; c++) vv[c] = FA_KV_LOADU(v + j * v_sl + c * FA_VL);
             for (int r = 0; r < R; r++) {
                 FA_V pb = FA_VSET1(p[j * brp + r]);
@@ -293,7 +293,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_micro)(const int R, const int NC, const FA_T
         }
     } else {
         for (int64_t j = 0; j < nk; j++) {
-            FA_V vv[FA_PV_NC];
+            FA_V vv[2 * FA_PV_NC];
             for (int c = 0; c < NC - 1; c++) vv[c] = FA_KV_LOADU(v + j * v_sl + c * FA_VL);
             vv[NC - 1] = FA_KV_LOADU_N(v + j * v_sl + (NC - 1) * FA_VL, tail);
             for (int r = 0; r < R; r++) {
@@ -307,18 +307,20 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_micro)(const int R, const int NC, const FA_T
 }
 
 #define FA_PV_CASE(R, NC)                                                                     \
-    case (R) * 8 + (NC):                                                                      \
-        if ((R) <= FA_PV_R && (NC) <= FA_PV_NC)                                               \
+    case (R) * 16 + (NC):                                                                     \
+        if ((R) <= FA_PV_R && ((NC) <= FA_PV_NC || ((R) <= 2 && (NC) <= 2 * FA_PV_NC)))      \
             FA_NAME(fa_pv_micro)(R, NC, p + i, vc, v_sl, nk, tail, o + i * dvp + c0, dvp, alpha + i, brp); \
         break;
 
-/* Rescale the running output of nq rows and add this key block's P.V. */
+/* Rescale the running output of nq rows and add this key block's P.V.  Blocks of
+ * one or two rows (decoding) take twice as many value vectors per pass, since
+ * their accumulators leave registers free: fewer passes over the V tile. */
 static void FA_NAME(fa_pv_tile)(const FA_T *FA_RESTRICT p, int64_t nq, int64_t nk,
                                 const FA_KV *FA_RESTRICT v, int64_t v_sl, int64_t Dv,
                                 FA_T *FA_RESTRICT o, int64_t dvp, const FA_T *FA_RESTRICT alpha,
                                 int64_t brp)
 {
-    const int64_t chunk = (int64_t)FA_PV_NC * FA_VL;
+    const int64_t chunk = (int64_t)(nq <= 2 ? 2 * FA_PV_NC : FA_PV_NC) * FA_VL;
     /* Value columns outer, query rows inner: one column chunk of the V tile stays in
      * L1 while every row group of the block streams it. */
     for (int64_t c0 = 0; c0 < Dv; c0 += chunk) {
@@ -328,8 +330,10 @@ static void FA_NAME(fa_pv_tile)(const FA_T *FA_RESTRICT p, int64_t nq, int64_t n
         const FA_KV *vc = v + c0;
         for (int64_t i = 0; i < nq; i += FA_PV_R) {
             int r = (int)(nq - i < FA_PV_R ? nq - i : FA_PV_R);
-            switch (r * 8 + nc) {
+            switch (r * 16 + nc) {
                 FA_TILE_ROWS(FA_PV_CASE)
+                FA_PV_CASE(1, 5) FA_PV_CASE(1, 6) FA_PV_CASE(1, 7) FA_PV_CASE(1, 8)
+                FA_PV_CASE(2, 5) FA_PV_CASE(2, 6) FA_PV_CASE(2, 7) FA_PV_CASE(2, 8)
                 default: break;
             }
         }
@@ -590,6 +594,14 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
         const int64_t nk = it->kv1 - j0 < bc ? it->kv1 - j0 : bc;
         if (!FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc)) continue;
         FA_NAME(fa_softmax_tile)(sc.s, nk, nv, sc.m, sc.l, sc.alpha, brp);
+        if (nr <= FA_DOT_ROWS && j0 + bc < it->kv1) {
+            /* decoding reads each V row once, with little work per row: fetch the
+             * next tile's rows while this one is being used */
+            const int64_t next = it->kv1 - (j0 + bc) < bc ? it->kv1 - (j0 + bc) : bc;
+            for (int64_t j = 0; j < next; j++)
+                for (int64_t c = 0; c < Dv; c += 64 / (int64_t)sizeof(FA_KV))
+                    __builtin_prefetch(v + (j0 + bc + j) * p->v_sl + c);
+        }
         if (!p->weights)
             FA_NAME(fa_pv_tile)(sc.s, nr, nk, v + j0 * p->v_sl, p->v_sl, Dv, sc.o, dvp, sc.alpha, brp);
     }
