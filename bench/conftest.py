@@ -60,6 +60,32 @@ def record(benchmark, bench_threads):
     return _record
 
 
+@pytest.fixture(scope="session")
+def read_bandwidth(bench_threads):
+    """read_bandwidth(nbytes) -> bytes/s: the best of several multi-threaded reductions
+    over a float32 array of nbytes (one np.max per thread, each over its own slice;
+    NumPy releases the GIL in them): the memory-read ceiling for decoding.  np.max,
+    not np.sum: NumPy's pairwise float sum is compute-bound at ~60% of the bandwidth
+    here, while max runs at the speed of the reads (as fast as PyTorch's sum)."""
+    from concurrent.futures import ThreadPoolExecutor
+    import time
+    cache = {}
+
+    def measure(nbytes):
+        if nbytes not in cache:
+            a = np.ones(nbytes // 4, dtype=np.float32)
+            parts = np.array_split(a, bench_threads)
+            with ThreadPoolExecutor(bench_threads) as ex:
+                best = float("inf")
+                for _ in range(7):
+                    t = time.perf_counter()
+                    list(ex.map(np.max, parts))
+                    best = min(best, time.perf_counter() - t)
+            cache[nbytes] = a.nbytes / best
+        return cache[nbytes]
+    return measure
+
+
 def rel_err(out, ref):
     """max |out - ref| / max |ref|, in float64."""
     ref = np.asarray(ref, dtype=np.float64)
@@ -100,6 +126,7 @@ def pytest_terminal_summary(terminalreporter, config):
     if session is None or getattr(session, "disabled", True):
         return
     _variant_summary(terminalreporter, session.benchmarks)
+    _decode_summary(terminalreporter, session.benchmarks)
     rows = _rows(session.benchmarks)
     sgemm = rows.pop("sgemm", {}).get("numpy sgemm")
     sgemm_gf = sgemm[1]["flops"] / sgemm[0] / 1e9 if sgemm else None
@@ -142,3 +169,21 @@ def _variant_summary(terminalreporter, benchmarks):
     for group, info, st in rows:
         w(f"  {group:<36} {info['variant']} / {info['baseline']}: "
           f"{st.min / info['baseline_min_s']:.3f}x / {st.median / info['baseline_median_s']:.3f}x")
+
+
+def _decode_summary(terminalreporter, benchmarks):
+    """Decode: GB/s of K/V read, % of the measured read bandwidth, speed-up over the
+    baseline measured interleaved (bench/test_decode.py)."""
+    rows = [(bm.extra_info, bm.stats) for bm in benchmarks
+            if "decode" in (getattr(bm, "extra_info", {}) or {}) and getattr(bm, "stats", None)]
+    if not rows:
+        return
+    w = terminalreporter.write_line
+    w("")
+    w(f"decode (threads={rows[0][0]['threads']}, kernel={rows[0][0]['kernel']}): "
+      "ms best, GB/s, % of read bandwidth, speed-up over the baseline (best / median)")
+    for info, st in rows:
+        gbps = info["kv_bytes"] / st.min / 1e9
+        w(f"  {info['decode']:<34} {st.min * 1e3:7.2f} ms {gbps:6.1f} GB/s "
+          f"{100 * gbps / info['read_bandwidth_gbps']:4.0f}%   vs {info['baseline']:<16} "
+          f"{info['baseline_min_s'] / st.min:5.2f}x / {info['baseline_median_s'] / st.median:5.2f}x")
