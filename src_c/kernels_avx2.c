@@ -259,6 +259,7 @@ static inline __m256 fa_half_loadu_n(const uint16_t *p, int n)
 #define FA_KV_BCAST(p) _mm256_set1_ps(_cvtsh_ss(*(p)))
 #define FA_KV_LOADU(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define FA_KV_LOADU_N(p, n) fa_half_loadu_n((p), (n))
+#define FA_KV_SCALAR(x) fa_half_to_float(x)
 #define FA_QK_R 6
 #define FA_QK_NV 2
 #define FA_PV_R 6

@@ -205,6 +205,7 @@ static inline __m512 fa_half_loadu_n(const uint16_t *p, int n)
 #define FA_KV_BCAST(p) _mm512_set1_ps(_cvtsh_ss(*(p)))
 #define FA_KV_LOADU(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #define FA_KV_LOADU_N(p, n) fa_half_loadu_n((p), (n))
+#define FA_KV_SCALAR(x) fa_half_to_float(x)
 #define FA_QK_R 6
 #define FA_QK_NV 4
 #define FA_PV_R 6

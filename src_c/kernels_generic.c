@@ -177,6 +177,7 @@ static inline fa_v4f fa_half_loadu_n(const uint16_t *p, int n)
 #define FA_KV_BCAST(p) fa_set1_v4f(fa_half_to_float(*(p)))
 #define FA_KV_LOADU(p) fa_half_loadu_n((p), 4)
 #define FA_KV_LOADU_N(p, n) fa_half_loadu_n((p), (n))
+#define FA_KV_SCALAR(x) fa_half_to_float(x)
 #define FA_QK_R 4
 #define FA_QK_NV 2
 #define FA_PV_R 4

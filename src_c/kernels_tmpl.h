@@ -50,6 +50,7 @@
 #define FA_KV_BCAST(p) FA_VSET1(*(p))
 #define FA_KV_LOADU(p) FA_VLOADU(p)
 #define FA_KV_LOADU_N(p, n) FA_VLOADU_N((p), (n))
+#define FA_KV_SCALAR(x) (x)
 #endif
 
 static inline int64_t FA_NAME(fa_round_up)(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -68,6 +69,7 @@ static inline int64_t FA_NAME(fa_round_up)(int64_t x, int64_t m) { return (x + m
  *   qn      rows x dp  the same, untransposed (dp = D rounded up to FA_VL), for
  *                      blocks of at most FA_DOT_ROWS rows (decoding)
  *   s       bc x brp   logits of one key block, then its probabilities (key-major)
+ *   s2      bc x brp   the logits again, for a V tile with a NaN or inf in it
  *   o       brp x dvp  running unnormalized output, row-major
  *   m l alpha          brp each: running max, running sum, last rescale factor
  *   rlo rhi            brp each: a row's visible keys relative to the tile
@@ -78,7 +80,7 @@ static inline int64_t FA_NAME(fa_round_up)(int64_t x, int64_t m) { return (x + m
  *   mrow brow orow     brp pointers: a row's mask, bias and output rows
  *   boff moff          brp int32: the same rows as offsets from row 0 (gathers) */
 typedef struct FA_NAME(fa_scratch) {
-    FA_T *qt, *qn, *s, *o, *m, *l, *alpha, *rlo, *rhi, *slope, *apos, *bt;
+    FA_T *qt, *qn, *s, *s2, *o, *m, *l, *alpha, *rlo, *rhi, *slope, *apos, *bt;
     int64_t *lo, *hi;
     int32_t *boff, *moff; /* rows' bias / mask offsets from row 0, for gathers */
     int gather_bias, gather_mask;
@@ -109,6 +111,7 @@ static size_t FA_NAME(fa_layout)(const fa_params *p, const fa_blocks *bl, void *
     sc->qn = (FA_T *)FA_NAME(fa_carve)(
         &cur, (size_t)FA_DOT_ROWS * (size_t)FA_NAME(fa_round_up)(p->D, FA_VL) * t);
     sc->s = (FA_T *)FA_NAME(fa_carve)(&cur, bc * brp * t);
+    sc->s2 = (FA_T *)FA_NAME(fa_carve)(&cur, bc * brp * t);
     sc->o = (FA_T *)FA_NAME(fa_carve)(&cur, brp * dvp * t);
     sc->m = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
     sc->l = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
@@ -349,7 +352,7 @@ static void FA_NAME(fa_setup_rows)(const fa_params *p, const fa_item *it, int64_
                                    int64_t nvl, int64_t brp, int64_t bc, FA_NAME(fa_scratch) *sc)
 {
     const int64_t D = p->D, Lq = it->Lq, Lk = it->Lk;
-    const double qscale = p->softcap > 0 ? p->scale / p->softcap : p->scale;
+    const FA_T qscale = (FA_T)(p->softcap > 0 ? p->scale / p->softcap : p->scale);
     const int64_t diag = p->causal == FA_CAUSAL_TOP_LEFT ? 0 : Lk - Lq;
     const int64_t left = p->window_left, right = p->window_right;
     const int causal = p->causal != FA_CAUSAL_NONE;
@@ -369,12 +372,12 @@ static void FA_NAME(fa_setup_rows)(const fa_params *p, const fa_item *it, int64_
 #ifdef FA_KV_HALF
         if (p->q_f16) {
             const uint16_t *qh = (const uint16_t *)p->q + qoff;
-            for (int64_t d = 0; d < D; d++) sc->qt[d * brp + r] = (FA_T)(qscale * fa_half_to_float(qh[d]));
+            for (int64_t d = 0; d < D; d++) sc->qt[d * brp + r] = qscale * (FA_T)fa_half_to_float(qh[d]);
         } else
 #endif
         {
             const FA_T *qi = (const FA_T *)p->q + qoff;
-            for (int64_t d = 0; d < D; d++) sc->qt[d * brp + r] = (FA_T)(qscale * qi[d]);
+            for (int64_t d = 0; d < D; d++) sc->qt[d * brp + r] = qscale * qi[d];
         }
         if (nr <= FA_DOT_ROWS) {
             const int64_t dp = FA_NAME(fa_round_up)(D, FA_VL);
@@ -563,6 +566,52 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
     return mask_state != 0;
 }
 
+/* Is every value of a V tile finite?  v * 0 is 0 for a finite v and NaN for an inf
+ * or NaN, so the tile's sum of them is 0 exactly when all are finite. */
+static int FA_NAME(fa_v_finite)(const FA_KV *FA_RESTRICT v, int64_t v_sl, int64_t nk, int64_t Dv)
+{
+    const FA_V zero = FA_VZERO();
+    const int64_t full = Dv / FA_VL * FA_VL;
+    FA_V acc0 = FA_VZERO(), acc1 = FA_VZERO(); /* two chains: the adds are not serialized */
+    for (int64_t j = 0; j < nk; j++) {
+        const FA_KV *vj = v + j * v_sl;
+        int64_t c = 0;
+        for (; c + 2 * FA_VL <= full; c += 2 * FA_VL) {
+            acc0 = FA_VFMA(FA_KV_LOADU(vj + c), zero, acc0);
+            acc1 = FA_VFMA(FA_KV_LOADU(vj + c + FA_VL), zero, acc1);
+        }
+        if (c < full) acc0 = FA_VFMA(FA_KV_LOADU(vj + c), zero, acc0);
+        if (full < Dv) acc1 = FA_VFMA(FA_KV_LOADU_N(vj + full, (int)(Dv - full)), zero, acc1);
+    }
+    return FA_VREDUCE(FA_VADD(acc0, acc1)) == (FA_T)0;
+}
+
+/* P.V for a tile whose V holds an inf or NaN.  A hidden key has p = 0, and 0 * inf
+ * would put a NaN into rows that never see that value; so here only the visible
+ * (row, key) pairs are added, visibility read from the tile's logits recomputed
+ * into s2 (-inf = hidden).  Rare: the common path never comes here. */
+static void FA_NAME(fa_pv_tile_nonfinite)(const fa_params *p, const fa_item *it, int64_t nr, int nv,
+                                          int64_t j0, int64_t nk, int64_t lo_max, int64_t hi_min,
+                                          int64_t brp, FA_NAME(fa_scratch) *sc, const FA_KV *v,
+                                          int64_t dvp)
+{
+    FA_T *prob = sc->s;
+    sc->s = sc->s2;
+    FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, sc);
+    sc->s = prob;
+    for (int64_t r = 0; r < nr; r++) {
+        FA_T *o = sc->o + r * dvp;
+        if (sc->alpha[r] != (FA_T)1)
+            for (int64_t c = 0; c < p->Dv; c++) o[c] *= sc->alpha[r];
+        for (int64_t jj = 0; jj < nk; jj++) {
+            if (sc->s2[jj * brp + r] == -(FA_T)INFINITY) continue;
+            const FA_T pj = prob[jj * brp + r];
+            const FA_KV *vr = v + jj * p->v_sl;
+            for (int64_t c = 0; c < p->Dv; c++) o[c] += pj * (FA_T)FA_KV_SCALAR(vr[c]);
+        }
+    }
+}
+
 /* One work item: nr = nh * nq rows against the keys [kv0, kv1) of one kv head. */
 static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa_item *it,
                                void *scratch)
@@ -602,8 +651,12 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
                 for (int64_t c = 0; c < Dv; c += 64 / (int64_t)sizeof(FA_KV))
                     __builtin_prefetch(v + (j0 + bc + j) * p->v_sl + c);
         }
-        if (!p->weights)
+        if (p->weights) continue;
+        if (FA_NAME(fa_v_finite)(v + j0 * p->v_sl, p->v_sl, nk, Dv))
             FA_NAME(fa_pv_tile)(sc.s, nr, nk, v + j0 * p->v_sl, p->v_sl, Dv, sc.o, dvp, sc.alpha, brp);
+        else
+            FA_NAME(fa_pv_tile_nonfinite)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc,
+                                          v + j0 * p->v_sl, dvp);
     }
 
     /* Normalize once.  A row that saw no visible key (l == 0) gives 0 and lse -inf;
@@ -616,9 +669,13 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
                                              : sc.m[r] + (FA_T)log((double)sc.l[r]);
         if (p->weights) continue;
         FA_T *acc = sc.o + r * dvp;
-        /* one division per row, then multiplies (a vector divide costs ~10x) */
-        const FA_T inv = sc.l[r] == (FA_T)0 ? (FA_T)0 : (FA_T)1 / sc.l[r];
-        for (int64_t c = 0; c < Dv; c++) acc[c] = sc.l[r] == (FA_T)0 ? (FA_T)0 : acc[c] * inv;
+        if (sc.l[r] == (FA_T)0) {
+            for (int64_t c = 0; c < Dv; c++) acc[c] = (FA_T)0;
+        } else {
+            /* one division per row, then multiplies (a vector divide costs ~10x) */
+            const FA_T inv = (FA_T)1 / sc.l[r];
+            for (int64_t c = 0; c < Dv; c++) acc[c] *= inv;
+        }
 #ifdef FA_KV_HALF
         if (p->out_f16) {
             uint16_t *orow = (uint16_t *)sc.orow[r];

@@ -35,3 +35,4 @@
 #undef FA_KV_LOADU
 #undef FA_KV_LOADU_N
 #undef FA_KV_HALF
+#undef FA_KV_SCALAR
