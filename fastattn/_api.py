@@ -127,12 +127,18 @@ def _parse_flag(value, name, fn):
     return bool(value)
 
 
+def _fresh(a, dtype=None):
+    """A new C-contiguous copy: freshly allocated, so aligned (np.ascontiguousarray
+    returns an unaligned array unchanged when it is already contiguous)."""
+    return np.array(a, dtype=dtype, order="C", copy=True)
+
+
 def _compact(a, dt):
     """`a` in dtype dt, aligned, with strides of whole elements: the kernel reads it in
     place.  Called on the caller's own (un-broadcast) array, so a copy is never larger
     than what the caller passed."""
     if a.dtype != dt or not a.flags.aligned or any(s % dt.itemsize for s in a.strides):
-        return np.ascontiguousarray(a, dtype=dt)
+        return _fresh(a, dt)
     return a
 
 
@@ -357,9 +363,14 @@ def _run(q, k, v, out, lse, scale, causal, nth, variants=None):
         _run_degenerate(q, k, v, out, lse, scale, causal, nth, variants)
     elif not _kernels.forward(q, k, v, out, lse, scale, causal, nth, 0, 0, variants):
         # an input the kernel cannot read in place (misaligned, a non-contiguous last
-        # axis, strides that are not whole elements): one contiguous copy of each
-        q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
-        _kernels.forward(q, k, v, out, lse, scale, causal, nth, 0, 0, variants)
+        # axis, strides that are not whole elements): one fresh contiguous copy of each
+        _forward_copies(q, k, v, out, lse, scale, causal, nth, variants)
+
+
+def _forward_copies(q, k, v, out, lse, scale, causal, nth, variants):
+    q, k, v = (_fresh(a) for a in (q, k, v))
+    if not _kernels.forward(q, k, v, out, lse, scale, causal, nth, 0, 0, variants):
+        raise RuntimeError("fastattn: the kernel cannot read fresh contiguous copies")  # a bug
 
 
 def _run_degenerate(q, k, v, out, lse, scale, causal, nth, variants):
@@ -400,8 +411,7 @@ def attention_weights(q, k, *, scale=None, causal=False, window=None, mask=None,
         kk = np.zeros(kk.shape[:-1] + (1,), kk.dtype)
     unused_out = np.empty((1, 1, 1, 1), pr.out_dtype)  # the kernel writes only the weights
     if not _kernels.forward(qk, kk, kk, unused_out, None, scale_f, causal_code, nth, 0, 0, va):
-        qk, kk = np.ascontiguousarray(qk), np.ascontiguousarray(kk)
-        _kernels.forward(qk, kk, kk, unused_out, None, scale_f, causal_code, nth, 0, 0, va)
+        _forward_copies(qk, kk, kk, unused_out, None, scale_f, causal_code, nth, va)
     return weights
 
 
@@ -455,7 +465,7 @@ def _cu_seqlens(a, name, total):
         raise ValueError(f"fastattn.varlen_attention: {name} must be 1-D, start at 0, be "
                          f"non-decreasing and end at the packed length {total}; got shape "
                          f"{a.shape}: {a.tolist() if a.size <= 20 else str(a[:20].tolist()) + '...'}")
-    return np.ascontiguousarray(a, dtype=np.int64)
+    return _fresh(a, np.int64)
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=False,

@@ -131,6 +131,8 @@ cdef inline bint _readable(cnp.ndarray a, int64_t item):
     contiguous last axis (or one of length <= 1)?"""
     cdef int nd = cnp.PyArray_NDIM(a), ax
     cdef cnp.npy_intp *st = cnp.PyArray_STRIDES(a)
+    if cnp.PyArray_SIZE(a) == 0:
+        return True  # nothing is read
     if not cnp.PyArray_ISALIGNED(a):
         return False
     if cnp.PyArray_DIM(a, nd - 1) > 1 and st[nd - 1] != item:

@@ -132,10 +132,10 @@ def _timed(f):
 
 
 def _warm_up(f, min_s=0.05, max_calls=50):
-    """Call f until >= 2 calls and min_s seconds (idle vCPUs and thread pools wake up slowly
-    on a shared VM); returns the last call's time."""
+    """Call f for about min_s seconds, at least once (idle vCPUs and thread pools wake up
+    slowly on a shared VM); returns the last call's time."""
     t_end, calls = time.perf_counter() + min_s, 0
-    while calls < 2 or (time.perf_counter() < t_end and calls < max_calls):
+    while calls < 1 or (time.perf_counter() < t_end and calls < max_calls):
         t, calls = _timed(f), calls + 1
     return t
 
