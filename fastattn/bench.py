@@ -1,7 +1,7 @@
 """``python -m fastattn.bench``: fastattn vs PyTorch SDPA vs naive NumPy, with measured ceilings.
 
-    python -m fastattn.bench                      # full grid (a few minutes on 2 cores)
-    python -m fastattn.bench --quick              # a subset, about a minute
+    python -m fastattn.bench                      # full grid (about a minute on 2 cores)
+    python -m fastattn.bench --quick              # a subset (seconds)
     python -m fastattn.bench --threads 2 --json out.json --plot out.png --no-torch
 
 Prefill rows report GFLOP/s (4*B*H*Lq*Lk*D, halved for causal) against a NumPy sgemm
@@ -32,14 +32,10 @@ IMPLS = ("fastattn", "torch", "numpy")
 
 def _shape(kind, L, D=None, H=None, dtype="float32", kv="float32", causal=False, series=True):
     """One benchmark shape; `series` marks the rows of the plotted sweeps."""
-    if kind == "prefill":
-        D, H, lq = D or 64, H or 8, L
-    else:
-        D, H, lq = D or 128, H or 32, 1
-    name = f"{kind} {'L' if kind == 'prefill' else 'Lk'}={L}"
-    name += "".join([f" D={D}" if D != (64 if kind == "prefill" else 128) else "",
-                     " causal" if causal else "", " f64" if dtype == "float64" else "",
-                     " f16 K/V" if kv == "float16" else ""])
+    d0, H, lq = (64, H or 8, L) if kind == "prefill" else (128, H or 32, 1)
+    D = D or d0
+    name = "".join([f"{kind} {'L' if kind == 'prefill' else 'Lk'}={L}", f" D={D}" * (D != d0),
+                    " causal" * causal, " f64" * (dtype == "float64"), " f16 K/V" * (kv == "float16")])
     return dict(name=name, kind=kind, B=1, H=H, Lq=lq, Lk=L, D=D, dtype=dtype, kv_dtype=kv,
                 causal=causal, series=series)
 
@@ -203,6 +199,10 @@ COLS = ("shape", "fastattn ms", "PyTorch ms", "NumPy ms", "fastattn rate", "% ce
         "x vs PyTorch", "x vs NumPy")
 
 
+def _day(iso):
+    return iso[:16].replace("T", " ")  # 2024-01-31 12:34
+
+
 def _ms(r):
     if not r:
         return "-"
@@ -214,7 +214,7 @@ def format_table(result):
     """The printed report: a header, the ceilings and one line per row."""
     m, c = result["machine"], result["ceilings"]
     ver = result["versions"]
-    lines = [f"fastattn.bench  {result['date']}",
+    lines = [f"fastattn.bench  {_day(result['date'])}",
              f"CPU: {m['cpu']}  kernel: {m['kernel']}  threads: {m['threads']}",
              f"fastattn {ver['fastattn']}  numpy {ver['numpy']}  torch {ver['torch'] or '-'}",
              "ceilings (this run): " + ", ".join(
@@ -259,18 +259,23 @@ def plot(result, path):
             pts = [(r["Lk"], r["derived"]["rates"][n]) for r in rows if n in r["derived"]["rates"]]
             if pts:
                 ax.plot(*zip(*pts), color=col, marker=mk, label=label)
+        top = max([r["derived"]["rates"].get(n, 0) for r in rows for n in style] + [1.0])
         if result["ceilings"].get(ckey):
             c = result["ceilings"][ckey]
-            ax.axhline(c, color="0.4", ls="--", lw=1, label=f"{cname} ceiling ({c:.0f} {yl})")
+            top = max(top, c)
+            ax.axhline(c, color="0.4", ls="--", lw=1, label=f"{cname} ceiling")
+            ax.annotate(f"{cname} {c:.0f} {yl}", xy=(0.01, c), xycoords=("axes fraction", "data"),
+                        xytext=(0, 2), textcoords="offset points", fontsize=8, color="0.3")
         ax.set_xscale("log", base=2)
         if rows:
             ax.set_xticks([r["Lk"] for r in rows], [str(r["Lk"]) for r in rows])
         ax.set(title=title, xlabel=xl, ylabel=yl)
-        ax.set_ylim(bottom=0)
+        ax.set_ylim(0, 1.15 * top)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8, loc="best")
     m = result["machine"]
-    fig.suptitle(f"fastattn  |  {m['cpu']}  |  {m['threads']} threads  |  {result['date']}", fontsize=10)
+    fig.suptitle(f"fastattn  |  {m['cpu']}  |  {m['threads']} threads  |  {_day(result['date'])}",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -279,16 +284,14 @@ def plot(result, path):
 def progress(i, n, label, stream=sys.stderr):
     bar = "=" * round(20 * i / n)
     line = f"[{bar:<20}] {i}/{n} {label}"
-    if stream.isatty():
-        stream.write(f"\r{line:<60}" + ("\n" if i == n else ""))
-    else:
-        stream.write(line + "\n")
+    tty = stream.isatty()
+    stream.write(f"\r{line:<60}" + "\n" * (i == n) if tty else line + "\n")
     stream.flush()
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m fastattn.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="a subset (about a minute on 2 cores)")
+    p.add_argument("--quick", action="store_true", help="a subset of the grid (seconds)")
     p.add_argument("--threads", type=int, default=_kernels.max_threads(),
                    help="threads for every implementation (default: fastattn's, %(default)s)")
     p.add_argument("--json", metavar="FILE", help="write everything measured to FILE")
@@ -302,11 +305,9 @@ def main(argv=None):
     shapes = grid(a.shapes or ("quick" if a.quick else "full"))
     torch = None
     if not a.no_torch:
-        try:
+        with contextlib.suppress(ImportError):
             import torch
             torch.set_num_threads(a.threads)
-        except ImportError:
-            torch = None
     cfg = fastattn._config.config()
     cpu, flags = cpu_info()
     result = dict(

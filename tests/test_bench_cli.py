@@ -112,8 +112,8 @@ def test_cli_tiny(tmp_path):
     if importlib.util.find_spec("matplotlib") is not None:
         args += ["--plot", str(png)]
     root = os.path.dirname(os.path.dirname(fastattn.__file__))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run(args, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    # cwd first on sys.path with -m: the subprocess imports the fastattn imported here
+    p = subprocess.run(args, cwd=root, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "prefill L=64" in p.stdout and "decode Lk=128" in p.stdout
     res = json.loads(out.read_text())

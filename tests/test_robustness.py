@@ -2,6 +2,7 @@
 planned for (fuzzed shapes, strides, dtypes and keywords, valid and invalid), odd
 buffers, NaN/Inf, huge index products, concurrent calls, 20,000 calls in a row."""
 import gc
+import os
 import resource
 import threading
 import tracemalloc
@@ -316,4 +317,8 @@ def test_no_leaks_over_20000_calls():
     tracemalloc.stop()
     grown = sum(s.size_diff for s in snap1.compare_to(snap0, "filename") if s.size_diff > 0)
     assert grown < 256 * 1024, f"Python allocations grew by {grown} bytes"
+    if os.environ.get("FASTATTN_SANITIZE"):
+        # AddressSanitizer keeps freed blocks in a quarantine (256 MB by default), so
+        # RSS grows by design there; its own checks cover these calls instead
+        return
     assert rss1 - rss0 < 8 * 1024, f"RSS grew by {rss1 - rss0} KiB"
