@@ -90,9 +90,11 @@ def test_variant(benchmark, bench_threads, group):
     base_times = []
 
     def run_baseline():
+        time.sleep(0.1)  # the same idle before the baseline's call
         t = time.perf_counter()
         fastattn.attention(bq, bk, bv, num_threads=bench_threads, **bkw)
         base_times.append(time.perf_counter() - t)
+        time.sleep(0.1)  # let its spinning worker threads go idle before the timed call
 
     benchmark.group = group
     out = benchmark.pedantic(lambda: fastattn.attention(q, k, v, num_threads=bench_threads, **kw),

@@ -6,8 +6,9 @@
 
 Prefill rows report GFLOP/s (4*B*H*Lq*Lk*D, halved for causal) against a NumPy sgemm
 ceiling; decode rows report GB/s of K/V read (k.nbytes + v.nbytes) against a measured
-read bandwidth. Every implementation runs interleaved (A, B, C, A, B, C, ...); the best
-round is reported. fastattn's output is checked once per shape against the float64 oracle
+read bandwidth. Every implementation runs interleaved (A, B, C, A, B, C, ...), each call
+after a short idle so no library's spinning worker threads share the cores with the next
+one; the best round is reported. fastattn's output is checked once per shape against the float64 oracle
 on one head; the exit code is 1 if a check fails.
 """
 import argparse
@@ -123,7 +124,16 @@ def naive(q, k, v, scale, causal):
     return s @ v
 
 
-def _timed(f):
+SETTLE_S = 0.1  # idle time before each timed call (see _timed)
+
+
+def _timed(f, settle=0.0):
+    """Seconds one call of f takes.  `settle` idles first: after a call, OpenBLAS's and
+    each OpenMP runtime's worker threads keep spinning for a while, and a call of
+    another library that starts meanwhile shares the cores with them (measured here:
+    +20-30% for fastattn and PyTorch right after a NumPy matmul)."""
+    if settle:
+        time.sleep(settle)
     t0 = time.perf_counter()
     f()
     return time.perf_counter() - t0
@@ -163,7 +173,7 @@ def run_shape(sh, threads, torch=None, use_numpy=True, seed=0):
         times = {name: [] for name in fns}
         for _ in range(rounds):
             for name, f in fns.items():
-                times[name].append(_timed(f))
+                times[name].append(_timed(f, SETTLE_S))
     ref = reference.attention(q[:, :1], k[:, :1], v[:, :1], causal=causal)
     err = float(np.max(np.abs(out[:, :1] - ref)) / max(np.max(np.abs(ref)), 1e-300))
     tol = TOL[sh["kv_dtype"]]
