@@ -112,8 +112,8 @@ def _rows(benchmarks):
     for bm in benchmarks:
         info = getattr(bm, "extra_info", {}) or {}
         stats = getattr(bm, "stats", None)
-        if stats is None or "impl" not in info:
-            continue
+        if stats is None or "impl" not in info or "flops" not in info:
+            continue  # e.g. the memory benchmarks, which measure RSS, not throughput
         rows.setdefault(bm.group, {})[info["impl"]] = (stats.min, info)
     return rows
 

@@ -1,8 +1,8 @@
 """Memory: peak RSS growth of each implementation, in a fresh subprocess each.
 
 A child process (fresh interpreter, so nothing else inflates the peak) imports the
-implementation, allocates and touches q, k, v and the output, records ru_maxrss, runs
-the call and records ru_maxrss again.  fastattn's growth stays O(block) -- under 64 MB
+implementation, allocates and touches q, k, v and the output, resets and records its
+peak RSS (VmHWM), runs the call and records the peak again.  fastattn's growth stays O(block) -- under 64 MB
 at L = 32768 (the naive formula would need 4 GiB for the float32 scores there) -- and
 it runs at L = 65536, where the naive formula cannot (16 GiB of scores).  The same
 child checks a few output rows against fastattn.reference (8 x L scores, cheap).
@@ -20,7 +20,7 @@ B, H, D = 1, 1, 64
 LIMIT_MB = 64
 
 CHILD = r"""
-import json, resource, sys, time
+import json, sys, time
 import numpy as np
 impl = sys.argv[1]
 B, H, L, D, threads = (int(x) for x in sys.argv[2:7])
@@ -37,10 +37,20 @@ out = np.empty_like(q)
 out.fill(0.0)                                      # np.empty pages are lazy: touch them
 scale = 1.0 / np.sqrt(D)
 
-def maxrss_kib():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+def status_kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1])
 
-before = maxrss_kib()
+# The peak RSS of this process from now on: ru_maxrss would carry the forking parent's
+# peak across exec, so read VmHWM, first reset to the current RSS (clear_refs 5).
+try:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+except OSError:
+    pass
+before = status_kib("VmHWM:")
 t0 = time.perf_counter()
 if impl == "fastattn":
     fastattn.attention(q, k, v, out=out, num_threads=threads)
@@ -57,7 +67,7 @@ else:  # the naive formula
     np.matmul(s, v, out=out)
     del s
 seconds = time.perf_counter() - t0
-after = maxrss_kib()
+after = status_kib("VmHWM:")
 
 rows = slice(0, L, L // 8)
 ref = reference.attention(q[0, 0, rows], k[0, 0], v[0, 0], scale=scale)
