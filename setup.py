@@ -92,8 +92,8 @@ class BuildExt(build_ext):
                     include_dirs=ext.include_dirs,
                     extra_postargs=COMMON_C + flags,
                     depends=[os.path.join(SRC, h) for h in
-                             ("kernels_tmpl.h", "kernels_undef.h", "fa_internal.h", "fa_exp.h",
-                              "fastattn.h")],
+                             ("kernels_tmpl.h", "kernels_undef.h", "kernels_kv16.h", "fa_internal.h",
+                              "fa_exp.h", "fastattn.h")],
                 )
             ext.extra_objects = list(ext.extra_objects or []) + objects
         super().build_extension(ext)
@@ -110,7 +110,8 @@ ext = Extension(
     include_dirs=[np.get_include(), SRC],
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     depends=[os.path.join(SRC, h) for h in
-             ("fastattn.h", "fa_internal.h", "kernels_tmpl.h", "kernels_undef.h", "fa_exp.h")],
+             ("fastattn.h", "fa_internal.h", "kernels_tmpl.h", "kernels_undef.h", "kernels_kv16.h",
+              "fa_exp.h")],
 )
 
 from Cython.Build import cythonize  # noqa: E402

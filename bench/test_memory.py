@@ -83,8 +83,11 @@ def run_child(impl, L, threads):
     root = os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in [root, env.get("PYTHONPATH", "")] if p)
+    # cwd = that directory too: `python -c` puts the working directory first on sys.path,
+    # and a source checkout there would shadow the installed package
     proc = subprocess.run([sys.executable, "-c", CHILD, impl, str(B), str(H), str(L), str(D),
-                           str(threads)], env=env, capture_output=True, text=True, timeout=900)
+                           str(threads)], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=900)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

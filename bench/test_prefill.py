@@ -12,6 +12,7 @@ import pytest
 
 import fastattn
 from fastattn import reference
+from fastattn.bench import naive  # the naive formula, in one place
 
 # (B, H, L, D, dtype, causal, implementations); "fastattn-1t" is fastattn on one
 # thread, for the thread scaling figure.
@@ -47,19 +48,6 @@ def make_inputs(b, h, l, d, dtype, seed=0):
     rng = np.random.default_rng(seed)
     return tuple(rng.standard_normal((b, h, l, d), dtype=np.float32).astype(dtype, copy=False)
                  for _ in range(3))
-
-
-def naive_numpy(q, k, v, scale, causal_bias=None):
-    """softmax(q k^T * scale) v written plainly in NumPy (in q's dtype), max-subtracted.
-    causal_bias: a precomputed (Lq, Lk) array of 0 / -inf added to the scores."""
-    s = q @ k.swapaxes(-1, -2)
-    s *= s.dtype.type(scale)
-    if causal_bias is not None:
-        s += causal_bias
-    s -= s.max(axis=-1, keepdims=True)
-    np.exp(s, out=s)
-    s /= s.sum(axis=-1, keepdims=True)
-    return s @ v
 
 
 def _import_torch():
@@ -100,12 +88,8 @@ def test_prefill(benchmark, record, check_close, bench_threads, case, impl):
         def f():
             return fastattn.attention(q, k, v, causal=causal, out=out, num_threads=nth)
     elif impl == "numpy":
-        bias = None
-        if causal:
-            bias = np.triu(np.full((l, l), -np.inf, dtype=dtype), k=1)
-
         def f():
-            return naive_numpy(q, k, v, scale, bias)
+            return naive(q, k, v, scale, causal)
     else:
         torch.set_num_threads(bench_threads)
         tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))

@@ -14,6 +14,7 @@ import numpy as np
 
 import fastattn
 from fastattn import reference
+from fastattn.bench import naive
 
 TOL = {np.float32: 3e-5, np.float64: 1e-11}
 
@@ -53,18 +54,6 @@ def self_check(seed=0):
     return ok
 
 
-def naive(q, k, v, scale, bias=None):
-    """softmax(q k^T * scale + bias) v, plainly in NumPy, in q's dtype (bias: 0 / -inf mask)."""
-    s = q @ k.swapaxes(-1, -2)
-    s *= s.dtype.type(scale)
-    if bias is not None:
-        s += bias
-    s -= s.max(axis=-1, keepdims=True)
-    np.exp(s, out=s)
-    s /= s.sum(axis=-1, keepdims=True)
-    return s @ v
-
-
 def best_of(f, n=3):
     times = []
     for _ in range(n):
@@ -90,8 +79,7 @@ def timing(shape, causal, threads):
     if score_bytes > 2 * 2**30:
         print(f"  numpy naive     skipped (score matrix {score_bytes / 2**30:.1f} GiB > 2 GiB)")
         return
-    bias = np.triu(np.full((l, l), -np.inf, dtype=np.float32), k=1) if causal else None
-    t_np = best_of(lambda: naive(q, k, v, scale, bias))
+    t_np = best_of(lambda: naive(q, k, v, scale, causal))
     print(f"  numpy naive     {t_np * 1e3:10.2f} ms  {flops / t_np / 1e9:8.1f} GFLOP/s")
     print(f"  speed-up        {t_np / t_fa:10.2f}x")
 

@@ -153,6 +153,24 @@ static inline __m512d fa_mask_gather_pd(__m512d x, const uint8_t *top, const int
 #define FA_VGATHER(b, o) fa_gather_ps((b), (o))
 #define FA_VMASK_GATHER(x, t, o) fa_mask_gather_ps((x), (t), (o))
 #include "kernels_tmpl.h"
+
+/* ---------------- float32 with float16 K/V (decoding caches) ---------------- */
+static inline __m512 fa_half_loadu_n(const uint16_t *p, int n)
+{
+    uint16_t tmp[16] = {0};
+    memcpy(tmp, p, (size_t)n * sizeof(uint16_t));
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)tmp));
+}
+/* The same float32 operations, K and V read as float16. */
+#include "kernels_kv16.h"
+#define FA_NAME(x) x##_kv16_avx512
+#define FA_KV_HALF 1
+#define FA_KV uint16_t
+#define FA_KV_BCAST(p) _mm512_set1_ps(_cvtsh_ss(*(p)))
+#define FA_KV_LOADU(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define FA_KV_LOADU_N(p, n) fa_half_loadu_n((p), (n))
+#define FA_KV_SCALAR(x) fa_half_to_float(x)
+#include "kernels_tmpl.h"
 #include "kernels_undef.h"
 
 /* ---------------- float64 ---------------- */
@@ -186,52 +204,6 @@ static inline __m512d fa_mask_gather_pd(__m512d x, const uint8_t *top, const int
 #define FA_VMASK_BYTES(x, p) fa_mask_bytes_pd((x), (p))
 #define FA_VGATHER(b, o) fa_gather_pd((b), (o))
 #define FA_VMASK_GATHER(x, t, o) fa_mask_gather_pd((x), (t), (o))
-#include "kernels_tmpl.h"
-#include "kernels_undef.h"
-
-/* ---------------- float32 with float16 K/V (decoding caches) ---------------- */
-static inline __m512 fa_half_loadu_n(const uint16_t *p, int n)
-{
-    uint16_t tmp[16] = {0};
-    memcpy(tmp, p, (size_t)n * sizeof(uint16_t));
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)tmp));
-}
-#define FA_T float
-#define FA_V __m512
-#define FA_VL 16
-#define FA_NAME(x) x##_kv16_avx512
-#define FA_KV_HALF 1
-#define FA_KV uint16_t
-#define FA_KV_BCAST(p) _mm512_set1_ps(_cvtsh_ss(*(p)))
-#define FA_KV_LOADU(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
-#define FA_KV_LOADU_N(p, n) fa_half_loadu_n((p), (n))
-#define FA_KV_SCALAR(x) fa_half_to_float(x)
-#define FA_QK_R 6
-#define FA_QK_NV 4
-#define FA_PV_R 6
-#define FA_PV_NC 4
-#define FA_VLOAD(p) _mm512_load_ps(p)
-#define FA_VSTORE(p, x) _mm512_store_ps((p), (x))
-#define FA_VLOADU(p) _mm512_loadu_ps(p)
-#define FA_VSTOREU(p, x) _mm512_storeu_ps((p), (x))
-#define FA_VLOADU_N(p, n) _mm512_maskz_loadu_ps((__mmask16)((1u << (n)) - 1u), (p))
-#define FA_VSET1(x) _mm512_set1_ps(x)
-#define FA_VZERO() _mm512_setzero_ps()
-#define FA_VADD(a, b) _mm512_add_ps((a), (b))
-#define FA_VSUB(a, b) _mm512_sub_ps((a), (b))
-#define FA_VMUL(a, b) _mm512_mul_ps((a), (b))
-#define FA_VFMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
-#define FA_VMAX(a, b) _mm512_max_ps((a), (b))
-#define FA_VEXP(x) fa_exp_f32_avx512(x)
-#define FA_VNEGINF_TO_ZERO(x) fa_neginf_to_zero_ps(x)
-#define FA_VREDUCE(x) _mm512_reduce_add_ps(x)
-#define FA_VABS(x) _mm512_abs_ps(x)
-#define FA_VDIV(a, b) _mm512_div_ps((a), (b))
-#define FA_VCOPYSIGN(m, s) fa_copysign_ps((m), (s))
-#define FA_VIN_RANGE(x, j, lo, hi) fa_in_range_ps((x), (j), (lo), (hi))
-#define FA_VMASK_BYTES(x, p) fa_mask_bytes_ps((x), (p))
-#define FA_VGATHER(b, o) fa_gather_ps((b), (o))
-#define FA_VMASK_GATHER(x, t, o) fa_mask_gather_ps((x), (t), (o))
 #include "kernels_tmpl.h"
 #include "kernels_undef.h"
 

@@ -127,6 +127,24 @@ FA_GENERIC_LANE_OPS(fa_v2d, double, 2, fabs, copysign)
 #define FA_VIN_RANGE(x, j, lo, hi) fa_in_range_fa_v4f((x), (j), (lo), (hi))
 #define FA_VMASK_BYTES(x, p) fa_mask_bytes_fa_v4f((x), (p))
 #include "kernels_tmpl.h"
+
+/* ---------------- float32 with float16 K/V (converted in scalar C) ---------------- */
+static inline fa_v4f fa_half_loadu_n(const uint16_t *p, int n)
+{
+    fa_v4f x = {0, 0, 0, 0};
+    for (int i = 0; i < n; i++) x[i] = fa_half_to_float(p[i]);
+    return x;
+}
+/* The same float32 operations, K and V read as float16. */
+#include "kernels_kv16.h"
+#define FA_NAME(x) x##_kv16_generic
+#define FA_KV_HALF 1
+#define FA_KV uint16_t
+#define FA_KV_BCAST(p) fa_set1_v4f(fa_half_to_float(*(p)))
+#define FA_KV_LOADU(p) fa_half_loadu_n((p), 4)
+#define FA_KV_LOADU_N(p, n) fa_half_loadu_n((p), (n))
+#define FA_KV_SCALAR(x) fa_half_to_float(x)
+#include "kernels_tmpl.h"
 #include "kernels_undef.h"
 
 /* ---------------- float64 ---------------- */
@@ -158,50 +176,6 @@ FA_GENERIC_LANE_OPS(fa_v2d, double, 2, fabs, copysign)
 #define FA_VCOPYSIGN(m, s) fa_copysign_fa_v2d((m), (s))
 #define FA_VIN_RANGE(x, j, lo, hi) fa_in_range_fa_v2d((x), (j), (lo), (hi))
 #define FA_VMASK_BYTES(x, p) fa_mask_bytes_fa_v2d((x), (p))
-#include "kernels_tmpl.h"
-#include "kernels_undef.h"
-
-/* ---------------- float32 with float16 K/V (converted in scalar C) ---------------- */
-static inline fa_v4f fa_half_loadu_n(const uint16_t *p, int n)
-{
-    fa_v4f x = {0, 0, 0, 0};
-    for (int i = 0; i < n; i++) x[i] = fa_half_to_float(p[i]);
-    return x;
-}
-#define FA_T float
-#define FA_V fa_v4f
-#define FA_VL 4
-#define FA_NAME(x) x##_kv16_generic
-#define FA_KV_HALF 1
-#define FA_KV uint16_t
-#define FA_KV_BCAST(p) fa_set1_v4f(fa_half_to_float(*(p)))
-#define FA_KV_LOADU(p) fa_half_loadu_n((p), 4)
-#define FA_KV_LOADU_N(p, n) fa_half_loadu_n((p), (n))
-#define FA_KV_SCALAR(x) fa_half_to_float(x)
-#define FA_QK_R 4
-#define FA_QK_NV 2
-#define FA_PV_R 4
-#define FA_PV_NC 2
-#define FA_VLOAD(p) (*(const fa_v4f *)(p))
-#define FA_VSTORE(p, x) (*(fa_v4f *)(p) = (x))
-#define FA_VLOADU(p) fa_loadu_v4f(p)
-#define FA_VSTOREU(p, x) fa_storeu_v4f((p), (x))
-#define FA_VLOADU_N(p, n) fa_loadu_n_v4f((p), (n))
-#define FA_VSET1(x) fa_set1_v4f(x)
-#define FA_VZERO() fa_set1_v4f(0.0f)
-#define FA_VADD(a, b) ((a) + (b))
-#define FA_VSUB(a, b) ((a) - (b))
-#define FA_VMUL(a, b) ((a) * (b))
-#define FA_VFMA(a, b, c) ((a) * (b) + (c))
-#define FA_VMAX(a, b) fa_max_v4f((a), (b))
-#define FA_VEXP(x) fa_exp_v4f(x)
-#define FA_VNEGINF_TO_ZERO(x) fa_neginf_to_zero_v4f(x)
-#define FA_VREDUCE(x) fa_reduce_fa_v4f(x)
-#define FA_VABS(x) fa_abs_fa_v4f(x)
-#define FA_VDIV(a, b) ((a) / (b))
-#define FA_VCOPYSIGN(m, s) fa_copysign_fa_v4f((m), (s))
-#define FA_VIN_RANGE(x, j, lo, hi) fa_in_range_fa_v4f((x), (j), (lo), (hi))
-#define FA_VMASK_BYTES(x, p) fa_mask_bytes_fa_v4f((x), (p))
 #include "kernels_tmpl.h"
 #include "kernels_undef.h"
 
