@@ -10,7 +10,7 @@
  * caller's arrays is O(block sizes) per thread; an Lq x Lk buffer never exists.
  *
  * Every array is addressed as base + b*s_b + h*s_h + l*s_l + d, with strides counted
- * in ELEMENTS (not bytes) and the last (feature) axis contiguous.  Strides may be 0
+ * in ELEMENTS of that array (not bytes) and the last (feature) axis contiguous.  Strides may be 0
  * (broadcast) or negative; the caller guarantees that every addressed element lies
  * inside its buffer.  All sizes and index arithmetic are 64-bit.
  */
@@ -23,7 +23,9 @@
 extern "C" {
 #endif
 
-/* Element type of q, k, v, out (all the same); lse has the same type. */
+/* The compute type, which is also that of q, k, v, out, lse, bias and ALiBi slopes,
+ * except where fa_params.kv_f16 / q_f16 / out_f16 say that k and v / q / out hold
+ * float16 (FA_F32 only; lse stays float32). */
 enum fa_dtype { FA_F32 = 0, FA_F64 = 1 };
 
 /* Causal convention (DESIGN.md, semantics 5). */
