@@ -144,6 +144,14 @@ static int64_t fa_seq_len(const int64_t *cu, int64_t b, int64_t fixed)
     return cu ? cu[b + 1] - cu[b] : fixed;
 }
 
+static int64_t fa_max_seq_len(const int64_t *cu, int64_t B, int64_t fixed)
+{
+    int64_t m = cu ? 0 : fixed;
+    for (int64_t b = 0; cu && b < B; b++)
+        if (cu[b + 1] - cu[b] > m) m = cu[b + 1] - cu[b];
+    return m;
+}
+
 /*
  * Queries of heads that share a key/value head are stacked into one item when a
  * head has fewer positions than a block has rows (short prefill, decoding): the
@@ -156,12 +164,7 @@ static int fa_make_plan(const fa_kernel *kern, const fa_params *p, fa_plan *pl)
     pl->bl = fa_choose_blocks(kern, p);
     pl->G = p->Hq / p->Hkv;
     pl->start = NULL;
-    int64_t lmax = p->Lq;
-    if (p->cu_q) {
-        lmax = 0;
-        for (int64_t b = 0; b < p->B; b++)
-            if (fa_seq_len(p->cu_q, b, 0) > lmax) lmax = fa_seq_len(p->cu_q, b, 0);
-    }
+    int64_t lmax = fa_max_seq_len(p->cu_q, p->B, p->Lq);
     if (lmax < 1) lmax = 1;
     if (pl->G > 1 && 2 * lmax <= pl->bl.q) {
         pl->nh = pl->bl.q / lmax < pl->G ? pl->bl.q / lmax : pl->G;
@@ -274,13 +277,6 @@ static int fa_use_head_tasks(const fa_params *p, const fa_plan *pl, int nth)
     return pl->items >= 2 * tasks && tasks >= 4 * (int64_t)nth;
 }
 
-static int64_t fa_max_seq_len(const int64_t *cu, int64_t B, int64_t fixed)
-{
-    int64_t m = cu ? 0 : fixed;
-    for (int64_t b = 0; cu && b < B; b++)
-        if (cu[b + 1] - cu[b] > m) m = cu[b + 1] - cu[b];
-    return m;
-}
 
 /* Task t = (b, g, hc): copy the head's keys and values, then run its query blocks. */
 static void fa_run_head_task(const fa_params *p, const fa_plan *pl, fa_qblock_fn qblock, int64_t t,
