@@ -643,6 +643,7 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
         const int64_t nk = it->kv1 - j0 < bc ? it->kv1 - j0 : bc;
         if (!FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc)) continue;
         FA_NAME(fa_softmax_tile)(sc.s, nk, nv, sc.m, sc.l, sc.alpha, brp);
+        if (p->weights) continue;
         if (nr <= FA_DOT_ROWS && j0 + bc < it->kv1) {
             /* decoding reads each V row once, with little work per row: fetch the
              * next tile's rows while this one is being used */
@@ -651,7 +652,6 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
                 for (int64_t c = 0; c < Dv; c += 64 / (int64_t)sizeof(FA_KV))
                     __builtin_prefetch(v + (j0 + bc + j) * p->v_sl + c);
         }
-        if (p->weights) continue;
         if (FA_NAME(fa_v_finite)(v + j0 * p->v_sl, p->v_sl, nk, Dv))
             FA_NAME(fa_pv_tile)(sc.s, nr, nk, v + j0 * p->v_sl, p->v_sl, Dv, sc.o, dvp, sc.alpha, brp);
         else
