@@ -37,7 +37,6 @@ cdef extern from "fastattn.h" nogil:
         int64_t bias_sb, bias_sh, bias_sq, bias_sk
         const uint8_t *mask
         int64_t mask_sb, mask_sh, mask_sq, mask_sk
-        const uint8_t *mask_lo
         int64_t window_left, window_right
         const int64_t *cu_q
         const int64_t *cu_k
@@ -248,10 +247,7 @@ cdef void _set_variants(fa_params *p, Variants va, int64_t item) except *:
         p.mask = <const uint8_t *>cnp.PyArray_DATA(a)
         _dims(a, 1, sh, st)
         p.mask_sb = st[0]; p.mask_sh = st[1]; p.mask_sq = st[2]; p.mask_sk = st[3]
-        p.mask_lo = p.mask  # the lowest byte the view covers: start of the first
-        for ax in range(4):  # element, moved down by every negative stride
-            if st[ax] < 0:
-                p.mask_lo += st[ax] * (sh[ax] - 1)
+
     if va.bias is not None:
         a = <cnp.ndarray>va.bias
         p.bias = cnp.PyArray_DATA(a)

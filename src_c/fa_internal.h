@@ -55,6 +55,33 @@ static inline uint16_t fa_float_to_half(float f)
     return (uint16_t)(sign | ((r - 0x38000000u) >> 13));
 }
 
+#if defined(__SSE2__) || defined(_M_X64)
+#include <emmintrin.h>
+#define FA_HAVE_SSE2 1
+/* Transposes a 16 x 16 byte block: dst[t * dstride + i] = rows[i][off + t] (16 source
+ * rows, each read from byte `off`).  Four rounds of interleaving rows i and i + 8.
+ * Also ORs the block into *any_v and ANDs "byte == 1" into *all_v. */
+static inline void fa_transpose_u8_16x16(const uint8_t *const *rows, int64_t off, uint8_t *dst,
+                                         int64_t dstride, __m128i *any_v, __m128i *all_v)
+{
+    const __m128i ones = _mm_set1_epi8(1);
+    __m128i a[16], b[16];
+    for (int i = 0; i < 16; i++) {
+        a[i] = _mm_loadu_si128((const __m128i *)(const void *)(rows[i] + off));
+        *any_v = _mm_or_si128(*any_v, a[i]);
+        *all_v = _mm_and_si128(*all_v, _mm_cmpeq_epi8(a[i], ones));
+    }
+    for (int round = 0; round < 4; round++) {
+        for (int i = 0; i < 8; i++) {
+            b[2 * i] = _mm_unpacklo_epi8(a[i], a[i + 8]);
+            b[2 * i + 1] = _mm_unpackhi_epi8(a[i], a[i + 8]);
+        }
+        for (int i = 0; i < 16; i++) a[i] = b[i];
+    }
+    for (int t = 0; t < 16; t++) _mm_storeu_si128((__m128i *)(void *)(dst + t * dstride), a[t]);
+}
+#endif
+
 /* Alignment of every scratch piece: one cache line, enough for any vector load. */
 #define FA_ALIGN 64
 

@@ -78,9 +78,6 @@ typedef struct fa_params {
     int64_t bias_sb, bias_sh, bias_sq, bias_sk; /* element strides (0: broadcast)  */
     const uint8_t *mask;/* bool bytes, nonzero = attend, addressed (b, h, i, j)    */
     int64_t mask_sb, mask_sh, mask_sq, mask_sk; /* byte strides (0: broadcast)     */
-    const uint8_t *mask_lo; /* the lowest address the mask view covers (SIMD gathers
-                           may read up to 3 bytes below a mask byte, never below
-                           this); NULL: gathers are not used                      */
     int64_t window_left, window_right; /* visible iff a-left <= j <= a+right, a the
                            causal convention's diagonal; < 0: unbounded side      */
     const int64_t *cu_q, *cu_k; /* varlen: B+1 offsets on the L axis of q/out/lse and

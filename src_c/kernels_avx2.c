@@ -133,7 +133,7 @@ static inline __m256d fa_mask_bytes_pd(__m256d x, const uint8_t *p)
     return _mm256_blendv_pd(x, _mm256_set1_pd(-INFINITY), hidden);
 }
 
-/* Gathers of a bias or mask tile straight from the caller's rows (fa_logit_tile). */
+/* A gather of a bias tile straight from the caller's rows (fa_logit_tile). */
 #define FA_HAVE_GATHER 1
 static inline __m256 fa_gather_ps(const float *base, const int32_t *off)
 {
@@ -143,25 +143,6 @@ static inline __m256d fa_gather_pd(const double *base, const int32_t *off)
 {
     return _mm256_i32gather_pd(base, _mm_loadu_si128((const __m128i *)off), 8);
 }
-/* Each lane reads the 4 bytes ending at its mask byte and tests the top one. */
-static inline __m256 fa_mask_gather_ps(__m256 x, const uint8_t *top, const int32_t *off)
-{
-    __m256i w = _mm256_i32gather_epi32((const int *)(const void *)(top - 3),
-                                       _mm256_loadu_si256((const __m256i *)off), 1);
-    __m256i hidden = _mm256_cmpeq_epi32(_mm256_and_si256(w, _mm256_set1_epi32((int)0xFF000000u)),
-                                        _mm256_setzero_si256());
-    return _mm256_blendv_ps(x, _mm256_set1_ps(-INFINITY), _mm256_castsi256_ps(hidden));
-}
-static inline __m256d fa_mask_gather_pd(__m256d x, const uint8_t *top, const int32_t *off)
-{
-    __m128i w = _mm_i32gather_epi32((const int *)(const void *)(top - 3),
-                                    _mm_loadu_si128((const __m128i *)off), 1);
-    __m128i hidden = _mm_cmpeq_epi32(_mm_and_si128(w, _mm_set1_epi32((int)0xFF000000u)),
-                                     _mm_setzero_si128());
-    return _mm256_blendv_pd(x, _mm256_set1_pd(-INFINITY),
-                            _mm256_castsi256_pd(_mm256_cvtepi32_epi64(hidden)));
-}
-
 static inline float fa_reduce_ps(__m256 x)
 {
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
@@ -205,7 +186,6 @@ static inline double fa_reduce_pd(__m256d x)
 #define FA_VIN_RANGE(x, j, lo, hi) fa_in_range_ps((x), (j), (lo), (hi))
 #define FA_VMASK_BYTES(x, p) fa_mask_bytes_ps((x), (p))
 #define FA_VGATHER(b, o) fa_gather_ps((b), (o))
-#define FA_VMASK_GATHER(x, t, o) fa_mask_gather_ps((x), (t), (o))
 #include "kernels_tmpl.h"
 
 /* ---------------- float32 with float16 K/V (decoding caches) ---------------- */
@@ -257,7 +237,6 @@ static inline __m256 fa_half_loadu_n(const uint16_t *p, int n)
 #define FA_VIN_RANGE(x, j, lo, hi) fa_in_range_pd((x), (j), (lo), (hi))
 #define FA_VMASK_BYTES(x, p) fa_mask_bytes_pd((x), (p))
 #define FA_VGATHER(b, o) fa_gather_pd((b), (o))
-#define FA_VMASK_GATHER(x, t, o) fa_mask_gather_pd((x), (t), (o))
 #include "kernels_tmpl.h"
 #include "kernels_undef.h"
 

@@ -96,7 +96,7 @@ static inline __m512d fa_mask_bytes_pd(__m512d x, const uint8_t *p)
     return _mm512_mask_blend_pd(_mm512_test_epi64_mask(b, b), _mm512_set1_pd(-INFINITY), x);
 }
 
-/* Gathers of a bias or mask tile straight from the caller's rows (fa_logit_tile). */
+/* A gather of a bias tile straight from the caller's rows (fa_logit_tile). */
 #define FA_HAVE_GATHER 1
 static inline __m512 fa_gather_ps(const float *base, const int32_t *off)
 {
@@ -106,21 +106,6 @@ static inline __m512d fa_gather_pd(const double *base, const int32_t *off)
 {
     return _mm512_i32gather_pd(_mm256_loadu_si256((const __m256i *)off), base, 8);
 }
-/* Each lane reads the 4 bytes ending at its mask byte and tests the top one. */
-static inline __m512 fa_mask_gather_ps(__m512 x, const uint8_t *top, const int32_t *off)
-{
-    __m512i w = _mm512_i32gather_epi32(_mm512_loadu_si512((const void *)off), (const void *)(top - 3), 1);
-    __mmask16 vis = _mm512_test_epi32_mask(w, _mm512_set1_epi32((int)0xFF000000u));
-    return _mm512_mask_blend_ps(vis, _mm512_set1_ps(-INFINITY), x);
-}
-static inline __m512d fa_mask_gather_pd(__m512d x, const uint8_t *top, const int32_t *off)
-{
-    __m256i w = _mm256_i32gather_epi32((const int *)(const void *)(top - 3),
-                                       _mm256_loadu_si256((const __m256i *)off), 1);
-    __mmask8 vis = _mm512_test_epi64_mask(_mm512_cvtepi32_epi64(w), _mm512_set1_epi64(0xFF000000ll));
-    return _mm512_mask_blend_pd(vis, _mm512_set1_pd(-INFINITY), x);
-}
-
 /* ---------------- float32 ---------------- */
 #define FA_T float
 #define FA_V __m512
@@ -151,7 +136,6 @@ static inline __m512d fa_mask_gather_pd(__m512d x, const uint8_t *top, const int
 #define FA_VIN_RANGE(x, j, lo, hi) fa_in_range_ps((x), (j), (lo), (hi))
 #define FA_VMASK_BYTES(x, p) fa_mask_bytes_ps((x), (p))
 #define FA_VGATHER(b, o) fa_gather_ps((b), (o))
-#define FA_VMASK_GATHER(x, t, o) fa_mask_gather_ps((x), (t), (o))
 #include "kernels_tmpl.h"
 
 /* ---------------- float32 with float16 K/V (decoding caches) ---------------- */
@@ -203,7 +187,6 @@ static inline __m512 fa_half_loadu_n(const uint16_t *p, int n)
 #define FA_VIN_RANGE(x, j, lo, hi) fa_in_range_pd((x), (j), (lo), (hi))
 #define FA_VMASK_BYTES(x, p) fa_mask_bytes_pd((x), (p))
 #define FA_VGATHER(b, o) fa_gather_pd((b), (o))
-#define FA_VMASK_GATHER(x, t, o) fa_mask_gather_pd((x), (t), (o))
 #include "kernels_tmpl.h"
 #include "kernels_undef.h"
 

@@ -24,10 +24,8 @@
  * and, optionally, for K/V stored in another type FA_KV (float16 K/V: FA_KV_HALF,
  * computing in float32; default FA_KV = FA_T):
  *   FA_KV_BCAST(p) FA_KV_LOADU(p) FA_KV_LOADU_N(p, n)   converting loads
- * and, optionally (FA_HAVE_GATHER), gathers that read a bias or mask tile in place:
+ * and, optionally (FA_HAVE_GATHER), a gather that reads a bias tile in place:
  *   FA_VGATHER(base, off)       base[off[lane]] (off: int32 element offsets)
- *   FA_VMASK_GATHER(x, top, off) x where the byte top[off[lane]] != 0, else -inf,
- *                               reading the 4 bytes that END at that byte
  *
  * Layout: the query axis is the SIMD axis.  A query block is packed transposed
  * (qt[d][i], pre-multiplied by scale), so S^T = K qt is computed with one key
@@ -78,12 +76,12 @@ static inline int64_t FA_NAME(fa_round_up)(int64_t x, int64_t m) { return (x + m
  *   bt      bc x brp   bias tile, transposed (with a bias only)
  *   mt      bc x brp   mask tile as bytes, transposed (with a mask only)
  *   mrow brow orow     brp pointers: a row's mask, bias and output rows
- *   boff moff          brp int32: the same rows as offsets from row 0 (gathers) */
+ *   boff               brp int32: the bias rows as offsets from row 0 (gathers) */
 typedef struct FA_NAME(fa_scratch) {
     FA_T *qt, *qn, *s, *s2, *o, *m, *l, *alpha, *rlo, *rhi, *slope, *apos, *bt;
     int64_t *lo, *hi;
-    int32_t *boff, *moff; /* rows' bias / mask offsets from row 0, for gathers */
-    int gather_bias, gather_mask;
+    int32_t *boff; /* rows' bias offsets from row 0, for gathers */
+    int gather_bias;
     uint8_t *mt;
     const uint8_t **mrow;
     const FA_T **brow;
@@ -128,7 +126,6 @@ static size_t FA_NAME(fa_layout)(const fa_params *p, const fa_blocks *bl, void *
     sc->brow = (const FA_T **)FA_NAME(fa_carve)(&cur, brp * sizeof(void *));
     sc->orow = (void **)FA_NAME(fa_carve)(&cur, brp * sizeof(void *));
     sc->boff = (int32_t *)FA_NAME(fa_carve)(&cur, brp * sizeof(int32_t));
-    sc->moff = (int32_t *)FA_NAME(fa_carve)(&cur, brp * sizeof(int32_t));
     return (size_t)(cur - first);
 }
 
@@ -401,9 +398,9 @@ static void FA_NAME(fa_setup_rows)(const fa_params *p, const fa_item *it, int64_
             sc->orow[r] = p->out_f16 ? (void *)((uint16_t *)p->out + o) : (void *)((FA_T *)p->out + o);
         }
     }
-    /* Gathers read a row's bias/mask at an int32 offset from row 0's; possible when
-     * every offset fits (padded rows read row 0 again). */
-    sc->gather_bias = sc->gather_mask = 0;
+    /* Gathers read a row's bias at an int32 offset from row 0's; possible when every
+     * offset fits (padded rows read row 0 again). */
+    sc->gather_bias = 0;
 #ifdef FA_HAVE_GATHER
     if (p->bias) {
         sc->gather_bias = 1;
@@ -413,49 +410,38 @@ static void FA_NAME(fa_setup_rows)(const fa_params *p, const fa_item *it, int64_
             sc->boff[r] = (int32_t)d;
         }
     }
-    if (p->mask && p->mask_lo) {
-        sc->gather_mask = 1;
-        for (int64_t r = 0; r < nvl; r++) {
-            int64_t d = r < nr ? sc->mrow[r] - sc->mrow[0] : 0;
-            if (d != (int32_t)d) sc->gather_mask = 0;
-            sc->moff[r] = (int32_t)d;
-        }
-    }
 #endif
 }
 
-/* Classifies the mask of keys j0 .. j0+nk-1 over the block's rows: 0 if no key is
- * visible to any row (the tile is skipped), 1 if some are hidden, 2 if all are
- * visible (nothing to apply).  Without gathers it also transposes the tile into
- * bytes mt[jj][r] for FA_VMASK_BYTES. */
+/* The mask of keys j0 .. j0+nk-1 for every row, transposed into bytes mt[jj][r] (1 =
+ * visible).  Returns 0 if no key of the tile is visible to any row (the tile is
+ * skipped), 1 if some are hidden, 2 if all are visible (nothing to apply).  Rows
+ * whose keys are contiguous go 16 x 16 bytes at a time through SIMD transposes. */
 static int FA_NAME(fa_mask_tile)(const fa_params *p, int64_t nr, int64_t j0, int64_t nk,
                                  int64_t brp, FA_NAME(fa_scratch) *sc)
 {
     const int64_t sk = p->mask_sk;
-    uint64_t any = 0, all = 1;
-    if (sc->gather_mask && sk == 1) {
-        /* numpy bools are bytes 0 or 1: 8 keys per word */
-        const uint64_t ones = 0x0101010101010101ull;
-        for (int64_t r = 0; r < nr; r++) {
-            const uint8_t *row = sc->mrow[r] + j0;
-            int64_t jj = 0;
-            for (; jj + 8 <= nk; jj += 8) {
-                uint64_t w;
-                memcpy(&w, row + jj, sizeof w);
-                any |= w;
-                all &= w == ones;
-            }
-            for (; jj < nk; jj++) {
-                any |= row[jj];
-                all &= row[jj] == 1;
-            }
-        }
-        return any ? (all ? 2 : 1) : 0;
+    unsigned any = 0, all = 1;
+    int64_t rdone = 0, kdone = 0;
+#ifdef FA_HAVE_SSE2
+    if (sk == 1 && nr >= 16 && nk >= 16) {
+        __m128i any_v = _mm_setzero_si128(), all_v = _mm_set1_epi8(-1);
+        rdone = nr / 16 * 16;
+        kdone = nk / 16 * 16;
+        for (int64_t r0 = 0; r0 < rdone; r0 += 16)
+            for (int64_t k0 = 0; k0 < kdone; k0 += 16)
+                fa_transpose_u8_16x16(sc->mrow + r0, j0 + k0, sc->mt + k0 * brp + r0, brp, &any_v,
+                                      &all_v);
+        any = _mm_movemask_epi8(_mm_cmpeq_epi8(any_v, _mm_setzero_si128())) != 0xFFFF;
+        all = _mm_movemask_epi8(all_v) == 0xFFFF;
     }
+#endif
+    /* the rest, one byte at a time: rows past the last full block of 16 for every key,
+     * and keys past the last full block for the rows done above */
     for (int64_t r = 0; r < nr; r++) {
         const uint8_t *row = sc->mrow[r] + j0 * sk;
         uint8_t *col = sc->mt + r;
-        for (int64_t jj = 0; jj < nk; jj++) {
+        for (int64_t jj = r < rdone ? kdone : 0; jj < nk; jj++) {
             uint8_t bit = row[jj * sk] != 0;
             col[jj * brp] = bit;
             any |= bit;
@@ -509,27 +495,11 @@ static void FA_NAME(fa_logit_tile)(const fa_params *p, FA_T *FA_RESTRICT s, int6
             else
 #endif
             if (bias) x = FA_VADD(x, FA_VLOAD(sc->bt + jj * brp + off));
-#ifdef FA_HAVE_GATHER
-            if (mask && sc->gather_mask)
-                x = FA_VMASK_GATHER(x, sc->mrow[0] + (j0 + jj) * p->mask_sk, sc->moff + off);
-            else
-#endif
             if (mask) x = FA_VMASK_BYTES(x, sc->mt + jj * brp + off);
             if (need_range) x = FA_VIN_RANGE(x, jf, rlo, rhi);
             FA_VSTORE(sp, x);
         }
     }
-}
-
-/* Would a mask gather for this tile read below the mask's lowest byte? */
-static int FA_NAME(fa_mask_gather_unsafe)(const fa_params *p, const FA_NAME(fa_scratch) *sc,
-                                          int64_t nr, int64_t j0, int64_t nk)
-{
-    const int64_t lo_k = p->mask_sk >= 0 ? j0 * p->mask_sk : (j0 + nk - 1) * p->mask_sk;
-    const uint8_t *lowest = sc->mrow[0];
-    for (int64_t r = 1; r < nr; r++)
-        if (sc->mrow[r] < lowest) lowest = sc->mrow[r];
-    return (uintptr_t)lowest + (uintptr_t)lo_k < (uintptr_t)p->mask_lo + 3;
 }
 
 /* One key tile through steps 1-5 (QK^T, then fa_logit_tile).  Returns 0 if the
@@ -539,12 +509,7 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
                               int64_t brp, FA_NAME(fa_scratch) *sc)
 {
     const FA_KV *k = (const FA_KV *)p->k + it->b * p->k_sb + it->g * p->k_sh + it->koff * p->k_sl;
-    const int gather_mask = sc->gather_mask; /* the block's choice, restored below */
-    int mask_state = 2;
-    if (p->mask) {
-        if (gather_mask && FA_NAME(fa_mask_gather_unsafe)(p, sc, nr, j0, nk)) sc->gather_mask = 0;
-        mask_state = FA_NAME(fa_mask_tile)(p, nr, j0, nk, brp, sc);
-    }
+    const int mask_state = p->mask ? FA_NAME(fa_mask_tile)(p, nr, j0, nk, brp, sc) : 2;
     if (mask_state != 0) {
         if (nr <= FA_DOT_ROWS)
             FA_NAME(fa_qk_dots)(sc->qn, nr, k + j0 * p->k_sl, p->k_sl, nk, p->D, sc->s, brp);
@@ -562,7 +527,6 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
         }
         FA_NAME(fa_logit_tile)(p, sc->s, nk, nv, j0, need_range, mask_state, brp, sc);
     }
-    sc->gather_mask = gather_mask;
     return mask_state != 0;
 }
 
