@@ -133,15 +133,43 @@ static inline __m256d fa_mask_bytes_pd(__m256d x, const uint8_t *p)
     return _mm256_blendv_pd(x, _mm256_set1_pd(-INFINITY), hidden);
 }
 
-/* A gather of a bias tile straight from the caller's rows (fa_logit_tile). */
-#define FA_HAVE_GATHER 1
-static inline __m256 fa_gather_ps(const float *base, const int32_t *off)
+/* Bias tiles are read row by row and transposed in registers (fa_bias_tile):
+ * dst[t * ds + i] = rows[i][off + t] for an 8 x 8 float or 4 x 4 double block
+ * (unpacks within 128-bit halves, then the halves exchanged). */
+#define FA_HAVE_TRANSPOSE 1
+static inline void fa_transpose_ps(const float *const *rows, int64_t off, float *dst, int64_t ds)
 {
-    return _mm256_i32gather_ps(base, _mm256_loadu_si256((const __m256i *)off), 4);
+    __m256 a[8], b[8], c[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm256_loadu_ps(rows[i] + off);
+    for (int i = 0; i < 4; i++) { /* half H: rows 2i, 2i+1 at columns 4H, 4H+1 | 4H+2, 4H+3 */
+        b[2 * i] = _mm256_unpacklo_ps(a[2 * i], a[2 * i + 1]);
+        b[2 * i + 1] = _mm256_unpackhi_ps(a[2 * i], a[2 * i + 1]);
+    }
+    for (int g = 0; g < 2; g++) { /* c[4g + m], half H: column 4H + m of rows 4g .. 4g+3 */
+        const __m256d x0 = _mm256_castps_pd(b[4 * g]), x1 = _mm256_castps_pd(b[4 * g + 1]),
+                      x2 = _mm256_castps_pd(b[4 * g + 2]), x3 = _mm256_castps_pd(b[4 * g + 3]);
+        c[4 * g] = _mm256_castpd_ps(_mm256_unpacklo_pd(x0, x2));
+        c[4 * g + 1] = _mm256_castpd_ps(_mm256_unpackhi_pd(x0, x2));
+        c[4 * g + 2] = _mm256_castpd_ps(_mm256_unpacklo_pd(x1, x3));
+        c[4 * g + 3] = _mm256_castpd_ps(_mm256_unpackhi_pd(x1, x3));
+    }
+    for (int m = 0; m < 4; m++) {
+        _mm256_store_ps(dst + m * ds, _mm256_permute2f128_ps(c[m], c[4 + m], 0x20));
+        _mm256_store_ps(dst + (4 + m) * ds, _mm256_permute2f128_ps(c[m], c[4 + m], 0x31));
+    }
 }
-static inline __m256d fa_gather_pd(const double *base, const int32_t *off)
+static inline void fa_transpose_pd(const double *const *rows, int64_t off, double *dst, int64_t ds)
 {
-    return _mm256_i32gather_pd(base, _mm_loadu_si128((const __m128i *)off), 8);
+    __m256d a[4], b[4];
+    for (int i = 0; i < 4; i++) a[i] = _mm256_loadu_pd(rows[i] + off);
+    for (int i = 0; i < 2; i++) { /* half H: column 2H (lo) or 2H+1 (hi) of rows 2i, 2i+1 */
+        b[2 * i] = _mm256_unpacklo_pd(a[2 * i], a[2 * i + 1]);
+        b[2 * i + 1] = _mm256_unpackhi_pd(a[2 * i], a[2 * i + 1]);
+    }
+    for (int m = 0; m < 2; m++) {
+        _mm256_store_pd(dst + m * ds, _mm256_permute2f128_pd(b[m], b[2 + m], 0x20));
+        _mm256_store_pd(dst + (2 + m) * ds, _mm256_permute2f128_pd(b[m], b[2 + m], 0x31));
+    }
 }
 static inline float fa_reduce_ps(__m256 x)
 {
@@ -185,7 +213,7 @@ static inline double fa_reduce_pd(__m256d x)
 #define FA_VCOPYSIGN(m, s) fa_copysign_ps((m), (s))
 #define FA_VIN_RANGE(x, j, lo, hi) fa_in_range_ps((x), (j), (lo), (hi))
 #define FA_VMASK_BYTES(x, p) fa_mask_bytes_ps((x), (p))
-#define FA_VGATHER(b, o) fa_gather_ps((b), (o))
+#define FA_VTRANSPOSE(r, o, d, s) fa_transpose_ps((r), (o), (d), (s))
 #include "kernels_tmpl.h"
 
 /* ---------------- float32 with float16 K/V (decoding caches) ---------------- */
@@ -236,7 +264,7 @@ static inline __m256 fa_half_loadu_n(const uint16_t *p, int n)
 #define FA_VCOPYSIGN(m, s) fa_copysign_pd((m), (s))
 #define FA_VIN_RANGE(x, j, lo, hi) fa_in_range_pd((x), (j), (lo), (hi))
 #define FA_VMASK_BYTES(x, p) fa_mask_bytes_pd((x), (p))
-#define FA_VGATHER(b, o) fa_gather_pd((b), (o))
+#define FA_VTRANSPOSE(r, o, d, s) fa_transpose_pd((r), (o), (d), (s))
 #include "kernels_tmpl.h"
 #include "kernels_undef.h"
 

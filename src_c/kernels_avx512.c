@@ -96,15 +96,62 @@ static inline __m512d fa_mask_bytes_pd(__m512d x, const uint8_t *p)
     return _mm512_mask_blend_pd(_mm512_test_epi64_mask(b, b), _mm512_set1_pd(-INFINITY), x);
 }
 
-/* A gather of a bias tile straight from the caller's rows (fa_logit_tile). */
-#define FA_HAVE_GATHER 1
-static inline __m512 fa_gather_ps(const float *base, const int32_t *off)
+/* Bias tiles are read row by row and transposed in registers (fa_bias_tile):
+ * dst[t * ds + i] = rows[i][off + t] for a 16 x 16 float or 8 x 8 double block.
+ * Element unpacks within 128-bit lanes, then a 4 x 4 transpose of the lanes:
+ * 64 shuffles per 256 floats, 24 per 64 doubles (a gather cost far more). */
+#define FA_HAVE_TRANSPOSE 1
+/* out[l] = lane l of g0, g1, g2, g3 (a 4 x 4 transpose of 128-bit lanes). */
+#define FA_LANES_4X4(sh, g0, g1, g2, g3, o0, o1, o2, o3)                                         \
+    do {                                                                                         \
+        const __typeof__(g0) u0 = sh(g0, g1, 0x44), u1 = sh(g0, g1, 0xEE), u2 = sh(g2, g3, 0x44), \
+                             u3 = sh(g2, g3, 0xEE);                                              \
+        o0 = sh(u0, u2, 0x88);                                                                   \
+        o1 = sh(u0, u2, 0xDD);                                                                   \
+        o2 = sh(u1, u3, 0x88);                                                                   \
+        o3 = sh(u1, u3, 0xDD);                                                                   \
+    } while (0)
+static inline void fa_transpose_ps(const float *const *rows, int64_t off, float *dst, int64_t ds)
 {
-    return _mm512_i32gather_ps(_mm512_loadu_si512((const void *)off), base, 4);
+    __m512 a[16], b[16], c[16];
+    for (int i = 0; i < 16; i++) a[i] = _mm512_loadu_ps(rows[i] + off);
+    for (int i = 0; i < 8; i++) { /* lane L: row 2i, 2i+1 at columns 4L, 4L+1 | 4L+2, 4L+3 */
+        b[2 * i] = _mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]);
+        b[2 * i + 1] = _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]);
+    }
+    for (int g = 0; g < 4; g++) { /* c[4g + m], lane L: column 4L + m of rows 4g .. 4g+3 */
+        const __m512d x0 = _mm512_castps_pd(b[4 * g]), x1 = _mm512_castps_pd(b[4 * g + 1]),
+                      x2 = _mm512_castps_pd(b[4 * g + 2]), x3 = _mm512_castps_pd(b[4 * g + 3]);
+        c[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(x0, x2));
+        c[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(x0, x2));
+        c[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(x1, x3));
+        c[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(x1, x3));
+    }
+    for (int m = 0; m < 4; m++) {
+        __m512 o0, o1, o2, o3;
+        FA_LANES_4X4(_mm512_shuffle_f32x4, c[m], c[4 + m], c[8 + m], c[12 + m], o0, o1, o2, o3);
+        _mm512_store_ps(dst + (0 + m) * ds, o0);
+        _mm512_store_ps(dst + (4 + m) * ds, o1);
+        _mm512_store_ps(dst + (8 + m) * ds, o2);
+        _mm512_store_ps(dst + (12 + m) * ds, o3);
+    }
 }
-static inline __m512d fa_gather_pd(const double *base, const int32_t *off)
+static inline void fa_transpose_pd(const double *const *rows, int64_t off, double *dst, int64_t ds)
 {
-    return _mm512_i32gather_pd(_mm256_loadu_si256((const __m256i *)off), base, 8);
+    __m512d a[8], b[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm512_loadu_pd(rows[i] + off);
+    for (int i = 0; i < 4; i++) { /* lane L: column 2L (lo) or 2L+1 (hi) of rows 2i, 2i+1 */
+        b[2 * i] = _mm512_unpacklo_pd(a[2 * i], a[2 * i + 1]);
+        b[2 * i + 1] = _mm512_unpackhi_pd(a[2 * i], a[2 * i + 1]);
+    }
+    for (int m = 0; m < 2; m++) {
+        __m512d o0, o1, o2, o3;
+        FA_LANES_4X4(_mm512_shuffle_f64x2, b[m], b[2 + m], b[4 + m], b[6 + m], o0, o1, o2, o3);
+        _mm512_store_pd(dst + (0 + m) * ds, o0);
+        _mm512_store_pd(dst + (2 + m) * ds, o1);
+        _mm512_store_pd(dst + (4 + m) * ds, o2);
+        _mm512_store_pd(dst + (6 + m) * ds, o3);
+    }
 }
 /* ---------------- float32 ---------------- */
 #define FA_T float
@@ -135,7 +182,7 @@ static inline __m512d fa_gather_pd(const double *base, const int32_t *off)
 #define FA_VCOPYSIGN(m, s) fa_copysign_ps((m), (s))
 #define FA_VIN_RANGE(x, j, lo, hi) fa_in_range_ps((x), (j), (lo), (hi))
 #define FA_VMASK_BYTES(x, p) fa_mask_bytes_ps((x), (p))
-#define FA_VGATHER(b, o) fa_gather_ps((b), (o))
+#define FA_VTRANSPOSE(r, o, d, s) fa_transpose_ps((r), (o), (d), (s))
 #include "kernels_tmpl.h"
 
 /* ---------------- float32 with float16 K/V (decoding caches) ---------------- */
@@ -186,7 +233,7 @@ static inline __m512 fa_half_loadu_n(const uint16_t *p, int n)
 #define FA_VCOPYSIGN(m, s) fa_copysign_pd((m), (s))
 #define FA_VIN_RANGE(x, j, lo, hi) fa_in_range_pd((x), (j), (lo), (hi))
 #define FA_VMASK_BYTES(x, p) fa_mask_bytes_pd((x), (p))
-#define FA_VGATHER(b, o) fa_gather_pd((b), (o))
+#define FA_VTRANSPOSE(r, o, d, s) fa_transpose_pd((r), (o), (d), (s))
 #include "kernels_tmpl.h"
 #include "kernels_undef.h"
 

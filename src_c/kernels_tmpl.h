@@ -24,8 +24,9 @@
  * and, optionally, for K/V stored in another type FA_KV (float16 K/V: FA_KV_HALF,
  * computing in float32; default FA_KV = FA_T):
  *   FA_KV_BCAST(p) FA_KV_LOADU(p) FA_KV_LOADU_N(p, n)   converting loads
- * and, optionally (FA_HAVE_GATHER), a gather that reads a bias tile in place:
- *   FA_VGATHER(base, off)       base[off[lane]] (off: int32 element offsets)
+ * and, optionally (FA_HAVE_TRANSPOSE), a register transpose for bias tiles:
+ *   FA_VTRANSPOSE(rows, off, dst, ds)  dst[t * ds + i] = rows[i][off + t] for
+ *                               i, t < FA_VL (dst aligned; rows: FA_VL pointers)
  *
  * Layout: the query axis is the SIMD axis.  A query block is packed transposed
  * (qt[d][i], pre-multiplied by scale), so S^T = K qt is computed with one key
@@ -75,13 +76,11 @@ static inline int64_t FA_NAME(fa_round_up)(int64_t x, int64_t m) { return (x + m
  *   lo hi              brp int64: a row's visible key range [lo, hi]
  *   bt      bc x brp   bias tile, transposed (with a bias only)
  *   mt      bc x brp   mask tile as bytes, transposed (with a mask only)
- *   mrow brow orow     brp pointers: a row's mask, bias and output rows
- *   boff               brp int32: the bias rows as offsets from row 0 (gathers) */
+ *   mrow brow orow     brp pointers: a row's mask, bias and output rows */
 typedef struct FA_NAME(fa_scratch) {
     FA_T *qt, *qn, *s, *s2, *o, *m, *l, *alpha, *rlo, *rhi, *slope, *apos, *bt;
     int64_t *lo, *hi;
-    int32_t *boff; /* rows' bias offsets from row 0, for gathers */
-    int gather_bias;
+    int mask_state, need_range; /* of the current key tile (fa_scores) */
     uint8_t *mt;
     const uint8_t **mrow;
     const FA_T **brow;
@@ -125,7 +124,6 @@ static size_t FA_NAME(fa_layout)(const fa_params *p, const fa_blocks *bl, void *
     sc->mrow = (const uint8_t **)FA_NAME(fa_carve)(&cur, brp * sizeof(void *));
     sc->brow = (const FA_T **)FA_NAME(fa_carve)(&cur, brp * sizeof(void *));
     sc->orow = (void **)FA_NAME(fa_carve)(&cur, brp * sizeof(void *));
-    sc->boff = (int32_t *)FA_NAME(fa_carve)(&cur, brp * sizeof(int32_t));
     return (size_t)(cur - first);
 }
 
@@ -233,10 +231,11 @@ static void FA_NAME(fa_qk_dots)(const FA_T *FA_RESTRICT qn, int64_t nr, const FA
  * alpha = exp(m_old - m_new) and increased by the block's row sums (exp fused with
  * the sum).  Rows that have seen no visible key keep m = -inf; they use 0 in place
  * of m so that exp(-inf - 0) = 0 and never exp(-inf + inf) = NaN. */
-static void FA_NAME(fa_softmax_tile)(FA_T *FA_RESTRICT s, int64_t nk, int nv, FA_T *FA_RESTRICT m,
-                                     FA_T *FA_RESTRICT l, FA_T *FA_RESTRICT alpha, int64_t brp)
+static void FA_NAME(fa_softmax_tile)(FA_T *FA_RESTRICT s, int64_t nk, int c0, int c1,
+                                     FA_T *FA_RESTRICT m, FA_T *FA_RESTRICT l,
+                                     FA_T *FA_RESTRICT alpha, int64_t brp)
 {
-    for (int c = 0; c < nv; c++) {
+    for (int c = c0; c < c1; c++) {
         FA_T *sc = s + c * FA_VL;
         FA_V m_old = FA_VLOAD(m + c * FA_VL);
         FA_V m_new = m_old;
@@ -398,19 +397,6 @@ static void FA_NAME(fa_setup_rows)(const fa_params *p, const fa_item *it, int64_
             sc->orow[r] = p->out_f16 ? (void *)((uint16_t *)p->out + o) : (void *)((FA_T *)p->out + o);
         }
     }
-    /* Gathers read a row's bias at an int32 offset from row 0's; possible when every
-     * offset fits (padded rows read row 0 again). */
-    sc->gather_bias = 0;
-#ifdef FA_HAVE_GATHER
-    if (p->bias) {
-        sc->gather_bias = 1;
-        for (int64_t r = 0; r < nvl; r++) {
-            int64_t d = r < nr ? sc->brow[r] - sc->brow[0] : 0;
-            if (d != (int32_t)d) sc->gather_bias = 0;
-            sc->boff[r] = (int32_t)d;
-        }
-    }
-#endif
 }
 
 /* The mask of keys j0 .. j0+nk-1 for every row, transposed into bytes mt[jj][r] (1 =
@@ -451,31 +437,53 @@ static int FA_NAME(fa_mask_tile)(const fa_params *p, int64_t nr, int64_t j0, int
     return any ? (all ? 2 : 1) : 0;
 }
 
-/* bt[jj][r] = bias(row r, key j0 + jj). */
-static void FA_NAME(fa_bias_tile)(const fa_params *p, int64_t nr, int64_t j0, int64_t nk,
-                                  int64_t brp, FA_NAME(fa_scratch) *sc)
+/* bt[jj][r] = bias(row r, key j0 + jj) for rows r0 .. r1-1.  Rows whose keys are
+ * contiguous go FA_VL x FA_VL at a time through register transposes; the rest one
+ * element at a time. */
+static void FA_NAME(fa_bias_tile)(const fa_params *p, int64_t r0, int64_t r1, int64_t j0,
+                                  int64_t nk, int64_t brp, FA_NAME(fa_scratch) *sc)
 {
     const int64_t sk = p->bias_sk;
-    for (int64_t r = 0; r < nr; r++) {
+    int64_t rdone = r0, kdone = 0;
+#ifdef FA_HAVE_TRANSPOSE
+    if (sk == 1) {
+        rdone = r0 + (r1 - r0) / FA_VL * FA_VL;
+        kdone = nk / FA_VL * FA_VL;
+        for (int64_t rb = r0; rb < rdone; rb += FA_VL)
+            for (int64_t k0 = 0; k0 < kdone; k0 += FA_VL)
+                FA_VTRANSPOSE(sc->brow + rb, j0 + k0, sc->bt + k0 * brp + rb, brp);
+    }
+#endif
+    for (int64_t r = r0; r < r1; r++) {
         const FA_T *row = sc->brow[r] + j0 * sk;
         FA_T *col = sc->bt + r;
-        for (int64_t jj = 0; jj < nk; jj++) col[jj * brp] = row[jj * sk];
+        for (int64_t jj = r < rdone ? kdone : 0; jj < nk; jj++) col[jj * brp] = row[jj * sk];
+        /* Each row is a separate stream the hardware does not follow across rows:
+         * fetch the next tile's piece of it now (prefetches never fault). */
+        if (sk == 1)
+            for (int64_t jj = 0; jj < nk; jj += 64 / (int64_t)sizeof(FA_T))
+                __builtin_prefetch(row + nk + jj);
     }
 }
 
-/* Steps 2-5 of the semantics on one tile of logits, in order: softcap, ALiBi,
- * bias, mask, causal/window range.  `need_range`: some row hides some key of the
- * tile by position; `mask_state` from fa_mask_tile (or 2 without a mask). */
-static void FA_NAME(fa_logit_tile)(const fa_params *p, FA_T *FA_RESTRICT s, int64_t nk, int nv,
-                                   int64_t j0, int need_range, int mask_state, int64_t brp,
+/* Steps 2-5 of the semantics on query vectors c0 .. c1-1 of a tile of logits, in
+ * order: softcap, ALiBi, bias, mask, causal/window range (nr: the block's rows).
+ * From fa_scores: sc->need_range (some row hides some key of the tile by
+ * position) and sc->mask_state (fa_mask_tile's, or 2 without a mask). */
+static void FA_NAME(fa_logit_tile)(const fa_params *p, FA_T *FA_RESTRICT s, int64_t nk, int c0,
+                                   int c1, int64_t nr, int64_t j0, int64_t brp,
                                    FA_NAME(fa_scratch) *sc)
 {
     const int softcap = p->softcap > 0, alibi = p->alibi != NULL, bias = p->bias != NULL;
-    const int mask = mask_state == 1;
+    const int mask = sc->mask_state == 1, need_range = sc->need_range;
     if (!(softcap || alibi || bias || mask || need_range)) return;
+    if (bias) {
+        const int64_t r1 = (int64_t)c1 * FA_VL;
+        FA_NAME(fa_bias_tile)(p, (int64_t)c0 * FA_VL, r1 < nr ? r1 : nr, j0, nk, brp, sc);
+    }
     const FA_V cap = FA_VSET1((FA_T)p->softcap), one = FA_VSET1((FA_T)1),
                m2 = FA_VSET1((FA_T)-2);
-    for (int c = 0; c < nv; c++) {
+    for (int c = c0; c < c1; c++) {
         const int64_t off = (int64_t)c * FA_VL;
         const FA_V slope = FA_VLOAD(sc->slope + off);
         const FA_V apos = FA_VSUB(FA_VLOAD(sc->apos + off), FA_VSET1((FA_T)j0));
@@ -489,11 +497,6 @@ static void FA_NAME(fa_logit_tile)(const fa_params *p, FA_T *FA_RESTRICT s, int6
                 x = FA_VMUL(cap, FA_VCOPYSIGN(FA_VDIV(FA_VSUB(one, e), FA_VADD(one, e)), x));
             }
             if (alibi) x = FA_VSUB(x, FA_VMUL(slope, FA_VABS(FA_VSUB(apos, jf))));
-#ifdef FA_HAVE_GATHER
-            if (bias && sc->gather_bias)
-                x = FA_VADD(x, FA_VGATHER(sc->brow[0] + (j0 + jj) * p->bias_sk, sc->boff + off));
-            else
-#endif
             if (bias) x = FA_VADD(x, FA_VLOAD(sc->bt + jj * brp + off));
             if (mask) x = FA_VMASK_BYTES(x, sc->mt + jj * brp + off);
             if (need_range) x = FA_VIN_RANGE(x, jf, rlo, rhi);
@@ -502,32 +505,32 @@ static void FA_NAME(fa_logit_tile)(const fa_params *p, FA_T *FA_RESTRICT s, int6
     }
 }
 
-/* One key tile through steps 1-5 (QK^T, then fa_logit_tile).  Returns 0 if the
- * mask hides the whole tile (nothing was computed). */
+/* One key tile through step 1 (QK^T), and through steps 2-5 (fa_logit_tile) too if
+ * `logits`; otherwise the caller applies fa_logit_tile column by column, while each
+ * column is in L1 for its softmax.  Returns 0 if the mask hides the whole tile
+ * (nothing was computed). */
 static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr, int nv,
                               int64_t j0, int64_t nk, int64_t lo_max, int64_t hi_min,
-                              int64_t brp, FA_NAME(fa_scratch) *sc)
+                              int64_t brp, FA_NAME(fa_scratch) *sc, int logits)
 {
     const FA_KV *k = (const FA_KV *)p->k + it->b * p->k_sb + it->g * p->k_sh + it->koff * p->k_sl;
-    const int mask_state = p->mask ? FA_NAME(fa_mask_tile)(p, nr, j0, nk, brp, sc) : 2;
-    if (mask_state != 0) {
-        if (nr <= FA_DOT_ROWS)
-            FA_NAME(fa_qk_dots)(sc->qn, nr, k + j0 * p->k_sl, p->k_sl, nk, p->D, sc->s, brp);
-        else
-            FA_NAME(fa_qk_tile)(sc->qt, nv, k + j0 * p->k_sl, p->k_sl, nk, p->D, sc->s, brp);
-        if (p->bias && !sc->gather_bias) FA_NAME(fa_bias_tile)(p, nr, j0, nk, brp, sc);
-        const int need_range = lo_max > j0 || hi_min < j0 + nk - 1;
-        if (need_range) {
-            const int64_t nvl = (int64_t)nv * FA_VL;
-            for (int64_t r = 0; r < nvl; r++) { /* exact small integers in FA_T */
-                int64_t a = sc->lo[r] - j0, z = sc->hi[r] - j0;
-                sc->rlo[r] = (FA_T)(a < -1 ? -1 : a > nk ? nk : a);
-                sc->rhi[r] = (FA_T)(z < -1 ? -1 : z > nk ? nk : z);
-            }
+    sc->mask_state = p->mask ? FA_NAME(fa_mask_tile)(p, nr, j0, nk, brp, sc) : 2;
+    if (sc->mask_state == 0) return 0;
+    if (nr <= FA_DOT_ROWS)
+        FA_NAME(fa_qk_dots)(sc->qn, nr, k + j0 * p->k_sl, p->k_sl, nk, p->D, sc->s, brp);
+    else
+        FA_NAME(fa_qk_tile)(sc->qt, nv, k + j0 * p->k_sl, p->k_sl, nk, p->D, sc->s, brp);
+    sc->need_range = lo_max > j0 || hi_min < j0 + nk - 1;
+    if (sc->need_range) {
+        const int64_t nvl = (int64_t)nv * FA_VL;
+        for (int64_t r = 0; r < nvl; r++) { /* exact small integers in FA_T */
+            int64_t a = sc->lo[r] - j0, z = sc->hi[r] - j0;
+            sc->rlo[r] = (FA_T)(a < -1 ? -1 : a > nk ? nk : a);
+            sc->rhi[r] = (FA_T)(z < -1 ? -1 : z > nk ? nk : z);
         }
-        FA_NAME(fa_logit_tile)(p, sc->s, nk, nv, j0, need_range, mask_state, brp, sc);
     }
-    return mask_state != 0;
+    if (logits) FA_NAME(fa_logit_tile)(p, sc->s, nk, 0, nv, nr, j0, brp, sc);
+    return 1;
 }
 
 /* Is every value of a V tile finite?  v * 0 is 0 for a finite v and NaN for an inf
@@ -561,7 +564,7 @@ static void FA_NAME(fa_pv_tile_nonfinite)(const fa_params *p, const fa_item *it,
 {
     FA_T *prob = sc->s;
     sc->s = sc->s2;
-    FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, sc);
+    FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, sc, 1);
     sc->s = prob;
     for (int64_t r = 0; r < nr; r++) {
         FA_T *o = sc->o + r * dvp;
@@ -605,8 +608,11 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
      * weights are wanted). */
     for (int64_t j0 = it->kv0; j0 < it->kv1; j0 += bc) {
         const int64_t nk = it->kv1 - j0 < bc ? it->kv1 - j0 : bc;
-        if (!FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc)) continue;
-        FA_NAME(fa_softmax_tile)(sc.s, nk, nv, sc.m, sc.l, sc.alpha, brp);
+        if (!FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, 0)) continue;
+        for (int c = 0; c < nv; c++) {
+            FA_NAME(fa_logit_tile)(p, sc.s, nk, c, c + 1, nr, j0, brp, &sc);
+            FA_NAME(fa_softmax_tile)(sc.s, nk, c, c + 1, sc.m, sc.l, sc.alpha, brp);
+        }
         if (p->weights) continue;
         if (nr <= FA_DOT_ROWS && j0 + bc < it->kv1) {
             /* decoding reads each V row once, with little work per row: fetch the
@@ -666,7 +672,7 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
     for (int64_t j0 = 0; j0 < it->Lk; j0 += bc) {
         const int64_t nk = it->Lk - j0 < bc ? it->Lk - j0 : bc;
         const int live = j0 + nk > it->kv0 && j0 < it->kv1 &&
-                         FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc);
+                         FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, 1);
         if (!live) {
             for (int64_t r = 0; r < nr; r++)
                 for (int64_t jj = 0; jj < nk; jj++) wrow[r][j0 + jj] = (FA_T)0;

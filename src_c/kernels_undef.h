@@ -27,7 +27,7 @@
 #undef FA_VCOPYSIGN
 #undef FA_VIN_RANGE
 #undef FA_VMASK_BYTES
-#undef FA_VGATHER
+#undef FA_VTRANSPOSE
 #undef FA_VREDUCE
 #undef FA_KV
 #undef FA_KV_BCAST
