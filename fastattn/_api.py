@@ -359,7 +359,7 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias
 
 def _run(q, k, v, out, lse, scale, causal, nth, variants=None):
     """Call the kernel on (…, H, L, D) views, copying an input it cannot read in place."""
-    if q.shape[-1] == 0 or k.shape[-2] and v.shape[-1] == 0:
+    if q.shape[-1] == 0 or v.shape[-1] == 0:
         _run_degenerate(q, k, v, out, lse, scale, causal, nth, variants)
     elif not _kernels.forward(q, k, v, out, lse, scale, causal, nth, 0, 0, variants):
         # an input the kernel cannot read in place (misaligned, a non-contiguous last

@@ -230,16 +230,21 @@ static void FA_NAME(fa_qk_dots)(const FA_T *FA_RESTRICT qn, int64_t nr, const FA
  * probabilities p = exp(s - m) written over s, running sum l rescaled by
  * alpha = exp(m_old - m_new) and increased by the block's row sums (exp fused with
  * the sum).  Rows that have seen no visible key keep m = -inf; they use 0 in place
- * of m so that exp(-inf - 0) = 0 and never exp(-inf + inf) = NaN. */
+ * of m so that exp(-inf - 0) = 0 and never exp(-inf + inf) = NaN.  Query vectors
+ * c0 .. c1-1; colmax, if not NULL, holds their maxima over the block's keys. */
 static void FA_NAME(fa_softmax_tile)(FA_T *FA_RESTRICT s, int64_t nk, int c0, int c1,
                                      FA_T *FA_RESTRICT m, FA_T *FA_RESTRICT l,
-                                     FA_T *FA_RESTRICT alpha, int64_t brp)
+                                     FA_T *FA_RESTRICT alpha, int64_t brp,
+                                     const FA_V *FA_RESTRICT colmax)
 {
     for (int c = c0; c < c1; c++) {
         FA_T *sc = s + c * FA_VL;
         FA_V m_old = FA_VLOAD(m + c * FA_VL);
         FA_V m_new = m_old;
-        for (int64_t j = 0; j < nk; j++) m_new = FA_VMAX(m_new, FA_VLOAD(sc + j * brp));
+        if (colmax) /* the tile's max, found by fa_logit_tile */
+            m_new = FA_VMAX(m_new, colmax[c - c0]);
+        else
+            for (int64_t j = 0; j < nk; j++) m_new = FA_VMAX(m_new, FA_VLOAD(sc + j * brp));
         FA_V m_use = FA_VNEGINF_TO_ZERO(m_new);
         FA_V a = FA_VEXP(FA_VSUB(m_old, m_use));
         FA_V sum0 = FA_VZERO(), sum1 = FA_VZERO();
@@ -469,14 +474,16 @@ static void FA_NAME(fa_bias_tile)(const fa_params *p, int64_t r0, int64_t r1, in
 /* Steps 2-5 of the semantics on query vectors c0 .. c1-1 of a tile of logits, in
  * order: softcap, ALiBi, bias, mask, causal/window range (nr: the block's rows).
  * From fa_scores: sc->need_range (some row hides some key of the tile by
- * position) and sc->mask_state (fa_mask_tile's, or 2 without a mask). */
-static void FA_NAME(fa_logit_tile)(const fa_params *p, FA_T *FA_RESTRICT s, int64_t nk, int c0,
-                                   int c1, int64_t nr, int64_t j0, int64_t brp,
-                                   FA_NAME(fa_scratch) *sc)
+ * position) and sc->mask_state (fa_mask_tile's, or 2 without a mask).  Returns 0
+ * if no step applies (s unchanged); otherwise 1, with each vector's max over the
+ * tile's keys in colmax[c - c0] (NaN if any is NaN) unless colmax is NULL. */
+static int FA_NAME(fa_logit_tile)(const fa_params *p, FA_T *FA_RESTRICT s, int64_t nk, int c0,
+                                  int c1, int64_t nr, int64_t j0, int64_t brp,
+                                  FA_NAME(fa_scratch) *sc, FA_V *FA_RESTRICT colmax)
 {
     const int softcap = p->softcap > 0, alibi = p->alibi != NULL, bias = p->bias != NULL;
     const int mask = sc->mask_state == 1, need_range = sc->need_range;
-    if (!(softcap || alibi || bias || mask || need_range)) return;
+    if (!(softcap || alibi || bias || mask || need_range)) return 0;
     if (bias) {
         const int64_t r1 = (int64_t)c1 * FA_VL;
         FA_NAME(fa_bias_tile)(p, (int64_t)c0 * FA_VL, r1 < nr ? r1 : nr, j0, nk, brp, sc);
@@ -485,6 +492,17 @@ static void FA_NAME(fa_logit_tile)(const fa_params *p, FA_T *FA_RESTRICT s, int6
                m2 = FA_VSET1((FA_T)-2);
     for (int c = c0; c < c1; c++) {
         const int64_t off = (int64_t)c * FA_VL;
+        FA_V mx = FA_VSET1(-(FA_T)INFINITY);
+        if (bias && !(softcap || alibi || mask || need_range)) { /* the common bias-only case */
+            for (int64_t jj = 0; jj < nk; jj++) {
+                FA_T *sp = s + jj * brp + off;
+                const FA_V x = FA_VADD(FA_VLOAD(sp), FA_VLOAD(sc->bt + jj * brp + off));
+                FA_VSTORE(sp, x);
+                mx = FA_VMAX(mx, x);
+            }
+            if (colmax) colmax[c - c0] = mx;
+            continue;
+        }
         const FA_V slope = FA_VLOAD(sc->slope + off);
         const FA_V apos = FA_VSUB(FA_VLOAD(sc->apos + off), FA_VSET1((FA_T)j0));
         const FA_V rlo = FA_VLOAD(sc->rlo + off), rhi = FA_VLOAD(sc->rhi + off);
@@ -501,8 +519,11 @@ static void FA_NAME(fa_logit_tile)(const fa_params *p, FA_T *FA_RESTRICT s, int6
             if (mask) x = FA_VMASK_BYTES(x, sc->mt + jj * brp + off);
             if (need_range) x = FA_VIN_RANGE(x, jf, rlo, rhi);
             FA_VSTORE(sp, x);
+            mx = FA_VMAX(mx, x);
         }
+        if (colmax) colmax[c - c0] = mx;
     }
+    return 1;
 }
 
 /* One key tile through step 1 (QK^T), and through steps 2-5 (fa_logit_tile) too if
@@ -529,7 +550,7 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
             sc->rhi[r] = (FA_T)(z < -1 ? -1 : z > nk ? nk : z);
         }
     }
-    if (logits) FA_NAME(fa_logit_tile)(p, sc->s, nk, 0, nv, nr, j0, brp, sc);
+    if (logits) FA_NAME(fa_logit_tile)(p, sc->s, nk, 0, nv, nr, j0, brp, sc, NULL);
     return 1;
 }
 
@@ -610,8 +631,10 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
         const int64_t nk = it->kv1 - j0 < bc ? it->kv1 - j0 : bc;
         if (!FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, 0)) continue;
         for (int c = 0; c < nv; c++) {
-            FA_NAME(fa_logit_tile)(p, sc.s, nk, c, c + 1, nr, j0, brp, &sc);
-            FA_NAME(fa_softmax_tile)(sc.s, nk, c, c + 1, sc.m, sc.l, sc.alpha, brp);
+            FA_V colmax;
+            const int known = FA_NAME(fa_logit_tile)(p, sc.s, nk, c, c + 1, nr, j0, brp, &sc, &colmax);
+            FA_NAME(fa_softmax_tile)(sc.s, nk, c, c + 1, sc.m, sc.l, sc.alpha, brp,
+                                     known ? &colmax : NULL);
         }
         if (p->weights) continue;
         if (nr <= FA_DOT_ROWS && j0 + bc < it->kv1) {

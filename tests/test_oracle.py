@@ -106,6 +106,9 @@ def test_fully_masked_rows(kernel, rng, dtype):
     assert np.isfinite(lse[:, 110:]).all()
     out, lse = fastattn.attention(q, k[:, :0], v[:, :0], return_lse=True)  # Lk = 0
     assert (out == 0).all() and np.isneginf(lse).all()
+    # Lk = 0 and Dv = 0 together (found by the fuzz test): only lse is left to write
+    out, lse = fastattn.attention(q, k[:, :0], v[:, :0, :0], return_lse=True, window=(3, None))
+    assert out.shape == (2, 150, 0) and np.isneginf(lse).all() and lse.shape == (2, 150)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
