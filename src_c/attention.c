@@ -17,10 +17,12 @@
 #include <omp.h>
 int fa_openmp_enabled(void) { return 1; }
 int fa_max_threads(void) { return omp_get_max_threads(); }
+static int fa_thread_num(void) { return omp_get_thread_num(); }
 #define FA_OPENMP_VERSION _OPENMP
 #else
 int fa_openmp_enabled(void) { return 0; }
 int fa_max_threads(void) { return 1; }
+static int fa_thread_num(void) { return 0; }
 #define FA_OPENMP_VERSION 0
 #endif
 
@@ -257,12 +259,16 @@ static void fa_item_of(const fa_params *p, const fa_plan *pl, int64_t t, fa_item
  * K and V whose rows are strided (layout "bshd", slices of a fused projection) and
  * that several query blocks read: read in place, rows a power-of-two apart fall into
  * a few L1 sets and evict each other, and the TLB sees a page per row or two
- * (measured on "bshd" B=1 H=8 L=2048 D=64: 1.11-1.14x the "bhsd" time).  So the
- * work is cut per head instead: a task is every query block of one (sequence, kv
- * head, head chunk), and it first copies that head's K and V rows into a
- * contiguous per-thread buffer (O(Lk), never O(Lq Lk)), which the blocks then read
- * from L2.  Needs enough heads to keep the threads busy; otherwise (one long head)
- * the blocks read K/V in place.
+ * (measured on "bshd" B=1 H=8 L=2048 D=64: 1.16-1.22x the "bhsd" time).  So a thread
+ * first copies the head's K and V rows into a contiguous per-thread buffer (O(Lk),
+ * never O(Lq Lk)), which its query blocks of that head then read from L2.
+ *
+ * To copy each head about once, the items are ordered head by head and each thread
+ * owns a contiguous segment of them (about B Hkv / nth heads); a thread that has
+ * finished its own segment takes items from the end of the fullest remaining one
+ * (one more copy of that head).  Whole heads as tasks balanced badly: with 8 heads
+ * on 2 threads one late head left a thread idle (1.10-1.15x "bhsd" against 1.03x on
+ * one thread).  Which thread runs an item never changes its result.
  */
 /* Bytes per element of K and V. */
 static size_t fa_kv_item(const fa_params *p)
@@ -270,19 +276,37 @@ static size_t fa_kv_item(const fa_params *p)
     return p->kv_f16 ? 2 : p->dtype == FA_F64 ? 8 : 4;
 }
 
-static int fa_use_head_tasks(const fa_params *p, const fa_plan *pl, int nth)
+static int fa_use_head_tasks(const fa_params *p, const fa_plan *pl)
 {
     if ((p->k_sl == p->D && p->v_sl == p->Dv) || p->weights) return 0;
-    const int64_t tasks = p->B * p->Hkv * pl->nhc;
-    return pl->items >= 2 * tasks && tasks >= 4 * (int64_t)nth;
+    return pl->items >= 2 * p->B * p->Hkv * pl->nhc; /* some head has 2 or more blocks */
 }
 
-
-/* Task t = (b, g, hc): copy the head's keys and values, then run its query blocks. */
-static void fa_run_head_task(const fa_params *p, const fa_plan *pl, fa_qblock_fn qblock, int64_t t,
-                             char *kvbuf, void *scratch)
+/* Item u in head-major order: sequence b, kv head g, head chunk hc, and its query
+ * block (heavy first when causal). */
+static void fa_head_item(const fa_params *p, const fa_plan *pl, int64_t u, fa_item *it)
 {
-    const int64_t b = t / (p->Hkv * pl->nhc), g = (t / pl->nhc) % p->Hkv, hc = t % pl->nhc;
+    int64_t b, w;
+    if (pl->start) {
+        int64_t lo = 0, hi = p->B - 1; /* last b with start[b] <= u */
+        while (lo < hi) {
+            int64_t mid = (lo + hi + 1) / 2;
+            if (pl->start[mid] <= u) lo = mid;
+            else hi = mid - 1;
+        }
+        b = lo;
+        w = u - pl->start[b];
+    } else {
+        b = u / pl->per_seq;
+        w = u % pl->per_seq;
+    }
+    const int64_t nqb = fa_qblocks(p, pl, b), task = w / nqb, i = w % nqb;
+    fa_item_make(p, pl, b, task / pl->nhc, task % pl->nhc, p->causal ? nqb - 1 - i : i, it);
+}
+
+/* The contiguous copy of kv head (b, g) in kvbuf, and the parameters that read it. */
+static void fa_copy_head(const fa_params *p, int64_t b, int64_t g, char *kvbuf, fa_params *local)
+{
     const size_t item = fa_kv_item(p);
     const int64_t Lk = fa_seq_len(p->cu_k, b, p->Lk), koff = p->cu_k ? p->cu_k[b] : 0;
     char *kc = kvbuf, *vc = kvbuf + (size_t)Lk * (size_t)p->D * item;
@@ -292,19 +316,67 @@ static void fa_run_head_task(const fa_params *p, const fa_plan *pl, fa_qblock_fn
         memcpy(kc + (size_t)j * (size_t)p->D * item, k + (size_t)(j * p->k_sl * (int64_t)item), (size_t)p->D * item);
         memcpy(vc + (size_t)j * (size_t)p->Dv * item, v + (size_t)(j * p->v_sl * (int64_t)item), (size_t)p->Dv * item);
     }
-    fa_params local = *p; /* this head's K/V, contiguous, at b = g = koff = 0 offsets */
-    local.k = kc;
-    local.v = vc;
-    local.k_sb = local.k_sh = local.v_sb = local.v_sh = 0;
-    local.k_sl = p->D;
-    local.v_sl = p->Dv;
-    const int64_t nqb = fa_qblocks(p, pl, b);
-    for (int64_t i = 0; i < nqb; i++) {
-        fa_item it;
-        fa_item_make(p, pl, b, g, hc, p->causal ? nqb - 1 - i : i, &it);
-        it.koff = 0;
-        qblock(&local, &pl->bl, &it, scratch);
+    *local = *p; /* this head's K/V, contiguous, at b = g = koff = 0 offsets */
+    local->k = kc;
+    local->v = vc;
+    local->k_sb = local->k_sh = local->v_sb = local->v_sh = 0;
+    local->k_sl = p->D;
+    local->v_sl = p->Dv;
+}
+
+/* The next item for thread t: the front of its own segment [front, back), else the
+ * back of the segment with the most left; -1 when none is left.  The caller holds
+ * the lock. */
+static int64_t fa_claim(int64_t *front, int64_t *back, int nseg, int t)
+{
+    if (front[t] < back[t]) return front[t]++;
+    int best = -1;
+    for (int s = 0; s < nseg; s++)
+        if (back[s] > front[s] && (best < 0 || back[s] - front[s] > back[best] - front[best])) best = s;
+    return best < 0 ? -1 : --back[best];
+}
+
+static int fa_run_head_items(const fa_params *p, const fa_plan *pl, fa_qblock_fn qblock,
+                             size_t scratch_bytes, int nth)
+{
+    const int64_t items = pl->items;
+    const size_t kv_bytes = (size_t)fa_max_seq_len(p->cu_k, p->B, p->Lk) * (size_t)(p->D + p->Dv) * fa_kv_item(p);
+    int64_t *seg = (int64_t *)malloc(2 * (size_t)nth * sizeof(int64_t));
+    if (!seg) return FA_ERR_NOMEM;
+    int64_t *front = seg, *back = seg + nth;
+    for (int t = 0; t < nth; t++) {
+        front[t] = items * t / nth;
+        back[t] = items * (t + 1) / nth;
     }
+    int failed = 0;
+#pragma omp parallel num_threads(nth) if (nth > 1) reduction(| : failed)
+    {
+        void *scratch = fa_scratch_alloc(scratch_bytes);
+        char *kvbuf = (char *)fa_scratch_alloc(kv_bytes);
+        const int t = fa_thread_num();
+        int64_t have_b = -1, have_g = -1; /* the kv head in kvbuf */
+        fa_params local;
+        if (!scratch || !kvbuf) failed = 1; /* the others take this thread's items */
+        while (scratch && kvbuf) {
+            int64_t u;
+#pragma omp critical(fa_head_claim)
+            u = fa_claim(front, back, nth, t);
+            if (u < 0) break;
+            fa_item it;
+            fa_head_item(p, pl, u, &it);
+            if (it.b != have_b || it.g != have_g) {
+                fa_copy_head(p, it.b, it.g, kvbuf, &local);
+                have_b = it.b;
+                have_g = it.g;
+            }
+            it.koff = 0;
+            qblock(&local, &pl->bl, &it, scratch);
+        }
+        free(kvbuf);
+        free(scratch);
+    }
+    free(seg);
+    return failed ? FA_ERR_NOMEM : FA_OK;
 }
 
 static void fa_merge_row_f32(int64_t parts, int64_t dv, const float *out, int64_t ostride,
@@ -440,22 +512,8 @@ int fa_attention_forward(const fa_params *p)
         return rc;
     }
     int failed = 0;
-    if (fa_use_head_tasks(p, &pl, nth)) {
-        const int64_t tasks = p->B * p->Hkv * pl.nhc;
-        const int64_t lk = fa_max_seq_len(p->cu_k, p->B, p->Lk);
-        const size_t kv_bytes = (size_t)lk * (size_t)(p->D + p->Dv) * fa_kv_item(p);
-        if ((int64_t)nth > tasks) nth = (int)tasks;
-#pragma omp parallel num_threads(nth) if (nth > 1) reduction(| : failed)
-        {
-            void *scratch = fa_scratch_alloc(scratch_bytes);
-            char *kvbuf = (char *)fa_scratch_alloc(kv_bytes);
-            if (!scratch || !kvbuf) failed = 1;
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t t = 0; t < tasks; t++)
-                if (scratch && kvbuf) fa_run_head_task(p, &pl, qblock, t, kvbuf, scratch);
-            free(kvbuf);
-            free(scratch);
-        }
+    if (fa_use_head_tasks(p, &pl)) {
+        failed = fa_run_head_items(p, &pl, qblock, scratch_bytes, nth) != FA_OK;
     } else if (nth == 1) {
         /* One thread: no parallel region at all (short calls stay cheap). */
         void *scratch = fa_scratch_alloc(scratch_bytes);

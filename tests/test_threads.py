@@ -41,8 +41,9 @@ def test_gil_released_concurrent_calls(rng):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_bitwise_equal_across_threads_strided_kv(kernel, rng, dtype):
-    """bshd K/V: per-head tasks copy each head's K/V (or, with few heads, read them
-    in place); either way the bits do not depend on the thread count."""
+    """bshd K/V: each thread copies the K/V of the heads whose query blocks it runs
+    and takes the other threads' last blocks when done; the bits do not depend on
+    the thread count."""
     q = rng.standard_normal((2, 300, 6, 24)).astype(dtype)
     k = rng.standard_normal((2, 280, 3, 24)).astype(dtype)
     v = rng.standard_normal((2, 280, 3, 16)).astype(dtype)

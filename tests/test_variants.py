@@ -195,6 +195,27 @@ def test_varlen_against_oracle(kernel, rng, dtype, causal):
         assert_lse_close(lse, ref_lse, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_varlen_long_sequences_copy_kv_heads(kernel, rng, dtype):
+    """Packed K/V rows are strided by Hkv * D, so sequences with several query blocks
+    have their heads copied (attention.c, fa_run_head_items), items ordered by
+    sequence and head, with an empty sequence among them; the bits do not depend on
+    the thread count (threads steal each other's items at the end)."""
+    cq = np.array([0, 700, 700, 720, 1300])  # at least 2 blocks per head on average
+    ck = np.array([0, 650, 660, 900, 1500])
+    q = rng.standard_normal((1300, 4, 16)).astype(dtype)
+    k = rng.standard_normal((1500, 2, 16)).astype(dtype)
+    v = rng.standard_normal((1500, 2, 12)).astype(dtype)
+    for kw in (dict(causal=True), dict(window=(40, 3), causal="top-left"), dict()):
+        out, lse = fastattn.varlen_attention(q, k, v, cq, ck, return_lse=True, num_threads=1, **kw)
+        ref_out, ref_lse = reference.varlen_attention(q, k, v, cq, ck, return_lse=True, **kw)
+        assert rel_err(out, ref_out) <= TOL[np.dtype(dtype)]
+        assert_lse_close(lse, ref_lse, dtype)
+        for n in (2, 3, 8):
+            got = fastattn.varlen_attention(q, k, v, cq, ck, return_lse=True, num_threads=n, **kw)
+            assert np.array_equal(got[0], out) and np.array_equal(got[1], lse)
+
+
 VARIANT_ERRORS = [
     (dict(mask=np.ones((37, 149), np.int8)), TypeError, r"mask must be a bool array.*int8.*\(37, 149\)"),
     (dict(mask=np.ones((5, 149), bool)), ValueError, r"mask of shape \(5, 149\) does not broadcast.*\(2, 4, 37, 149\)"),
@@ -254,7 +275,7 @@ def test_merge_errors():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_strided_kv_long_enough_to_be_copied(kernel, rng, dtype):
     """Strided K/V read by several query blocks are copied once into a contiguous
-    buffer (attention.c, fa_maybe_copy_kv): same answers as in place."""
+    buffer (attention.c, fa_run_head_items): same answers as in place."""
     qkv = rng.standard_normal((2, 450, 3, 4, 20)).astype(dtype)
     q, k, v = qkv[:, :, 0], qkv[:, 5:, 1], qkv[:, 5:, 2, :, :13]
     for kw in (dict(causal=True), dict(window=(30, 10), mask=rng.random((450, 445)) > 0.2)):
