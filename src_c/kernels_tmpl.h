@@ -70,6 +70,8 @@ static inline int64_t FA_NAME(fa_round_up)(int64_t x, int64_t m) { return (x + m
  *   s       bc x brp   logits of one key block, then its probabilities (key-major)
  *   s2      bc x brp   the logits again, for a V tile with a NaN or inf in it
  *   o       brp x dvp  running unnormalized output, row-major
+ *   o2      rows x dvp the same rows before the last P.V, for blocks of at most
+ *                      FA_DOT_ROWS rows (restored if that P.V met an inf or NaN)
  *   m l alpha          brp each: running max, running sum, last rescale factor
  *   rlo rhi            brp each: a row's visible keys relative to the tile
  *   slope apos         brp each: ALiBi slope and aligned position of a row
@@ -81,6 +83,8 @@ typedef struct FA_NAME(fa_scratch) {
     FA_T *qt, *qn, *s, *s2, *o, *m, *l, *alpha, *rlo, *rhi, *slope, *apos, *bt;
     int64_t *lo, *hi;
     int mask_state, need_range; /* of the current key tile (fa_scores) */
+    int key_major;              /* the tile's logits are s[j] (one row, fa_scores) */
+    FA_T *o2;
     uint8_t *mt;
     const uint8_t **mrow;
     const FA_T **brow;
@@ -110,6 +114,7 @@ static size_t FA_NAME(fa_layout)(const fa_params *p, const fa_blocks *bl, void *
     sc->s = (FA_T *)FA_NAME(fa_carve)(&cur, bc * brp * t);
     sc->s2 = (FA_T *)FA_NAME(fa_carve)(&cur, bc * brp * t);
     sc->o = (FA_T *)FA_NAME(fa_carve)(&cur, brp * dvp * t);
+    sc->o2 = (FA_T *)FA_NAME(fa_carve)(&cur, (size_t)FA_DOT_ROWS * dvp * t);
     sc->m = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
     sc->l = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
     sc->alpha = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
@@ -268,6 +273,44 @@ static void FA_NAME(fa_softmax_tile)(FA_T *FA_RESTRICT s, int64_t nk, int c0, in
     }
 }
 
+/* fa_softmax_tile for a block of one row whose logits are key-major, s[j] (s has
+ * room for nk rounded up to FA_VL): vectors over keys, so the exp of FA_VL keys
+ * costs one vector exp rather than FA_VL exps of which one lane is used.  A NaN
+ * logit gives a NaN probability (so a NaN sum), as in fa_softmax_tile. */
+static void FA_NAME(fa_softmax_row)(FA_T *FA_RESTRICT s, int64_t nk, FA_T *FA_RESTRICT m,
+                                    FA_T *FA_RESTRICT l, FA_T *FA_RESTRICT alpha)
+{
+    const int64_t nkv = FA_NAME(fa_round_up)(nk, FA_VL);
+    for (int64_t j = nk; j < nkv; j++) s[j] = -(FA_T)INFINITY; /* padding: p = 0 */
+    FA_V mx = FA_VSET1(-(FA_T)INFINITY);
+    for (int64_t j = 0; j < nkv; j += FA_VL) mx = FA_VMAX(mx, FA_VLOAD(s + j));
+    FA_T lanes[FA_VL], m_new = m[0];
+    FA_VSTOREU(lanes, mx);
+    for (int i = 0; i < FA_VL; i++) m_new = m_new > lanes[i] ? m_new : lanes[i];
+    const FA_T m_use = m_new == -(FA_T)INFINITY ? (FA_T)0 : m_new;
+    const FA_V mu = FA_VSET1(m_use);
+    FA_V sum0 = FA_VZERO(), sum1 = FA_VZERO();
+    int64_t j = 0;
+    for (; j + 2 * FA_VL <= nkv; j += 2 * FA_VL) {
+        const FA_V e0 = FA_VEXP(FA_VSUB(FA_VLOAD(s + j), mu));
+        const FA_V e1 = FA_VEXP(FA_VSUB(FA_VLOAD(s + j + FA_VL), mu));
+        FA_VSTORE(s + j, e0);
+        FA_VSTORE(s + j + FA_VL, e1);
+        sum0 = FA_VADD(sum0, e0);
+        sum1 = FA_VADD(sum1, e1);
+    }
+    if (j < nkv) {
+        const FA_V e0 = FA_VEXP(FA_VSUB(FA_VLOAD(s + j), mu));
+        FA_VSTORE(s + j, e0);
+        sum0 = FA_VADD(sum0, e0);
+    }
+    FA_VSTOREU(lanes, FA_VEXP(FA_VSET1(m[0] - m_use)));
+    const FA_T a = lanes[0];
+    l[0] = l[0] * a + FA_VREDUCE(FA_VADD(sum0, sum1));
+    m[0] = m_new;
+    alpha[0] = a;
+}
+
 /* o[i][c0 ...] = alpha[i] * o[i][c0 ...] + sum_j p[j][i] * v[j][c0 ...] for R query
  * rows and NC value vectors (the last one `tail` lanes wide when tail > 0).  The
  * rescale is skipped when no row's max changed (alpha == 1 for all R rows). */
@@ -358,7 +401,8 @@ static void FA_NAME(fa_setup_rows)(const fa_params *p, const fa_item *it, int64_
     const int64_t left = p->window_left, right = p->window_right;
     const int causal = p->causal != FA_CAUSAL_NONE;
     for (int64_t r = nr; r < nvl; r++) {
-        for (int64_t d = 0; d < D; d++) sc->qt[d * brp + r] = (FA_T)0;
+        if (nr > FA_DOT_ROWS) /* the dot-product path never reads qt */
+            for (int64_t d = 0; d < D; d++) sc->qt[d * brp + r] = (FA_T)0;
         sc->lo[r] = 0;
         sc->hi[r] = -1;
         sc->slope[r] = sc->apos[r] = (FA_T)0;
@@ -537,11 +581,16 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
     const FA_KV *k = (const FA_KV *)p->k + it->b * p->k_sb + it->g * p->k_sh + it->koff * p->k_sl;
     sc->mask_state = p->mask ? FA_NAME(fa_mask_tile)(p, nr, j0, nk, brp, sc) : 2;
     if (sc->mask_state == 0) return 0;
+    sc->need_range = lo_max > j0 || hi_min < j0 + nk - 1;
+    /* One row (decoding without GQA) and no logit step on this tile: its logits are
+     * stored key-major, s[j], for fa_softmax_row. */
+    sc->key_major = nr == 1 && !logits && !p->weights && sc->mask_state == 2 && !sc->need_range &&
+                    !(p->softcap > 0) && !p->alibi && !p->bias;
     if (nr <= FA_DOT_ROWS)
-        FA_NAME(fa_qk_dots)(sc->qn, nr, k + j0 * p->k_sl, p->k_sl, nk, p->D, sc->s, brp);
+        FA_NAME(fa_qk_dots)(sc->qn, nr, k + j0 * p->k_sl, p->k_sl, nk, p->D, sc->s,
+                            sc->key_major ? 1 : brp);
     else
         FA_NAME(fa_qk_tile)(sc->qt, nv, k + j0 * p->k_sl, p->k_sl, nk, p->D, sc->s, brp);
-    sc->need_range = lo_max > j0 || hi_min < j0 + nk - 1;
     if (sc->need_range) {
         const int64_t nvl = (int64_t)nv * FA_VL;
         for (int64_t r = 0; r < nvl; r++) { /* exact small integers in FA_T */
@@ -574,6 +623,20 @@ static int FA_NAME(fa_v_finite)(const FA_KV *FA_RESTRICT v, int64_t v_sl, int64_
     return FA_VREDUCE(FA_VADD(acc0, acc1)) == (FA_T)0;
 }
 
+/* Are the n (a multiple of FA_VL) values at x, FA_VL-aligned, all finite? */
+static int FA_NAME(fa_all_finite)(const FA_T *FA_RESTRICT x, int64_t n)
+{
+    const FA_V zero = FA_VZERO();
+    FA_V acc0 = FA_VZERO(), acc1 = FA_VZERO();
+    int64_t i = 0;
+    for (; i + 2 * FA_VL <= n; i += 2 * FA_VL) {
+        acc0 = FA_VFMA(FA_VLOAD(x + i), zero, acc0);
+        acc1 = FA_VFMA(FA_VLOAD(x + i + FA_VL), zero, acc1);
+    }
+    if (i < n) acc0 = FA_VFMA(FA_VLOAD(x + i), zero, acc0);
+    return FA_VREDUCE(FA_VADD(acc0, acc1)) == (FA_T)0;
+}
+
 /* P.V for a tile whose V holds an inf or NaN.  A hidden key has p = 0, and 0 * inf
  * would put a NaN into rows that never see that value; so here only the visible
  * (row, key) pairs are added, visibility read from the tile's logits recomputed
@@ -584,6 +647,7 @@ static void FA_NAME(fa_pv_tile_nonfinite)(const fa_params *p, const fa_item *it,
                                           int64_t dvp)
 {
     FA_T *prob = sc->s;
+    const int64_t pk = sc->key_major ? 1 : brp; /* the probabilities' key stride */
     sc->s = sc->s2;
     FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, sc, 1);
     sc->s = prob;
@@ -593,7 +657,7 @@ static void FA_NAME(fa_pv_tile_nonfinite)(const fa_params *p, const fa_item *it,
             for (int64_t c = 0; c < p->Dv; c++) o[c] *= sc->alpha[r];
         for (int64_t jj = 0; jj < nk; jj++) {
             if (sc->s2[jj * brp + r] == -(FA_T)INFINITY) continue;
-            const FA_T pj = prob[jj * brp + r];
+            const FA_T pj = prob[jj * pk + r];
             const FA_KV *vr = v + jj * p->v_sl;
             for (int64_t c = 0; c < p->Dv; c++) o[c] += pj * (FA_T)FA_KV_SCALAR(vr[c]);
         }
@@ -630,12 +694,15 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
     for (int64_t j0 = it->kv0; j0 < it->kv1; j0 += bc) {
         const int64_t nk = it->kv1 - j0 < bc ? it->kv1 - j0 : bc;
         if (!FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, 0)) continue;
-        for (int c = 0; c < nv; c++) {
-            FA_V colmax;
-            const int known = FA_NAME(fa_logit_tile)(p, sc.s, nk, c, c + 1, nr, j0, brp, &sc, &colmax);
-            FA_NAME(fa_softmax_tile)(sc.s, nk, c, c + 1, sc.m, sc.l, sc.alpha, brp,
-                                     known ? &colmax : NULL);
-        }
+        if (sc.key_major)
+            FA_NAME(fa_softmax_row)(sc.s, nk, sc.m, sc.l, sc.alpha);
+        else
+            for (int c = 0; c < nv; c++) {
+                FA_V colmax;
+                const int known = FA_NAME(fa_logit_tile)(p, sc.s, nk, c, c + 1, nr, j0, brp, &sc, &colmax);
+                FA_NAME(fa_softmax_tile)(sc.s, nk, c, c + 1, sc.m, sc.l, sc.alpha, brp,
+                                         known ? &colmax : NULL);
+            }
         if (p->weights) continue;
         if (nr <= FA_DOT_ROWS && j0 + bc < it->kv1) {
             /* decoding reads each V row once, with little work per row: fetch the
@@ -645,11 +712,23 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
                 for (int64_t c = 0; c < Dv; c += 64 / (int64_t)sizeof(FA_KV))
                     __builtin_prefetch(v + (j0 + bc + j) * p->v_sl + c);
         }
-        if (FA_NAME(fa_v_finite)(v + j0 * p->v_sl, p->v_sl, nk, Dv))
-            FA_NAME(fa_pv_tile)(sc.s, nr, nk, v + j0 * p->v_sl, p->v_sl, Dv, sc.o, dvp, sc.alpha, brp);
+        const FA_KV *vt = v + j0 * p->v_sl;
+        if (nr <= FA_DOT_ROWS) {
+            /* Few rows: a check of V before P.V would cost as much as P.V itself.  So
+             * P.V runs first, and if the rows it produced are not all finite (an inf
+             * or NaN in V, or rows that were not finite already) they are restored
+             * and the tile goes through the careful path. */
+            memcpy(sc.o2, sc.o, (size_t)(nr * dvp) * sizeof(FA_T));
+            FA_NAME(fa_pv_tile)(sc.s, nr, nk, vt, p->v_sl, Dv, sc.o, dvp, sc.alpha,
+                                sc.key_major ? 1 : brp);
+            if (!FA_NAME(fa_all_finite)(sc.o, nr * dvp)) {
+                memcpy(sc.o, sc.o2, (size_t)(nr * dvp) * sizeof(FA_T));
+                FA_NAME(fa_pv_tile_nonfinite)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, vt, dvp);
+            }
+        } else if (FA_NAME(fa_v_finite)(vt, p->v_sl, nk, Dv))
+            FA_NAME(fa_pv_tile)(sc.s, nr, nk, vt, p->v_sl, Dv, sc.o, dvp, sc.alpha, brp);
         else
-            FA_NAME(fa_pv_tile_nonfinite)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc,
-                                          v + j0 * p->v_sl, dvp);
+            FA_NAME(fa_pv_tile_nonfinite)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, vt, dvp);
     }
 
     /* Normalize once.  A row that saw no visible key (l == 0) gives 0 and lse -inf;

@@ -214,6 +214,31 @@ def test_nan_stays_in_its_rows(kernel, dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("Lq", [1, 4])
+def test_nan_inf_in_decode_blocks(kernel, dtype, Lq):
+    """Blocks of a few rows (decoding, split-KV) run P.V before looking at V; rows it
+    left not finite are restored and that tile is redone adding visible pairs only."""
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((1, 3, Lq, 16)).astype(dtype)
+    k = rng.standard_normal((1, 3, 1100, 16)).astype(dtype)
+    v = rng.standard_normal((1, 3, 1100, 8)).astype(dtype)
+    q[0, 0, 0, 2] = np.nan        # head 0: its row 0 only
+    k[0, 1, 700, 1] = np.nan      # head 1: every row that sees key 700
+    v[0, 2, 40, 3] = np.inf       # head 2: rows that see key 40, column 3
+    mask = np.ones((Lq, 1100), bool)
+    mask[:, 30:50] = False        # hides key 40 (and key 700 stays visible)
+    for kw in ({}, dict(window=(100, None)), dict(causal=True), dict(mask=mask)):
+        out = fastattn.attention(q, k, v, **kw)
+        ref = reference.attention(q, k, v, **kw)
+        np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+        np.testing.assert_array_equal(np.isinf(out), np.isinf(ref))
+        fin = np.isfinite(ref)
+        assert np.abs(out[fin] - ref[fin]).max() <= TOL[np.dtype(dtype)] * np.abs(ref[fin]).max()
+    assert np.isinf(fastattn.attention(q, k, v)[0, 2, :, 3]).all()
+    assert np.isfinite(fastattn.attention(q, k, v, mask=mask)[0, 2]).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_infinite_logits(kernel, dtype):
     q = np.ones((4, 8), dtype)
     k = np.ones((10, 8), dtype)
