@@ -433,6 +433,7 @@ static int fa_decode_split(const fa_params *p, const fa_plan *pl, fa_qblock_fn q
     part.lse_sh = p->Lq;
     part.lse_sl = 1;
     const int64_t heads = p->B * p->Hkv * pl->nhc, items = heads * nch;
+    const int chunk_major = p->k_sl != p->D || p->v_sl != p->Dv;
     int nth = nth_req;
     if ((int64_t)nth > items) nth = (int)items;
     int failed = 0;
@@ -444,7 +445,9 @@ static int fa_decode_split(const fa_params *p, const fa_plan *pl, fa_qblock_fn q
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < items; t++) {
             if (!scratch) continue;
-            const int64_t c = t % nch, h = t / nch;
+            /* contiguous K/V: a head's chunks in a row; strided ("bshd"): a chunk's
+             * heads in a row, which share the rows' pages (TLB entries) */
+            const int64_t c = chunk_major ? t / heads : t % nch, h = chunk_major ? t % heads : t / nch;
             const int64_t b = h / (p->Hkv * pl->nhc), g = (h / pl->nhc) % p->Hkv, hc = h % pl->nhc;
             fa_item it;
             fa_item_make(p, pl, b, g, hc, 0, &it);

@@ -67,7 +67,10 @@ static inline int64_t FA_NAME(fa_round_up)(int64_t x, int64_t m) { return (x + m
  *   qt      D  x brp   Q block, transposed, times scale (or scale/softcap)
  *   qn      rows x dp  the same, untransposed (dp = D rounded up to FA_VL), for
  *                      blocks of at most FA_DOT_ROWS rows (decoding)
- *   s       bc x brp   logits of one key block, then its probabilities (key-major)
+ *   s       bc x brp   logits of one key block, then its probabilities (key-major:
+ *                      key j of query row i at s[j * brp + i]; for blocks of at
+ *                      most FA_DOT_ROWS rows, row-major s[i * bcp + j] when no
+ *                      logit step applies, bcp = bc rounded up to FA_VL)
  *   s2      bc x brp   the logits again, for a V tile with a NaN or inf in it
  *   o       brp x dvp  running unnormalized output, row-major
  *   o2      rows x dvp the same rows before the last P.V, for blocks of at most
@@ -83,7 +86,8 @@ typedef struct FA_NAME(fa_scratch) {
     FA_T *qt, *qn, *s, *s2, *o, *m, *l, *alpha, *rlo, *rhi, *slope, *apos, *bt;
     int64_t *lo, *hi;
     int mask_state, need_range; /* of the current key tile (fa_scores) */
-    int key_major;              /* the tile's logits are s[j] (one row, fa_scores) */
+    int key_major;              /* the tile's logits are s[r * bcp + j] (fa_scores) */
+    int64_t bcp;                /* bc rounded up to FA_VL */
     FA_T *o2;
     uint8_t *mt;
     const uint8_t **mrow;
@@ -111,7 +115,11 @@ static size_t FA_NAME(fa_layout)(const fa_params *p, const fa_blocks *bl, void *
     sc->qt = (FA_T *)FA_NAME(fa_carve)(&cur, (size_t)p->D * brp * t);
     sc->qn = (FA_T *)FA_NAME(fa_carve)(
         &cur, (size_t)FA_DOT_ROWS * (size_t)FA_NAME(fa_round_up)(p->D, FA_VL) * t);
-    sc->s = (FA_T *)FA_NAME(fa_carve)(&cur, bc * brp * t);
+    sc->bcp = FA_NAME(fa_round_up)((int64_t)bc, FA_VL);
+    {
+        const size_t km = (size_t)FA_DOT_ROWS * (size_t)sc->bcp; /* key-major use */
+        sc->s = (FA_T *)FA_NAME(fa_carve)(&cur, (bc * brp > km ? bc * brp : km) * t);
+    }
     sc->s2 = (FA_T *)FA_NAME(fa_carve)(&cur, bc * brp * t);
     sc->o = (FA_T *)FA_NAME(fa_carve)(&cur, brp * dvp * t);
     sc->o2 = (FA_T *)FA_NAME(fa_carve)(&cur, (size_t)FA_DOT_ROWS * dvp * t);
@@ -193,7 +201,7 @@ static void FA_NAME(fa_qk_tile)(const FA_T *FA_RESTRICT qt, int nv, const FA_KV 
  * queries and would waste most lanes here). */
 FA_ALWAYS_INLINE void FA_NAME(fa_qk_dot_micro)(const int R, const FA_T *FA_RESTRICT qn, int64_t dp,
                                                const FA_KV *FA_RESTRICT k, int64_t k_sl, int64_t nk,
-                                               int64_t D, FA_T *FA_RESTRICT s, int64_t brp)
+                                               int64_t D, FA_T *FA_RESTRICT s, int64_t ks, int64_t rs)
 {
     const int64_t full = D / FA_VL * FA_VL;
     const int tail = (int)(D - full);
@@ -213,17 +221,53 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_dot_micro)(const int R, const FA_T *FA_RESTR
             const FA_V kv = FA_KV_LOADU_N(kj + full, tail);
             for (int r = 0; r < R; r++) acc[r] = FA_VFMA(FA_VLOAD(qn + r * dp + full), kv, acc[r]);
         }
-        for (int r = 0; r < R; r++) s[j * brp + r] = FA_VREDUCE(acc[r]);
+        for (int r = 0; r < R; r++) s[j * ks + r * rs] = FA_VREDUCE(acc[r]);
     }
 }
 
+/* One row, key-major (s[j]): FA_VL keys at a time, each with its own accumulator
+ * (independent FMA chains), their sums gathered into one vector by FA_VHSUMS. */
+static void FA_NAME(fa_qk_dot_row)(const FA_T *FA_RESTRICT q, const FA_KV *FA_RESTRICT k,
+                                   int64_t k_sl, int64_t nk, int64_t D, FA_T *FA_RESTRICT s)
+{
+    const int64_t full = D / FA_VL * FA_VL;
+    const int tail = (int)(D - full);
+    int64_t j = 0;
+    for (; j + FA_VL <= nk; j += FA_VL) {
+        const FA_KV *kj = k + j * k_sl;
+        FA_V acc[FA_VL];
+        for (int i = 0; i < FA_VL; i++) { /* rows in memory order */
+            const FA_KV *ki = kj + i * k_sl;
+            /* the K stream is the whole cost here: ask for rows a few ahead */
+            for (int64_t c = 0; c < D; c += 64 / (int64_t)sizeof(FA_KV))
+                __builtin_prefetch((const void *)((uintptr_t)(ki + c) +
+                                                  (uintptr_t)(FA_DOT_PREFETCH * k_sl) * sizeof(FA_KV)));
+            FA_V a = FA_VZERO();
+            for (int64_t c = 0; c < full; c += FA_VL) a = FA_VFMA(FA_VLOAD(q + c), FA_KV_LOADU(ki + c), a);
+            if (tail) a = FA_VFMA(FA_VLOAD(q + full), FA_KV_LOADU_N(ki + full, tail), a);
+            acc[i] = a;
+        }
+#ifdef FA_HAVE_HSUMS
+        FA_VSTOREU(s + j, FA_VHSUMS(acc));
+#else
+        for (int i = 0; i < FA_VL; i++) s[j + i] = FA_VREDUCE(acc[i]);
+#endif
+    }
+    if (j < nk) FA_NAME(fa_qk_dot_micro)(1, q, 0, k + j * k_sl, k_sl, nk - j, D, s + j, 1, 0);
+}
+
 static void FA_NAME(fa_qk_dots)(const FA_T *FA_RESTRICT qn, int64_t nr, const FA_KV *FA_RESTRICT k,
-                                int64_t k_sl, int64_t nk, int64_t D, FA_T *FA_RESTRICT s, int64_t brp)
+                                int64_t k_sl, int64_t nk, int64_t D, FA_T *FA_RESTRICT s, int64_t ks,
+                                int64_t rs)
 {
     const int64_t dp = FA_NAME(fa_round_up)(D, FA_VL);
+    if (nr == 1 && ks == 1) {
+        FA_NAME(fa_qk_dot_row)(qn, k, k_sl, nk, D, s);
+        return;
+    }
     switch (nr) {
 #define FA_DOT_CASE(R) \
-    case R: FA_NAME(fa_qk_dot_micro)(R, qn, dp, k, k_sl, nk, D, s, brp); break;
+    case R: FA_NAME(fa_qk_dot_micro)(R, qn, dp, k, k_sl, nk, D, s, ks, rs); break;
         FA_DOT_CASE(1) FA_DOT_CASE(2) FA_DOT_CASE(3) FA_DOT_CASE(4)
         FA_DOT_CASE(5) FA_DOT_CASE(6) FA_DOT_CASE(7) FA_DOT_CASE(8)
 #undef FA_DOT_CASE
@@ -273,10 +317,10 @@ static void FA_NAME(fa_softmax_tile)(FA_T *FA_RESTRICT s, int64_t nk, int c0, in
     }
 }
 
-/* fa_softmax_tile for a block of one row whose logits are key-major, s[j] (s has
- * room for nk rounded up to FA_VL): vectors over keys, so the exp of FA_VL keys
- * costs one vector exp rather than FA_VL exps of which one lane is used.  A NaN
- * logit gives a NaN probability (so a NaN sum), as in fa_softmax_tile. */
+/* fa_softmax_tile for one row whose logits are contiguous, s[j] (s has room for nk
+ * rounded up to FA_VL): vectors over keys, so the exp of FA_VL keys costs one
+ * vector exp, not FA_VL exps of which few lanes are used (a block of few rows).
+ * A NaN logit gives a NaN probability (so a NaN sum), as in fa_softmax_tile. */
 static void FA_NAME(fa_softmax_row)(FA_T *FA_RESTRICT s, int64_t nk, FA_T *FA_RESTRICT m,
                                     FA_T *FA_RESTRICT l, FA_T *FA_RESTRICT alpha)
 {
@@ -312,12 +356,13 @@ static void FA_NAME(fa_softmax_row)(FA_T *FA_RESTRICT s, int64_t nk, FA_T *FA_RE
 }
 
 /* o[i][c0 ...] = alpha[i] * o[i][c0 ...] + sum_j p[j][i] * v[j][c0 ...] for R query
- * rows and NC value vectors (the last one `tail` lanes wide when tail > 0).  The
- * rescale is skipped when no row's max changed (alpha == 1 for all R rows). */
+ * rows and NC value vectors (the last one `tail` lanes wide when tail > 0), with
+ * p[j][i] at p[j * ks + i * rs] (ks = brp, rs = 1 query-major; ks = 1 key-major).
+ * The rescale is skipped when no row's max changed (alpha == 1 for all R rows). */
 FA_ALWAYS_INLINE void FA_NAME(fa_pv_micro)(const int R, const int NC, const FA_T *FA_RESTRICT p,
                                            const FA_KV *FA_RESTRICT v, int64_t v_sl, int64_t nk,
                                            int tail, FA_T *FA_RESTRICT o, int64_t dvp,
-                                           const FA_T *FA_RESTRICT alpha, int64_t brp)
+                                           const FA_T *FA_RESTRICT alpha, int64_t ks, int64_t rs)
 {
     FA_V acc[FA_PV_R][2 * FA_PV_NC];
     int rescale = 0;
@@ -334,7 +379,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_micro)(const int R, const int NC, const FA_T
             FA_V vv[2 * FA_PV_NC];
             for (int c = 0; c < NC; c++) vv[c] = FA_KV_LOADU(v + j * v_sl + c * FA_VL);
             for (int r = 0; r < R; r++) {
-                FA_V pb = FA_VSET1(p[j * brp + r]);
+                FA_V pb = FA_VSET1(p[j * ks + r * rs]);
                 for (int c = 0; c < NC; c++) acc[r][c] = FA_VFMA(pb, vv[c], acc[r][c]);
             }
         }
@@ -344,7 +389,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_micro)(const int R, const int NC, const FA_T
             for (int c = 0; c < NC - 1; c++) vv[c] = FA_KV_LOADU(v + j * v_sl + c * FA_VL);
             vv[NC - 1] = FA_KV_LOADU_N(v + j * v_sl + (NC - 1) * FA_VL, tail);
             for (int r = 0; r < R; r++) {
-                FA_V pb = FA_VSET1(p[j * brp + r]);
+                FA_V pb = FA_VSET1(p[j * ks + r * rs]);
                 for (int c = 0; c < NC; c++) acc[r][c] = FA_VFMA(pb, vv[c], acc[r][c]);
             }
         }
@@ -356,7 +401,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_micro)(const int R, const int NC, const FA_T
 #define FA_PV_CASE(R, NC)                                                                     \
     case (R) * 16 + (NC):                                                                     \
         if ((R) <= FA_PV_R && ((NC) <= FA_PV_NC || ((R) <= 2 && (NC) <= 2 * FA_PV_NC)))      \
-            FA_NAME(fa_pv_micro)(R, NC, p + i, vc, v_sl, nk, tail, o + i * dvp + c0, dvp, alpha + i, brp); \
+            FA_NAME(fa_pv_micro)(R, NC, p + i * rs, vc, v_sl, nk, tail, o + i * dvp + c0, dvp, alpha + i, ks, rs); \
         break;
 
 /* Rescale the running output of nq rows and add this key block's P.V.  Blocks of
@@ -365,7 +410,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_micro)(const int R, const int NC, const FA_T
 static void FA_NAME(fa_pv_tile)(const FA_T *FA_RESTRICT p, int64_t nq, int64_t nk,
                                 const FA_KV *FA_RESTRICT v, int64_t v_sl, int64_t Dv,
                                 FA_T *FA_RESTRICT o, int64_t dvp, const FA_T *FA_RESTRICT alpha,
-                                int64_t brp)
+                                int64_t ks, int64_t rs)
 {
     const int64_t chunk = (int64_t)(nq <= 2 ? 2 * FA_PV_NC : FA_PV_NC) * FA_VL;
     /* Value columns outer, query rows inner: one column chunk of the V tile stays in
@@ -582,13 +627,13 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
     sc->mask_state = p->mask ? FA_NAME(fa_mask_tile)(p, nr, j0, nk, brp, sc) : 2;
     if (sc->mask_state == 0) return 0;
     sc->need_range = lo_max > j0 || hi_min < j0 + nk - 1;
-    /* One row (decoding without GQA) and no logit step on this tile: its logits are
-     * stored key-major, s[j], for fa_softmax_row. */
-    sc->key_major = nr == 1 && !logits && !p->weights && sc->mask_state == 2 && !sc->need_range &&
-                    !(p->softcap > 0) && !p->alibi && !p->bias;
+    /* A few rows (decoding) and no logit step on this tile: the logits are stored
+     * key-major, row r at s + r * bcp, for fa_softmax_row. */
+    sc->key_major = nr <= FA_DOT_ROWS && !logits && !p->weights && sc->mask_state == 2 &&
+                    !sc->need_range && !(p->softcap > 0) && !p->alibi && !p->bias;
     if (nr <= FA_DOT_ROWS)
         FA_NAME(fa_qk_dots)(sc->qn, nr, k + j0 * p->k_sl, p->k_sl, nk, p->D, sc->s,
-                            sc->key_major ? 1 : brp);
+                            sc->key_major ? 1 : brp, sc->key_major ? sc->bcp : 1);
     else
         FA_NAME(fa_qk_tile)(sc->qt, nv, k + j0 * p->k_sl, p->k_sl, nk, p->D, sc->s, brp);
     if (sc->need_range) {
@@ -647,7 +692,7 @@ static void FA_NAME(fa_pv_tile_nonfinite)(const fa_params *p, const fa_item *it,
                                           int64_t dvp)
 {
     FA_T *prob = sc->s;
-    const int64_t pk = sc->key_major ? 1 : brp; /* the probabilities' key stride */
+    const int64_t pk = sc->key_major ? 1 : brp, pr = sc->key_major ? sc->bcp : 1;
     sc->s = sc->s2;
     FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, sc, 1);
     sc->s = prob;
@@ -657,7 +702,7 @@ static void FA_NAME(fa_pv_tile_nonfinite)(const fa_params *p, const fa_item *it,
             for (int64_t c = 0; c < p->Dv; c++) o[c] *= sc->alpha[r];
         for (int64_t jj = 0; jj < nk; jj++) {
             if (sc->s2[jj * brp + r] == -(FA_T)INFINITY) continue;
-            const FA_T pj = prob[jj * pk + r];
+            const FA_T pj = prob[jj * pk + r * pr];
             const FA_KV *vr = v + jj * p->v_sl;
             for (int64_t c = 0; c < p->Dv; c++) o[c] += pj * (FA_T)FA_KV_SCALAR(vr[c]);
         }
@@ -695,7 +740,8 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
         const int64_t nk = it->kv1 - j0 < bc ? it->kv1 - j0 : bc;
         if (!FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, 0)) continue;
         if (sc.key_major)
-            FA_NAME(fa_softmax_row)(sc.s, nk, sc.m, sc.l, sc.alpha);
+            for (int64_t r = 0; r < nr; r++)
+                FA_NAME(fa_softmax_row)(sc.s + r * sc.bcp, nk, sc.m + r, sc.l + r, sc.alpha + r);
         else
             for (int c = 0; c < nv; c++) {
                 FA_V colmax;
@@ -704,14 +750,6 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
                                          known ? &colmax : NULL);
             }
         if (p->weights) continue;
-        if (nr <= FA_DOT_ROWS && j0 + bc < it->kv1) {
-            /* decoding reads each V row once, with little work per row: fetch the
-             * next tile's rows while this one is being used */
-            const int64_t next = it->kv1 - (j0 + bc) < bc ? it->kv1 - (j0 + bc) : bc;
-            for (int64_t j = 0; j < next; j++)
-                for (int64_t c = 0; c < Dv; c += 64 / (int64_t)sizeof(FA_KV))
-                    __builtin_prefetch(v + (j0 + bc + j) * p->v_sl + c);
-        }
         const FA_KV *vt = v + j0 * p->v_sl;
         if (nr <= FA_DOT_ROWS) {
             /* Few rows: a check of V before P.V would cost as much as P.V itself.  So
@@ -720,13 +758,13 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
              * and the tile goes through the careful path. */
             memcpy(sc.o2, sc.o, (size_t)(nr * dvp) * sizeof(FA_T));
             FA_NAME(fa_pv_tile)(sc.s, nr, nk, vt, p->v_sl, Dv, sc.o, dvp, sc.alpha,
-                                sc.key_major ? 1 : brp);
+                                sc.key_major ? 1 : brp, sc.key_major ? sc.bcp : 1);
             if (!FA_NAME(fa_all_finite)(sc.o, nr * dvp)) {
                 memcpy(sc.o, sc.o2, (size_t)(nr * dvp) * sizeof(FA_T));
                 FA_NAME(fa_pv_tile_nonfinite)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, vt, dvp);
             }
         } else if (FA_NAME(fa_v_finite)(vt, p->v_sl, nk, Dv))
-            FA_NAME(fa_pv_tile)(sc.s, nr, nk, vt, p->v_sl, Dv, sc.o, dvp, sc.alpha, brp);
+            FA_NAME(fa_pv_tile)(sc.s, nr, nk, vt, p->v_sl, Dv, sc.o, dvp, sc.alpha, brp, 1);
         else
             FA_NAME(fa_pv_tile_nonfinite)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, vt, dvp);
     }
