@@ -122,7 +122,6 @@ static size_t FA_NAME(fa_layout)(const fa_params *p, const fa_blocks *bl, void *
     }
     sc->s2 = (FA_T *)FA_NAME(fa_carve)(&cur, bc * brp * t);
     sc->o = (FA_T *)FA_NAME(fa_carve)(&cur, brp * dvp * t);
-    sc->o2 = (FA_T *)FA_NAME(fa_carve)(&cur, (size_t)FA_DOT_ROWS * dvp * t);
     sc->m = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
     sc->l = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
     sc->alpha = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
@@ -137,6 +136,7 @@ static size_t FA_NAME(fa_layout)(const fa_params *p, const fa_blocks *bl, void *
     sc->mrow = (const uint8_t **)FA_NAME(fa_carve)(&cur, brp * sizeof(void *));
     sc->brow = (const FA_T **)FA_NAME(fa_carve)(&cur, brp * sizeof(void *));
     sc->orow = (void **)FA_NAME(fa_carve)(&cur, brp * sizeof(void *));
+    sc->o2 = (FA_T *)FA_NAME(fa_carve)(&cur, (size_t)FA_DOT_ROWS * dvp * t);
     return (size_t)(cur - first);
 }
 
@@ -407,10 +407,11 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_micro)(const int R, const int NC, const FA_T
 /* Rescale the running output of nq rows and add this key block's P.V.  Blocks of
  * one or two rows (decoding) take twice as many value vectors per pass, since
  * their accumulators leave registers free: fewer passes over the V tile. */
-static void FA_NAME(fa_pv_tile)(const FA_T *FA_RESTRICT p, int64_t nq, int64_t nk,
-                                const FA_KV *FA_RESTRICT v, int64_t v_sl, int64_t Dv,
-                                FA_T *FA_RESTRICT o, int64_t dvp, const FA_T *FA_RESTRICT alpha,
-                                int64_t ks, int64_t rs)
+FA_ALWAYS_INLINE void FA_NAME(fa_pv_tile_strided)(const FA_T *FA_RESTRICT p, int64_t nq, int64_t nk,
+                                                  const FA_KV *FA_RESTRICT v, int64_t v_sl,
+                                                  int64_t Dv, FA_T *FA_RESTRICT o, int64_t dvp,
+                                                  const FA_T *FA_RESTRICT alpha, int64_t ks,
+                                                  int64_t rs)
 {
     const int64_t chunk = (int64_t)(nq <= 2 ? 2 * FA_PV_NC : FA_PV_NC) * FA_VL;
     /* Value columns outer, query rows inner: one column chunk of the V tile stays in
@@ -432,6 +433,18 @@ static void FA_NAME(fa_pv_tile)(const FA_T *FA_RESTRICT p, int64_t nq, int64_t n
     }
 }
 #undef FA_PV_CASE
+
+static void FA_NAME(fa_pv_tile)(const FA_T *FA_RESTRICT p, int64_t nq, int64_t nk,
+                                const FA_KV *FA_RESTRICT v, int64_t v_sl, int64_t Dv,
+                                FA_T *FA_RESTRICT o, int64_t dvp, const FA_T *FA_RESTRICT alpha,
+                                int64_t ks, int64_t rs)
+{
+    /* query-major probabilities (rs = 1) get code with the row offsets as constants */
+    if (rs == 1)
+        FA_NAME(fa_pv_tile_strided)(p, nq, nk, v, v_sl, Dv, o, dvp, alpha, ks, 1);
+    else
+        FA_NAME(fa_pv_tile_strided)(p, nq, nk, v, v_sl, Dv, o, dvp, alpha, ks, rs);
+}
 
 /* Per-row set-up of a block: row r is query position i = q0 + r % nq of head
  * h = h0 + r / nq.  Packs Q transposed and scaled (padded lanes zero, so padded
@@ -566,13 +579,19 @@ static void FA_NAME(fa_bias_tile)(const fa_params *p, int64_t r0, int64_t r1, in
  * position) and sc->mask_state (fa_mask_tile's, or 2 without a mask).  Returns 0
  * if no step applies (s unchanged); otherwise 1, with each vector's max over the
  * tile's keys in colmax[c - c0] (NaN if any is NaN) unless colmax is NULL. */
+/* Does some step of fa_logit_tile apply to the current tile? */
+static inline int FA_NAME(fa_has_logit_steps)(const fa_params *p, const FA_NAME(fa_scratch) *sc)
+{
+    return p->softcap > 0 || p->alibi || p->bias || sc->mask_state == 1 || sc->need_range;
+}
+
 static int FA_NAME(fa_logit_tile)(const fa_params *p, FA_T *FA_RESTRICT s, int64_t nk, int c0,
                                   int c1, int64_t nr, int64_t j0, int64_t brp,
                                   FA_NAME(fa_scratch) *sc, FA_V *FA_RESTRICT colmax)
 {
     const int softcap = p->softcap > 0, alibi = p->alibi != NULL, bias = p->bias != NULL;
     const int mask = sc->mask_state == 1, need_range = sc->need_range;
-    if (!(softcap || alibi || bias || mask || need_range)) return 0;
+    if (!FA_NAME(fa_has_logit_steps)(p, sc)) return 0;
     if (bias) {
         const int64_t r1 = (int64_t)c1 * FA_VL;
         FA_NAME(fa_bias_tile)(p, (int64_t)c0 * FA_VL, r1 < nr ? r1 : nr, j0, nk, brp, sc);
@@ -742,7 +761,9 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
         if (sc.key_major)
             for (int64_t r = 0; r < nr; r++)
                 FA_NAME(fa_softmax_row)(sc.s + r * sc.bcp, nk, sc.m + r, sc.l + r, sc.alpha + r);
-        else
+        else if (!FA_NAME(fa_has_logit_steps)(p, &sc))
+            FA_NAME(fa_softmax_tile)(sc.s, nk, 0, nv, sc.m, sc.l, sc.alpha, brp, NULL);
+        else /* column by column, each column's logits in L1 for its softmax */
             for (int c = 0; c < nv; c++) {
                 FA_V colmax;
                 const int known = FA_NAME(fa_logit_tile)(p, sc.s, nk, c, c + 1, nr, j0, brp, &sc, &colmax);
