@@ -125,6 +125,11 @@ def naive(q, k, v, scale, causal):
 
 
 SETTLE_S = 0.1  # idle time before each timed call (see _timed)
+# ... and after NumPy's call: OpenBLAS's worker threads spin for about 0.13 s after a
+# matmul here (their CPU time, read from /proc), so a call started 0.1 s after the
+# naive formula shared a core with them (measured: fastattn 42 ms after it against
+# 35-37 ms otherwise, B=1 H=8 L=2048 D=64).
+SETTLE_AFTER_NUMPY_S = 0.3
 
 
 def _timed(f, settle=0.0):
@@ -171,9 +176,11 @@ def run_shape(sh, threads, torch=None, use_numpy=True, seed=0):
         warm = max(_warm_up(f) for f in fns.values())
         rounds = 5 if warm > 0.2 else 9 if warm > 0.02 else 15  # a noisy shared machine
         times = {name: [] for name in fns}
+        prev = list(fns)[-1]  # the warm-up's last call
         for _ in range(rounds):
             for name, f in fns.items():
-                times[name].append(_timed(f, SETTLE_S))
+                times[name].append(_timed(f, SETTLE_AFTER_NUMPY_S if prev == "numpy" else SETTLE_S))
+                prev = name
     ref = reference.attention(q[:, :1], k[:, :1], v[:, :1], causal=causal)
     err = float(np.max(np.abs(out[:, :1] - ref)) / max(np.max(np.abs(ref)), 1e-300))
     tol = TOL[sh["kv_dtype"]]
