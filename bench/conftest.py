@@ -127,6 +127,7 @@ def pytest_terminal_summary(terminalreporter, config):
         return
     _variant_summary(terminalreporter, session.benchmarks)
     _decode_summary(terminalreporter, session.benchmarks)
+    _interleaved_summary(terminalreporter, session.benchmarks)
     rows = _rows(session.benchmarks)
     sgemm = rows.pop("sgemm", {}).get("numpy sgemm")
     sgemm_gf = sgemm[1]["flops"] / sgemm[0] / 1e9 if sgemm else None
@@ -186,4 +187,21 @@ def _decode_summary(terminalreporter, benchmarks):
         gbps = info["kv_bytes"] / st.min / 1e9
         w(f"  {info['decode']:<34} {st.min * 1e3:7.2f} ms {gbps:6.1f} GB/s "
           f"{100 * gbps / info['read_bandwidth_gbps']:4.0f}%   vs {info['baseline']:<16} "
+          f"{info['baseline_min_s'] / st.min:5.2f}x / {info['baseline_median_s'] / st.median:5.2f}x")
+
+
+def _interleaved_summary(terminalreporter, benchmarks):
+    """Prefill against a baseline timed just before each round (bench/test_prefill.py,
+    test_prefill_interleaved): baseline time / fastattn time, best and median rounds."""
+    rows = [(bm.extra_info, bm.stats) for bm in benchmarks
+            if "interleaved" in (getattr(bm, "extra_info", {}) or {}) and getattr(bm, "stats", None)]
+    if not rows:
+        return
+    w = terminalreporter.write_line
+    w("")
+    w(f"prefill, interleaved with its baseline (threads={rows[0][0]['threads']}, "
+      f"kernel={rows[0][0]['kernel']}): fastattn GFLOP/s, baseline time / fastattn time "
+      "(best / median rounds)")
+    for info, st in rows:
+        w(f"  {info['interleaved']:<38} {info['gflops']:6.1f} GFLOP/s   "
           f"{info['baseline_min_s'] / st.min:5.2f}x / {info['baseline_median_s'] / st.median:5.2f}x")

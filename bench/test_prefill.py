@@ -145,3 +145,68 @@ def test_call_overhead(benchmark, record, bench_threads, impl):
     assert np.abs(result - reference.attention(q, k, v)).max() <= 3e-5 * np.abs(result).max()
     record(flops_of(1, 1, 16, 16, 64, False), impl=impl, microseconds=benchmark.stats.stats.min * 1e6
            if benchmark.stats else None)
+
+
+# The ratios the issue asks for, measured interleaved: on this shared machine the
+# separate benchmarks above run seconds apart and the machine's speed moves by
+# 20-30% in between, so each of these times fastattn with its baseline's call just
+# before every round (in the untimed set-up, 0.1 s idle around it), like
+# bench/test_variants.py.  The summary prints baseline time / fastattn time.
+F32, F64 = np.float32, np.float64
+INTERLEAVED = {
+    "B1 H8 L4096 D64 vs torch": ((1, 8, 4096, 64, F32, False), "torch"),
+    "B1 H8 L4096 D64 causal vs torch": ((1, 8, 4096, 64, F32, True), "torch"),
+    "B1 H8 L2048 D128 vs torch": ((1, 8, 2048, 128, F32, False), "torch"),
+    "B4 H16 L256 D64 vs torch": ((4, 16, 256, 64, F32, False), "torch"),
+    "B1 H16 L512 D64 causal vs torch": ((1, 16, 512, 64, F32, True), "torch"),
+    "B1 H8 L4096 D64 2 threads vs 1": ((1, 8, 4096, 64, F32, False), "fastattn 1 thread"),
+    "B1 H8 L2048 D64 float64 vs float32": ((1, 8, 2048, 64, F64, False), "fastattn float32"),
+}
+
+
+@pytest.mark.parametrize("name", list(INTERLEAVED))
+def test_prefill_interleaved(benchmark, bench_threads, name):
+    import time
+    (b, h, l, d, dtype, causal), baseline = INTERLEAVED[name]
+    q, k, v = make_inputs(b, h, l, d, dtype)
+    if baseline == "torch":
+        torch = _import_torch()
+        torch.set_num_threads(bench_threads)
+        tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+
+        def base():
+            with torch.no_grad():
+                return sdpa(tq, tk, tv, is_causal=causal)
+    elif baseline == "fastattn 1 thread":
+        def base():
+            return fastattn.attention(q, k, v, causal=causal, num_threads=1)
+    else:  # the same shape in float32
+        q32, k32, v32 = (x.astype(np.float32) for x in (q, k, v))
+
+        def base():
+            return fastattn.attention(q32, k32, v32, causal=causal, num_threads=bench_threads)
+    base_times = []
+
+    def run_baseline():
+        time.sleep(0.1)  # the same idle before the baseline's call
+        t = time.perf_counter()
+        base()
+        base_times.append(time.perf_counter() - t)
+        time.sleep(0.1)  # let its spinning worker threads go idle before the timed call
+
+    flops = flops_of(b, h, l, l, d, causal)
+    rounds = 5 if flops > 8e9 else 9
+    benchmark.group = "interleaved " + name
+    out = benchmark.pedantic(lambda: fastattn.attention(q, k, v, causal=causal,
+                                                        num_threads=bench_threads),
+                             setup=run_baseline, rounds=rounds, iterations=1, warmup_rounds=1)
+    ref = reference.attention(q[0, 0], k[0, 0], v[0, 0], causal=causal)
+    err = float(np.abs(out[0, 0] - ref).max() / np.abs(ref).max())
+    assert err <= (1e-11 if dtype == F64 else 3e-5)
+    base_times = base_times[-rounds:]
+    benchmark.extra_info.update(interleaved=name, baseline=baseline, threads=bench_threads,
+                                kernel=fastattn._kernels.current_kernel(), rel_err=err,
+                                gflops=flops / (benchmark.stats.stats.min if benchmark.stats else 1) / 1e9,
+                                baseline_min_s=min(base_times),
+                                baseline_median_s=float(np.median(base_times)))

@@ -757,6 +757,15 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
      * weights are wanted). */
     for (int64_t j0 = it->kv0; j0 < it->kv1; j0 += bc) {
         const int64_t nk = it->kv1 - j0 < bc ? it->kv1 - j0 : bc;
+#ifdef FA_KV_HALF
+        /* float16 decoding: ask for this tile's V rows now, so that they arrive while
+         * QK^T and the softmax run (measured: 3-7% faster; for float32 V, twice the
+         * bytes, the same prefetches were 9% slower than the hardware's) */
+        if (nr <= FA_DOT_ROWS)
+            for (int64_t j = 0; j < nk; j++)
+                for (int64_t c = 0; c < Dv; c += 64 / (int64_t)sizeof(FA_KV))
+                    __builtin_prefetch(v + (j0 + j) * p->v_sl + c);
+#endif
         if (!FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, 0)) continue;
         if (sc.key_major)
             for (int64_t r = 0; r < nr; r++)
