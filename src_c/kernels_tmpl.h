@@ -434,16 +434,23 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_tile_strided)(const FA_T *FA_RESTRICT p, int
 }
 #undef FA_PV_CASE
 
+/* Query-major probabilities, p[j][i] at p[j * brp + i]: the row offsets are
+ * constants in the unrolled code (a run-time row stride made prefill 3-10% slower). */
 static void FA_NAME(fa_pv_tile)(const FA_T *FA_RESTRICT p, int64_t nq, int64_t nk,
                                 const FA_KV *FA_RESTRICT v, int64_t v_sl, int64_t Dv,
                                 FA_T *FA_RESTRICT o, int64_t dvp, const FA_T *FA_RESTRICT alpha,
-                                int64_t ks, int64_t rs)
+                                int64_t brp)
 {
-    /* query-major probabilities (rs = 1) get code with the row offsets as constants */
-    if (rs == 1)
-        FA_NAME(fa_pv_tile_strided)(p, nq, nk, v, v_sl, Dv, o, dvp, alpha, ks, 1);
-    else
-        FA_NAME(fa_pv_tile_strided)(p, nq, nk, v, v_sl, Dv, o, dvp, alpha, ks, rs);
+    FA_NAME(fa_pv_tile_strided)(p, nq, nk, v, v_sl, Dv, o, dvp, alpha, brp, 1);
+}
+
+/* Key-major probabilities of a few rows (decoding), row i at p + i * rs. */
+static void FA_NAME(fa_pv_tile_rows)(const FA_T *FA_RESTRICT p, int64_t nq, int64_t nk,
+                                     const FA_KV *FA_RESTRICT v, int64_t v_sl, int64_t Dv,
+                                     FA_T *FA_RESTRICT o, int64_t dvp,
+                                     const FA_T *FA_RESTRICT alpha, int64_t rs)
+{
+    FA_NAME(fa_pv_tile_strided)(p, nq, nk, v, v_sl, Dv, o, dvp, alpha, 1, rs);
 }
 
 /* Per-row set-up of a block: row r is query position i = q0 + r % nq of head
@@ -787,14 +794,16 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
              * or NaN in V, or rows that were not finite already) they are restored
              * and the tile goes through the careful path. */
             memcpy(sc.o2, sc.o, (size_t)(nr * dvp) * sizeof(FA_T));
-            FA_NAME(fa_pv_tile)(sc.s, nr, nk, vt, p->v_sl, Dv, sc.o, dvp, sc.alpha,
-                                sc.key_major ? 1 : brp, sc.key_major ? sc.bcp : 1);
+            if (sc.key_major)
+                FA_NAME(fa_pv_tile_rows)(sc.s, nr, nk, vt, p->v_sl, Dv, sc.o, dvp, sc.alpha, sc.bcp);
+            else
+                FA_NAME(fa_pv_tile)(sc.s, nr, nk, vt, p->v_sl, Dv, sc.o, dvp, sc.alpha, brp);
             if (!FA_NAME(fa_all_finite)(sc.o, nr * dvp)) {
                 memcpy(sc.o, sc.o2, (size_t)(nr * dvp) * sizeof(FA_T));
                 FA_NAME(fa_pv_tile_nonfinite)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, vt, dvp);
             }
         } else if (FA_NAME(fa_v_finite)(vt, p->v_sl, nk, Dv))
-            FA_NAME(fa_pv_tile)(sc.s, nr, nk, vt, p->v_sl, Dv, sc.o, dvp, sc.alpha, brp, 1);
+            FA_NAME(fa_pv_tile)(sc.s, nr, nk, vt, p->v_sl, Dv, sc.o, dvp, sc.alpha, brp);
         else
             FA_NAME(fa_pv_tile_nonfinite)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, vt, dvp);
     }
