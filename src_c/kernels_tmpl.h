@@ -27,6 +27,8 @@
  * and, optionally (FA_HAVE_TRANSPOSE), a register transpose for bias tiles:
  *   FA_VTRANSPOSE(rows, off, dst, ds)  dst[t * ds + i] = rows[i][off + t] for
  *                               i, t < FA_VL (dst aligned; rows: FA_VL pointers)
+ * and, optionally (FA_HAVE_HSUMS), the lane sums of FA_VL vectors at once:
+ *   FA_VHSUMS(x)                lane i = the sum of x[i]'s lanes (x: FA_VL vectors)
  *
  * Layout: the query axis is the SIMD axis.  A query block is packed transposed
  * (qt[d][i], pre-multiplied by scale), so S^T = K qt is computed with one key
@@ -454,9 +456,10 @@ static void FA_NAME(fa_pv_tile_rows)(const FA_T *FA_RESTRICT p, int64_t nq, int6
 }
 
 /* Per-row set-up of a block: row r is query position i = q0 + r % nq of head
- * h = h0 + r / nq.  Packs Q transposed and scaled (padded lanes zero, so padded
- * rows give finite logits that are never stored) and fills each row's visible key
- * range, ALiBi slope and position, and its mask, bias and output row pointers. */
+ * h = h0 + r / nq.  Packs Q transposed and scaled (for the tile path, padded lanes
+ * zero, so padded rows give finite logits that are never stored) and fills each
+ * row's visible key range, ALiBi slope and position, and its mask, bias and output
+ * row pointers. */
 static void FA_NAME(fa_setup_rows)(const fa_params *p, const fa_item *it, int64_t nr,
                                    int64_t nvl, int64_t brp, int64_t bc, FA_NAME(fa_scratch) *sc)
 {
@@ -580,17 +583,18 @@ static void FA_NAME(fa_bias_tile)(const fa_params *p, int64_t r0, int64_t r1, in
     }
 }
 
+/* Does some step of fa_logit_tile apply to the current tile? */
+static inline int FA_NAME(fa_has_logit_steps)(const fa_params *p, const FA_NAME(fa_scratch) *sc)
+{
+    return p->softcap > 0 || p->alibi || p->bias || sc->mask_state == 1 || sc->need_range;
+}
+
 /* Steps 2-5 of the semantics on query vectors c0 .. c1-1 of a tile of logits, in
  * order: softcap, ALiBi, bias, mask, causal/window range (nr: the block's rows).
  * From fa_scores: sc->need_range (some row hides some key of the tile by
  * position) and sc->mask_state (fa_mask_tile's, or 2 without a mask).  Returns 0
  * if no step applies (s unchanged); otherwise 1, with each vector's max over the
  * tile's keys in colmax[c - c0] (NaN if any is NaN) unless colmax is NULL. */
-/* Does some step of fa_logit_tile apply to the current tile? */
-static inline int FA_NAME(fa_has_logit_steps)(const fa_params *p, const FA_NAME(fa_scratch) *sc)
-{
-    return p->softcap > 0 || p->alibi || p->bias || sc->mask_state == 1 || sc->need_range;
-}
 
 static int FA_NAME(fa_logit_tile)(const fa_params *p, FA_T *FA_RESTRICT s, int64_t nk, int c0,
                                   int c1, int64_t nr, int64_t j0, int64_t brp,
