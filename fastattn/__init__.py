@@ -7,7 +7,34 @@ result is checked against.
 """
 import os as _os
 
-from . import _kernels
+
+def _source_tree_error(exc: ImportError) -> ImportError:
+    """The ImportError to raise when the compiled extension cannot be imported.
+
+    The usual cause: Python found this source folder (``python -m fastattn`` or
+    ``python -c "import fastattn"`` typed in the clone's root puts the current
+    directory first on sys.path) instead of the installed package, and the source
+    folder has no built ``_kernels`` extension.
+    """
+    here = _os.path.dirname(_os.path.abspath(__file__))
+    root = _os.path.dirname(here)
+    in_source = _os.path.exists(_os.path.join(root, "setup.py")) and \
+        _os.path.isdir(_os.path.join(root, "src_c"))
+    if not in_source:
+        return ImportError(f"fastattn: cannot import the compiled extension fastattn._kernels "
+                           f"from {here} ({exc}); reinstall fastattn (pip install fastattn)")
+    return ImportError(
+        f"fastattn: importing fastattn from its source tree ({here}), which has no built "
+        f"extension (fastattn._kernels). Python looks in the current directory first, so in "
+        f"the clone's root the source folder shadows an installed fastattn. Either run from "
+        f"another directory (or use the `fastattn` command, which `pip install .` puts on your "
+        f"PATH), or build the extension in place with `pip install -e .`. (Original error: {exc})")
+
+
+try:
+    from . import _kernels
+except ImportError as _exc:
+    raise _source_tree_error(_exc) from None
 from ._api import attention, attention_weights, merge, varlen_attention
 from ._config import show_config
 

@@ -2,12 +2,16 @@
 strides, dtype, thread count.  The maths is in C (src_c/), reached through
 fastattn._kernels; this module only decides what to pass."""
 
+from __future__ import annotations
+
 import math
 import numbers
+from typing import Literal, Sequence, Tuple, Union, overload
 
 import numpy as np
 
 from . import _kernels
+from ._typing import Array, ArrayLike, Causal, FloatArray, Layout, Window
 
 __all__ = ["attention", "attention_weights", "merge", "varlen_attention"]
 
@@ -22,13 +26,35 @@ def _describe(**arrays):
     return ", ".join(f"{n}{tuple(np.shape(a))}" for n, a in arrays.items())
 
 
+def _torch_problem(x, name, fn):
+    """Why NumPy cannot view the torch tensor `x`, and the fix; None if it can."""
+    if not type(x).__module__.startswith("torch"):
+        return None
+    device = getattr(x, "device", None)
+    if device is not None and getattr(device, "type", "cpu") != "cpu":
+        return (f"fastattn.{fn}: {name} is a torch tensor on device '{device}'; fastattn runs on "
+                f"the CPU: pass {name}.cpu()")
+    if getattr(x, "requires_grad", False):
+        return (f"fastattn.{fn}: {name} is a torch tensor that requires grad; fastattn has no "
+                f"autograd yet (forward only): pass {name}.detach()")
+    dt = str(getattr(x, "dtype", ""))
+    if dt not in ("torch.float32", "torch.float64", "torch.float16", "torch.bool", ""):
+        return (f"fastattn.{fn}: {name} is a torch tensor of dtype {dt}; supported dtypes are "
+                f"float32 and float64 (and float16 for k and v): convert it, e.g. {name}.float()")
+    return None
+
+
 def _as_array(x, name, fn="attention"):
     if type(x) is np.ndarray:
         return x
     try:
         return np.asarray(x)
     except Exception as e:  # noqa: BLE001 -- reported as a TypeError naming the argument
-        raise TypeError(f"fastattn.{fn}: {name} must be an array, got {type(x).__name__}") from e
+        why = _torch_problem(x, name, fn)
+        if why is not None:
+            raise TypeError(why) from e
+        raise TypeError(f"fastattn.{fn}: {name} must be an array (or something NumPy can view "
+                        f"as one), got {type(x).__name__}: {e}") from e
 
 
 def _dtypes(fn, **arrays):
@@ -89,7 +115,8 @@ def _parse_softcap(softcap, fn):
 
 
 def _parse_window(window, fn):
-    """(left, right) with -1 for an unbounded side."""
+    """(left, right) with -1 for an unbounded side; None or -1 on a side means
+    unbounded (FlashAttention's convention)."""
     if window is None:
         return -1, -1
     try:
@@ -103,8 +130,12 @@ def _parse_window(window, fn):
             continue
         if isinstance(w, (bool, np.bool_)) or not isinstance(w, numbers.Integral):
             raise TypeError(f"fastattn.{fn}: window {name} size must be an int or None, got {w!r}")
+        if w == -1:
+            sides.append(-1)
+            continue
         if w < 0:
-            raise ValueError(f"fastattn.{fn}: window {name} size must be >= 0, got window={window!r}")
+            raise ValueError(f"fastattn.{fn}: window {name} size must be >= 0, or -1 or None "
+                             f"for unbounded; got window={window!r}")
         sides.append(min(int(w), 2**62))
     return sides[0], sides[1]
 
@@ -155,6 +186,34 @@ def _broadcast4(a, name, full, fn):
     return np.broadcast_to(a, full).reshape((1,) * (4 - len(full)) + full)
 
 
+def _check_axes(fn, layout, nd, qs, ks, vs, shapes):
+    """Raise a ValueError naming the first axis on which q, k and v (as (..., H, L, D)
+    shapes, already in the bhsd order) disagree."""
+    order = "(..., L, H, D)" if layout == "bshd" and nd > 2 else "(..., H, L, D)"
+    tail = f" (q, k, v are {order}; got {shapes})"
+
+    def differ(what, a_name, a, b_name, b):
+        if a != b:
+            raise ValueError(f"fastattn.{fn}: {a_name} has {what}={a} but {b_name} has "
+                             f"{what}={b}" + tail)
+
+    differ("D", "q", qs[-1], "k", ks[-1])
+    if vs is not None:
+        differ("Lk", "k", ks[-2], "v", vs[-2])
+    if nd == 4:
+        differ("B", "q", qs[0], "k", ks[0])
+        if vs is not None:
+            differ("B", "k", ks[0], "v", vs[0])
+    if nd > 2:
+        if vs is not None:
+            differ("Hkv", "k", ks[-3], "v", vs[-3])
+        hq, hkv = qs[-3], ks[-3]
+        if (hkv == 0 and hq != 0) or (hkv and hq % hkv):
+            raise ValueError(f"fastattn.{fn}: q has Hq={hq} heads, which is not a multiple of "
+                             f"the Hkv={hkv} heads of k and v (grouped-query attention needs "
+                             f"Hq % Hkv == 0)" + tail)
+
+
 class _Problem:
     """q, k, v of one call as (…, H, L, D) views in the "bhsd" order, with the sizes."""
 
@@ -165,24 +224,19 @@ class _Problem:
         self.dtype, self.out_dtype, self.lse_dtype = _dtypes(fn, **arrays)
         nd = q.ndim
         if nd < 2 or nd > 4 or any(a.ndim != nd for a in arrays.values()):
+            odd = [f"{n} is {a.ndim}-D" for n, a in arrays.items() if a.ndim != nd]
+            what = f"q is {nd}-D but " + ", ".join(odd) if odd else f"q is {nd}-D"
             raise ValueError(f"fastattn.{fn}: q, k and v must all be 2-D (L, D), 3-D (H, L, D) or "
-                             f"4-D (B, H, L, D); got {_describe(**arrays)}")
+                             f"4-D (B, H, L, D): {what}; got {_describe(**arrays)}")
         self.user_shapes = _describe(**arrays)
         if layout == "bshd" and nd > 2:
             q, k = q.swapaxes(-2, -3), k.swapaxes(-2, -3)
             v = None if v is None else v.swapaxes(-2, -3)
+        _check_axes(fn, layout, nd, q.shape, k.shape, None if v is None else v.shape,
+                    self.user_shapes)
         qs, ks = q.shape, k.shape
-        vs = ks if v is None else v.shape
-        if ks[-1] != qs[-1] or vs[-2] != ks[-2] or qs[:-3] != ks[:-3] or ks[:-1] != vs[:-1]:
-            order = "(..., L, H, D)" if layout == "bshd" else "(..., H, L, D)"
-            raise ValueError(f"fastattn.{fn}: shapes do not match: need q, k, v as {order} with "
-                             f"equal batch, k and v heads and lengths equal, q and k feature "
-                             f"sizes equal; got {self.user_shapes}")
         self.Hq = qs[-3] if nd > 2 else 1
         self.Hkv = ks[-3] if nd > 2 else 1
-        if self.Hkv == 0 and self.Hq != 0 or self.Hkv and self.Hq % self.Hkv:
-            raise ValueError(f"fastattn.{fn}: the number of query heads must be a multiple of "
-                             f"the number of key/value heads; got {self.user_shapes}")
         self.fn, self.nd, self.layout = fn, nd, layout
         self.q, self.k, self.v = q, k, v
         self.B = qs[0] if nd == 4 else 1
@@ -244,9 +298,38 @@ def _check_out(out, shape, dtype, inputs):
             raise ValueError(f"fastattn.attention: out overlaps {name}; pass a separate output array")
 
 
-def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias=None,
-              alibi_slopes=None, softcap=None, layout="bhsd", return_lse=False, out=None,
-              num_threads=None):
+@overload
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None = ...,
+              causal: Causal = ..., window: Window = ..., mask: ArrayLike | None = ...,
+              bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
+              softcap: float | None = ..., layout: Layout = ..., return_lse: Literal[False] = ...,
+              out: Array | None = ..., num_threads: int | None = ...) -> FloatArray: ...
+
+
+@overload
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None = ...,
+              causal: Causal = ..., window: Window = ..., mask: ArrayLike | None = ...,
+              bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
+              softcap: float | None = ..., layout: Layout = ..., return_lse: Literal[True],
+              out: Array | None = ..., num_threads: int | None = ...
+              ) -> Tuple[FloatArray, FloatArray]: ...
+
+
+@overload
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None = ...,
+              causal: Causal = ..., window: Window = ..., mask: ArrayLike | None = ...,
+              bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
+              softcap: float | None = ..., layout: Layout = ..., return_lse: bool = ...,
+              out: Array | None = ..., num_threads: int | None = ...
+              ) -> Union[FloatArray, Tuple[FloatArray, FloatArray]]: ...
+
+
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None = None,
+              causal: Causal = False, window: Window = None, mask: ArrayLike | None = None,
+              bias: ArrayLike | None = None, alibi_slopes: ArrayLike | None = None,
+              softcap: float | None = None, layout: Layout = "bhsd", return_lse: bool = False,
+              out: Array | None = None, num_threads: int | None = None
+              ) -> Union[FloatArray, Tuple[FloatArray, FloatArray]]:
     """Exact scaled dot-product attention, ``softmax(scale * q @ k^T + ...) @ v``.
 
     Computed by a blocked online softmax (FlashAttention-2 loop) in C, OpenMP-parallel
@@ -278,7 +361,8 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias
     window : (int or None, int or None), optional
         Sliding window ``(left, right)``: key ``j`` is visible iff
         ``a - left <= j <= a + right`` where ``a = i + (Lk - Lq)``, or ``a = i``
-        with ``causal='top-left'``; ``None`` on a side means unbounded.  Combines
+        with ``causal='top-left'``; ``None`` or ``-1`` on a side means unbounded
+        (``(-1, -1)`` is no window, as in FlashAttention).  Combines
         with ``causal`` (both must allow).  Key blocks outside the band are never
         touched, so the work is proportional to the visible keys.
     mask : ndarray of bool, optional
@@ -299,7 +383,8 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias
         are used in place (e.g. slices of a fused QKV projection (B, L, 3, H, D)).
     return_lse : bool, optional
         Also return ``lse = log(sum_j exp(s_ij))`` (natural log) over visible keys,
-        shape ``(..., Hq, Lq)`` in either layout.
+        shape ``(..., Hq, Lq)`` in either layout: heads before the sequence even for
+        ``layout="bshd"``, and :func:`merge` with the same `layout` takes it as is.
     out : ndarray, optional
         Where to write the output (its shape and q's dtype, contiguous last axis, not
         overlapping the inputs).
@@ -315,8 +400,9 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias
 
     Notes
     -----
-    The logits follow DESIGN.md in this order: scale, softcap, ALiBi, bias, then
-    mask/causal/window hide keys.  A query row that sees no key gives an output row
+    The exact semantics are written down in ``docs/semantics.md`` of the source
+    repository.  The logits are built in this order: scale, softcap, ALiBi, bias,
+    then mask/causal/window hide keys.  A query row that sees no key gives an output row
     of zeros and ``lse = -inf``, whatever hid the keys.  Large logits (|s| ~ 1e4) do
     not overflow.  Inputs that cannot be read in place (a non-contiguous last axis,
     misaligned data) are copied once.  The GIL is released during the kernel.
@@ -350,11 +436,14 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias
     else:
         _check_out(out, user_shape, pr.out_dtype, {"q": q, "k": k, "v": v, "mask": mask, "bias": bias})
     out_bhsd = out.swapaxes(-2, -3) if layout == "bshd" and pr.nd > 2 else out
-    lse = np.empty(pr.q.shape[:-1], dtype=pr.lse_dtype) if return_lse else None
-
-    if out.size or lse is not None and lse.size:
+    if not return_lse:
+        if out.size:
+            _run(pr.q, pr.k, pr.v, out_bhsd, None, scale_f, causal_code, nth, variants)
+        return out
+    lse = np.empty(pr.q.shape[:-1], dtype=pr.lse_dtype)
+    if out.size or lse.size:
         _run(pr.q, pr.k, pr.v, out_bhsd, lse, scale_f, causal_code, nth, variants)
-    return (out, lse) if return_lse else out
+    return out, lse
 
 
 def _run(q, k, v, out, lse, scale, causal, nth, variants=None):
@@ -385,8 +474,11 @@ def _run_degenerate(q, k, v, out, lse, scale, causal, nth, variants):
     _run(q, k, v, out, lse, scale, causal, nth, variants)
 
 
-def attention_weights(q, k, *, scale=None, causal=False, window=None, mask=None, bias=None,
-                      alibi_slopes=None, softcap=None, layout="bhsd", num_threads=None):
+def attention_weights(q: ArrayLike, k: ArrayLike, *, scale: float | None = None,
+                      causal: Causal = False, window: Window = None,
+                      mask: ArrayLike | None = None, bias: ArrayLike | None = None,
+                      alibi_slopes: ArrayLike | None = None, softcap: float | None = None,
+                      layout: Layout = "bhsd", num_threads: int | None = None) -> FloatArray:
     """The exact attention weights ``softmax(logits)``, shape (..., Hq, Lq, Lk).
 
     Computed by the same logits code as :func:`attention` (same arguments and
@@ -415,46 +507,68 @@ def attention_weights(q, k, *, scale=None, causal=False, window=None, mask=None,
     return weights
 
 
-def merge(outs, lses):
+def merge(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike], *,
+          layout: Layout = "bhsd") -> Tuple[FloatArray, FloatArray]:
     """Combine partial attentions over disjoint key sets into the whole.
 
-    If ``out_p, lse_p = attention(q, k_p, v_p, return_lse=True)`` for key sets
-    ``p = 1..P`` that partition the keys, the merge equals the attention over all of
-    them: ``lse = log(sum_p exp(lse_p))`` and ``out = sum_p exp(lse_p - lse) out_p``.
+    If ``out_p, lse_p = attention(q, k_p, v_p, layout=layout, return_lse=True)`` for
+    key sets ``p = 1..P`` that partition the keys, the merge equals the attention
+    over all of them: ``lse = log(sum_p exp(lse_p))`` and
+    ``out = sum_p exp(lse_p - lse) out_p``.  Pass the parts exactly as
+    :func:`attention` returned them, with the same `layout`.
 
     Parameters
     ----------
-    outs : sequence of ndarray, each (..., Lq, Dv) (any layout, the same shape)
-    lses : sequence of ndarray, each ``outs[p].shape[:-1]``
+    outs : sequence of ndarray, all of one shape
+        ``(..., Hq, Lq, Dv)`` for ``layout="bhsd"``, ``(..., Lq, Hq, Dv)`` for
+        ``"bshd"``; 2-D ``(Lq, Dv)`` in either layout.
+    lses : sequence of ndarray
+        ``(..., Hq, Lq)`` in both layouts: :func:`attention` always puts the heads
+        before the sequence in lse (for ``"bshd"`` that is ``outs[p]`` with its last
+        axis dropped and the next two swapped); 2-D outs take ``(Lq,)``.
+    layout : {'bhsd', 'bshd'}, optional
+        The layout the parts were computed with.
 
     Returns
     -------
-    out, lse : ndarrays in the common float dtype of the inputs.  Stable for parts
-    with ``lse = -inf`` (no visible key: they contribute nothing); if every part is
-    -inf the row is 0 with lse -inf.  Parts merge in the order given.
+    out, lse : ndarrays in the common float dtype of the inputs, in the shapes of
+        ``outs[0]`` and ``lses[0]``.  Stable for parts with ``lse = -inf`` (no
+        visible key: they contribute nothing); if every part is -inf the row is 0
+        with lse -inf.  Parts merge in the order given.
     """
-    outs, lses = list(outs), list(lses)
-    if not outs or len(outs) != len(lses):
+    fn = "merge"
+    if layout not in _LAYOUTS:
+        raise ValueError(f"fastattn.merge: layout must be 'bhsd' or 'bshd', got {layout!r}")
+    if not len(outs) or len(outs) != len(lses):
         raise ValueError(f"fastattn.merge: outs and lses must be non-empty and of equal length, "
                          f"got {len(outs)} outs and {len(lses)} lses")
-    outs = [_as_array(o, f"outs[{i}]", "merge") for i, o in enumerate(outs)]
-    lses = [_as_array(x, f"lses[{i}]", "merge") for i, x in enumerate(lses)]
-    dt = np.result_type(*outs, *lses)
+    outs_a = [_as_array(o, f"outs[{i}]", fn) for i, o in enumerate(outs)]
+    lses_a = [_as_array(x, f"lses[{i}]", fn) for i, x in enumerate(lses)]
+    dt = np.result_type(*outs_a, *lses_a)
     if dt != _F32 and dt != _F64:
         raise TypeError(f"fastattn.merge: outs and lses must be float32 or float64, got "
-                        f"{sorted({str(a.dtype) for a in outs + lses})}")
-    shape = outs[0].shape
-    for i, (o, x) in enumerate(zip(outs, lses)):
-        if o.ndim < 1 or o.shape != shape or x.shape != shape[:-1]:
+                        f"{sorted({str(a.dtype) for a in outs_a + lses_a})}")
+    shape = outs_a[0].shape
+    swap = layout == "bshd" and len(shape) >= 3
+    lse_shape = shape[:-3] + (shape[-2], shape[-3]) if swap else shape[:-1]
+    where = "(..., Hq, Lq) for outs (..., Lq, Hq, Dv)" if swap else "outs[0].shape[:-1]"
+    for i, (o, x) in enumerate(zip(outs_a, lses_a)):
+        if o.ndim < 1 or o.shape != shape or x.shape != lse_shape:
             raise ValueError(f"fastattn.merge: outs[{i}] {o.shape} and lses[{i}] {x.shape} must "
-                             f"have the shapes of outs[0] {shape} and outs[0].shape[:-1]")
+                             f"have the shape of outs[0] {shape} and {lse_shape} ({where}, "
+                             f"layout={layout!r})")
+    if swap:  # lse rows in the order of the out rows
+        lses_a = [x.swapaxes(-1, -2) for x in lses_a]
     rows = int(np.prod(shape[:-1]))
-    O = np.stack([np.ascontiguousarray(o, dtype=dt).reshape(rows, shape[-1]) for o in outs])
-    L = np.stack([np.ascontiguousarray(x, dtype=dt).reshape(rows) for x in lses])
+    O = np.stack([np.ascontiguousarray(o, dtype=dt).reshape(rows, shape[-1]) for o in outs_a])
+    L = np.stack([np.ascontiguousarray(x, dtype=dt).reshape(rows) for x in lses_a])
     out = np.empty((rows, shape[-1]), dt)
     lse = np.empty(rows, dt)
     _kernels.merge(O, L, out, lse)
-    return out.reshape(shape), lse.reshape(shape[:-1])
+    lse_out = lse.reshape(shape[:-1])
+    if swap:
+        lse_out = np.ascontiguousarray(lse_out.swapaxes(-1, -2))
+    return out.reshape(shape), lse_out
 
 
 def _cu_seqlens(a, name, total):
@@ -468,9 +582,39 @@ def _cu_seqlens(a, name, total):
     return _fresh(a, np.int64)
 
 
-def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=False,
-                     window=None, alibi_slopes=None, softcap=None, return_lse=False,
-                     num_threads=None):
+@overload
+def varlen_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
+                     cu_seqlens_k: ArrayLike, *, scale: float | None = ...,
+                     causal: Causal = ..., window: Window = ...,
+                     alibi_slopes: ArrayLike | None = ..., softcap: float | None = ...,
+                     return_lse: Literal[False] = ..., num_threads: int | None = ...
+                     ) -> FloatArray: ...
+
+
+@overload
+def varlen_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
+                     cu_seqlens_k: ArrayLike, *, scale: float | None = ...,
+                     causal: Causal = ..., window: Window = ...,
+                     alibi_slopes: ArrayLike | None = ..., softcap: float | None = ...,
+                     return_lse: Literal[True], num_threads: int | None = ...
+                     ) -> Tuple[FloatArray, FloatArray]: ...
+
+
+@overload
+def varlen_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
+                     cu_seqlens_k: ArrayLike, *, scale: float | None = ...,
+                     causal: Causal = ..., window: Window = ...,
+                     alibi_slopes: ArrayLike | None = ..., softcap: float | None = ...,
+                     return_lse: bool = ..., num_threads: int | None = ...
+                     ) -> Union[FloatArray, Tuple[FloatArray, FloatArray]]: ...
+
+
+def varlen_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
+                     cu_seqlens_k: ArrayLike, *, scale: float | None = None,
+                     causal: Causal = False, window: Window = None,
+                     alibi_slopes: ArrayLike | None = None, softcap: float | None = None,
+                     return_lse: bool = False, num_threads: int | None = None
+                     ) -> Union[FloatArray, Tuple[FloatArray, FloatArray]]:
     """Attention over a packed ragged batch: each sequence attends only to its own keys.
 
     Parameters
@@ -492,13 +636,13 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=
     out : ndarray (total_q, Hq, Dv); lse : (Hq, total_q) with ``return_lse``.
     """
     fn = "varlen_attention"
-    q, k, v = (_as_array(a, n, fn) for a, n in ((q, "q"), (k, "k"), (v, "v")))
-    for name, a in (("q", q), ("k", k), ("v", v)):
+    qa, ka, va_ = (_as_array(a, n, fn) for a, n in ((q, "q"), (k, "k"), (v, "v")))
+    for name, a in (("q", qa), ("k", ka), ("v", va_)):
         if a.ndim != 3:
             raise ValueError(f"fastattn.{fn}: {name} must be 3-D (total, H, D), got shape {a.shape}")
-    pr = _Problem(fn, q, k, v, "bshd")
-    cq = _cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0])
-    ck = _cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0])
+    pr = _Problem(fn, qa, ka, va_, "bshd")
+    cq = _cu_seqlens(cu_seqlens_q, "cu_seqlens_q", qa.shape[0])
+    ck = _cu_seqlens(cu_seqlens_k, "cu_seqlens_k", ka.shape[0])
     if cq.shape != ck.shape:
         raise ValueError(f"fastattn.{fn}: cu_seqlens_q {cq.shape} and cu_seqlens_k {ck.shape} "
                          "must have the same length (one entry per sequence, plus one)")
@@ -508,11 +652,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=
     nth = _parse_threads(num_threads, fn)
     va = pr.variants(window, None, None, alibi_slopes, softcap) or _kernels.Variants()
     va.cu_q, va.cu_k = cq, ck
-    Dv = v.shape[-1]
-    out = np.empty(q.shape[:-1] + (Dv,), pr.out_dtype)
-    lse = np.empty((pr.Hq, q.shape[0]), pr.lse_dtype) if return_lse else None
-    if cq.size > 1 and (out.size or return_lse and lse.size):
+    out = np.empty(qa.shape[:-1] + (va_.shape[-1],), pr.out_dtype)
+    lse = np.empty((pr.Hq, qa.shape[0]), pr.lse_dtype) if return_lse else None
+    if cq.size > 1 and (out.size or lse is not None and lse.size):
         # (1, H, total, D) views: the sequences are offsets on the L axis
         _run(pr.q[None], pr.k[None], pr.v[None], out.swapaxes(0, 1)[None],
              None if lse is None else lse[None], scale_f, causal_code, nth, va)
-    return (out, lse) if return_lse else out
+    return out if lse is None else (out, lse)

@@ -1,18 +1,24 @@
-"""show_config(): what was built and what runs."""
+"""show_config(): what was built, where it was imported from, and what runs."""
+from __future__ import annotations
 
+import os
 import platform
 import sys
+from typing import IO, Any
 
 import numpy as np
 
 from . import _kernels
 
 
-def config():
+def config() -> dict[str, Any]:
     """The build and run-time configuration as a dict."""
     info = _kernels.build_info()
+    pkg = sys.modules[__package__ or "fastattn"]
     return {
-        "fastattn": __import__("fastattn").__version__,
+        "fastattn": pkg.__version__,
+        "path": os.path.dirname(os.path.abspath(str(pkg.__file__))),
+        "extension": os.path.abspath(str(_kernels.__file__)),
         "python": sys.version.split()[0],
         "numpy": np.__version__,
         "machine": platform.machine(),
@@ -23,20 +29,28 @@ def config():
         "kernel_reason": _kernels.kernel_reason(),
         "kernels_supported": _kernels.supported_kernels(),
         "l2_bytes": info["l2_bytes"],
+        "l2_source": info["l2_source"],
     }
 
 
-def show_config(file=None):
-    """Print the build (compiler, OpenMP), the CPU kernel in use and why, and the
-    default thread count (OpenMP's: OMP_NUM_THREADS or threadpoolctl)."""
+def _size(n: int) -> str:
+    return f"{n // 2**20} MiB" if n >= 2**20 and n % 2**20 == 0 else f"{n // 1024} KiB"
+
+
+def show_config(file: IO[str] | None = None) -> None:
+    """Print where fastattn was imported from, the build (compiler, OpenMP), the CPU
+    kernel in use and why, the L2 size and its source, and the default thread count
+    (OpenMP's: OMP_NUM_THREADS or threadpoolctl)."""
     c = config()
     lines = [
         f"fastattn {c['fastattn']}  (python {c['python']}, numpy {c['numpy']}, {c['machine']})",
+        f"  imported: {c['path']}",
+        f"  library:  {c['extension']}",
         f"  build:    {c['build']}",
         f"  openmp:   {'yes' if c['openmp'] else 'no (serial kernel)'}",
         f"  threads:  {c['threads']} (default; OMP_NUM_THREADS or num_threads= to change)",
         f"  kernel:   {c['kernel']} -- {c['kernel_reason']}",
-        f"  L2 cache: {c['l2_bytes'] // 1024} KiB per core (bounds the block sizes)",
+        f"  L2 cache: {_size(c['l2_bytes'])} per core, from {c['l2_source']} (bounds the block sizes)",
         f"  can run:  {', '.join(c['kernels_supported'])}"
         "  (FASTATTN_DISABLE_CPU_FEATURES=AVX512F,AVX2 forces a lower one)",
     ]

@@ -50,6 +50,7 @@ cdef extern from "fastattn.h" nogil:
     int fa_cpu_select(const char *disabled, char *why, int why_len)
     int fa_default_isa()
     int64_t fa_cpu_l2_bytes()
+    const char *fa_cpu_l2_source()
     int fa_set_default_isa(int isa)
     const char *fa_isa_name(int isa)
     int fa_openmp_enabled()
@@ -102,7 +103,8 @@ def kernel_reason():
 
 def build_info():
     return {"build": fa_build_info().decode(), "openmp": bool(fa_openmp_enabled()),
-            "max_threads": fa_max_threads(), "l2_bytes": fa_cpu_l2_bytes()}
+            "max_threads": fa_max_threads(), "l2_bytes": fa_cpu_l2_bytes(),
+            "l2_source": fa_cpu_l2_source().decode()}
 
 
 def max_threads():

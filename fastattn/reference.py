@@ -2,7 +2,7 @@
 
 Deliberately naive and obviously right: it materialises the full ``(B, Hq, Lq, Lk)``
 logits and follows the "Semantics (exact, in this order)" section of DESIGN.md step by
-step.  Everything is computed in float64 whatever the input dtype.  The kernels are
+step (``docs/semantics.md`` writes the same rules out for users).  Everything is computed in float64 whatever the input dtype.  The kernels are
 tested against this module, so it depends on nothing but NumPy.
 
 Conventions beyond DESIGN.md that this module fixes:
@@ -14,9 +14,16 @@ Conventions beyond DESIGN.md that this module fixes:
 - A logit of -inf (e.g. from ``bias``) hides its key exactly like the mask does.
 - With D = 0 the default scale is 1 (all logits are 0 anyway).
 """
+from __future__ import annotations
+
 import math
+from typing import Any, Literal, Sequence, Tuple, Union, overload
 
 import numpy as np
+
+from ._typing import ArrayLike, Causal, Layout, Window
+
+F64 = np.ndarray  # float64 results (annotated loosely: NumPy's generics add nothing here)
 
 __all__ = ["attention", "attention_weights", "merge", "varlen_attention"]
 
@@ -95,8 +102,12 @@ def _check_options(scale, causal, window, softcap, layout, num_threads):
                 continue
             if isinstance(w, (bool, np.bool_)) or not isinstance(w, (int, np.integer)):
                 raise TypeError(f"window {side} size must be an int or None, got {w!r}")
-            if w < 0:
-                raise ValueError(f"window {side} size must be >= 0, got {window!r}")
+            if w < -1:
+                raise ValueError(f"window {side} size must be >= 0, or -1 or None for "
+                                 f"unbounded; got {window!r}")
+        # -1 means unbounded, as None does (FlashAttention's convention)
+        left = None if left is None or left == -1 else left
+        right = None if right is None or right == -1 else right
     return scale, mode, left, right, softcap
 
 
@@ -207,9 +218,29 @@ def _weighted_values(w, live, v4):
     return out
 
 
-def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias=None,
-              alibi_slopes=None, softcap=None, layout="bhsd", return_lse=False,
-              out=None, num_threads=None):
+@overload
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None = ...,
+              causal: Causal = ..., window: Window = ..., mask: ArrayLike | None = ...,
+              bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
+              softcap: float | None = ..., layout: Layout = ...,
+              return_lse: Literal[False] = ..., out: Any = ..., num_threads: Any = ...) -> F64: ...
+
+
+@overload
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None = ...,
+              causal: Causal = ..., window: Window = ..., mask: ArrayLike | None = ...,
+              bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
+              softcap: float | None = ..., layout: Layout = ...,
+              return_lse: Literal[True], out: Any = ..., num_threads: Any = ...
+              ) -> Tuple[F64, F64]: ...
+
+
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None = None,
+              causal: Causal = False, window: Window = None, mask: ArrayLike | None = None,
+              bias: ArrayLike | None = None, alibi_slopes: ArrayLike | None = None,
+              softcap: float | None = None, layout: Layout = "bhsd",
+              return_lse: bool = False, out: Any = None, num_threads: Any = None
+              ) -> Union[F64, Tuple[F64, F64]]:
     """Exact attention ``softmax(scale * q k^T + ...) v`` in float64.
 
     Parameters
@@ -242,8 +273,11 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias
     return o
 
 
-def attention_weights(q, k, *, scale=None, causal=False, window=None, mask=None, bias=None,
-                      alibi_slopes=None, softcap=None, layout="bhsd"):
+def attention_weights(q: ArrayLike, k: ArrayLike, *, scale: float | None = None,
+                      causal: Causal = False, window: Window = None,
+                      mask: ArrayLike | None = None, bias: ArrayLike | None = None,
+                      alibi_slopes: ArrayLike | None = None, softcap: float | None = None,
+                      layout: Layout = "bhsd") -> F64:
     """The attention weight matrix, float64, shape (..., Hq, Lq, Lk) in any layout.
 
     Arguments as for :func:`attention`.  Rows sum to 1; rows with no visible key are 0.
@@ -254,30 +288,38 @@ def attention_weights(q, k, *, scale=None, causal=False, window=None, mask=None,
     return w.reshape(w.shape[4 - ndim:])
 
 
-def merge(outs, lses):
+def merge(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike], *,
+          layout: Layout = "bhsd") -> Tuple[F64, F64]:
     """Combine partial attentions computed over disjoint key sets.
 
     Parameters
     ----------
-    outs : sequence of arrays (..., Lq, Dv), all the same shape.
-    lses : sequence of arrays (..., Lq), ``lses[p].shape == outs[p].shape[:-1]``.
+    outs : sequence of arrays, all the same shape: (..., H, Lq, Dv) for layout
+        "bhsd", (..., Lq, H, Dv) for "bshd", (Lq, Dv) in either.
+    lses : sequence of arrays (..., H, Lq) in both layouts (as attention returns
+        them); (Lq,) for 2-D outs.
 
     Returns
     -------
-    out : float64 (..., Lq, Dv); lse : float64 (..., Lq).  A part with lse = -inf
-    contributes nothing; if every part is -inf, out = 0 and lse = -inf.
+    out : float64, the shape of outs[0]; lse : float64, the shape of lses[0].  A part
+    with lse = -inf contributes nothing; if every part is -inf, out = 0 and lse = -inf.
     """
-    outs, lses = list(outs), list(lses)
-    if not outs or len(outs) != len(lses):
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    if layout == "bshd" and len(outs) and np.ndim(outs[0]) >= 3:
+        # lse (..., H, Lq) -> (..., Lq, H), the order of the out rows; back at the end
+        out, lse = merge(outs, [np.swapaxes(x, -1, -2) for x in lses])
+        return out, np.swapaxes(lse, -1, -2)
+    if not len(outs) or len(outs) != len(lses):
         raise ValueError(f"outs and lses must be non-empty and of equal length, got "
                          f"{len(outs)} outs and {len(lses)} lses")
-    outs = [_as_float(f"outs[{p}]", o) for p, o in enumerate(outs)]
-    lses = [_as_float(f"lses[{p}]", x) for p, x in enumerate(lses)]
-    for p, (o, x) in enumerate(zip(outs, lses)):
-        if o.ndim < 1 or o.shape != outs[0].shape or x.shape != o.shape[:-1]:
+    os_ = [_as_float(f"outs[{p}]", o) for p, o in enumerate(outs)]
+    ls_ = [_as_float(f"lses[{p}]", x) for p, x in enumerate(lses)]
+    for p, (o, x) in enumerate(zip(os_, ls_)):
+        if o.ndim < 1 or o.shape != os_[0].shape or x.shape != o.shape[:-1]:
             raise ValueError(f"outs[{p}] {o.shape} and lses[{p}] {x.shape} must match "
-                             f"outs[0] {outs[0].shape} and lses = outs[:-1]")
-    O, L = np.stack(outs), np.stack(lses)
+                             f"outs[0] {os_[0].shape} and lses = outs[:-1]")
+    O, L = np.stack(os_), np.stack(ls_)
     part_live = L != _NEG_INF
     M = np.max(L, axis=0)
     alive = M != _NEG_INF
@@ -300,8 +342,11 @@ def _cu(name, cu, total):
     return a
 
 
-def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=False,
-                     window=None, alibi_slopes=None, softcap=None, return_lse=False):
+def varlen_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
+                     cu_seqlens_k: ArrayLike, *, scale: float | None = None,
+                     causal: Causal = False, window: Window = None,
+                     alibi_slopes: ArrayLike | None = None, softcap: float | None = None,
+                     return_lse: bool = False) -> Union[F64, Tuple[F64, F64]]:
     """Attention over packed ragged batches, one independent problem per sequence.
 
     Parameters
@@ -317,12 +362,13 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=
     -------
     out : float64 (total_q, Hq, Dv); lse : float64 (Hq, total_q), only if ``return_lse``.
     """
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     for name, a in (("q", q), ("k", k), ("v", v)):
         if np.ndim(a) != 3:
             raise ValueError(f"{name} must be 3-D (total, H, D), got shape {np.shape(a)}")
-    kw = dict(scale=scale, causal=causal, window=window, alibi_slopes=alibi_slopes,
-              softcap=softcap, layout="bshd", return_lse=True)
-    o0, _ = attention(q[:0], k[:0], v[:0], **kw)    # validates everything cheaply
+    kw: dict[str, Any] = dict(scale=scale, causal=causal, window=window,
+                              alibi_slopes=alibi_slopes, softcap=softcap, layout="bshd")
+    o0, _ = attention(q[:0], k[:0], v[:0], return_lse=True, **kw)    # validates everything cheaply
     cq = _cu("cu_seqlens_q", cu_seqlens_q, np.shape(q)[0])
     ck = _cu("cu_seqlens_k", cu_seqlens_k, np.shape(k)[0])
     if cq.shape != ck.shape:
@@ -333,5 +379,6 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=
     lse = np.full((Hq, np.shape(q)[0]), _NEG_INF)
     for s in range(cq.size - 1):
         qs, qe, ks, ke = cq[s], cq[s + 1], ck[s], ck[s + 1]
-        out[qs:qe], lse[:, qs:qe] = attention(q[qs:qe], k[ks:ke], v[ks:ke], **kw)
+        out[qs:qe], lse[:, qs:qe] = attention(q[qs:qe], k[ks:ke], v[ks:ke], return_lse=True,
+                                              **kw)
     return (out, lse) if return_lse else out

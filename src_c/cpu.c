@@ -60,29 +60,106 @@ unsigned fa_cpu_supported_isas(void)
     return isas;
 }
 
-/* L2 size per core from CPUID leaf 4 (deterministic cache parameters); 256 KiB,
- * a small modern L2, where it cannot be read. */
-int64_t fa_cpu_l2_bytes(void)
-{
-    static int64_t cached = 0;
-    if (cached) return cached;
-    int64_t l2 = 256 * 1024;
+/* Size of the L2 cache that one core uses, and where the figure came from.
+ * Intel describes its caches in CPUID leaf 4; AMD leaves that leaf empty and
+ * describes them in 0x8000001D (the same layout, with TOPOEXT) and, more coarsely,
+ * in 0x80000006 (ECX[31:16] = L2 KiB).  Reading leaf 4 on an AMD EPYC gave nothing
+ * and the old code fell back to 256 KiB on machines with 512 KiB to 2 MiB, which
+ * chose smaller blocks than the cache holds.  Linux's sysfs is the next source
+ * (it also covers non-x86 CPUs); 256 KiB, a small modern L2, is the last resort. */
+static int64_t fa_l2_cached = 0;
+static const char *fa_l2_from = "not read yet";
+
 #ifdef FA_X86
+/* Leaf 4 and 0x8000001D share one layout: subleaf i describes one cache. */
+static int64_t fa_l2_from_cache_leaf(unsigned leaf)
+{
     unsigned a, b, c, d;
     for (unsigned i = 0; i < 16; i++) {
-        if (!__get_cpuid_count(4, i, &a, &b, &c, &d)) break;
+        if (!__get_cpuid_count(leaf, i, &a, &b, &c, &d)) break;
         unsigned type = a & 0x1f, level = (a >> 5) & 0x7;
         if (type == 0) break;
         if (level == 2 && (type == 2 || type == 3)) {
             int64_t ways = ((b >> 22) & 0x3ff) + 1, parts = ((b >> 12) & 0x3ff) + 1;
             int64_t line = (b & 0xfff) + 1, sets = (int64_t)c + 1;
-            l2 = ways * parts * line * sets;
-            break;
+            return ways * parts * line * sets;
         }
     }
+    return 0;
+}
+
+static int fa_cpu_is_amd(void)
+{
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return 0;
+    /* "AuthenticAMD" / "HygonGenuine" in EBX, EDX, ECX */
+    return (b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u) ||
+           (b == 0x6f677948u && d == 0x6e65476eu && c == 0x656e6975u);
+}
 #endif
-    cached = l2;
+
+/* /sys/devices/system/cpu/cpu0/cache/index<i>/ with level 2 and type Unified or Data. */
+static int64_t fa_l2_from_sysfs(void)
+{
+    char path[96], buf[64];
+    for (int i = 0; i < 8; i++) {
+        FILE *f;
+        int level = 0;
+        snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu0/cache/index%d/level", i);
+        if (!(f = fopen(path, "r"))) break;
+        if (fscanf(f, "%d", &level) != 1) level = 0;
+        fclose(f);
+        if (level != 2) continue;
+        snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu0/cache/index%d/type", i);
+        if (!(f = fopen(path, "r"))) continue;
+        int ok = fgets(buf, sizeof buf, f) && (!strncmp(buf, "Unified", 7) || !strncmp(buf, "Data", 4));
+        fclose(f);
+        if (!ok) continue;
+        snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu0/cache/index%d/size", i);
+        if (!(f = fopen(path, "r"))) continue;
+        long long n = 0;
+        char unit = 0;
+        int got = fscanf(f, "%lld%c", &n, &unit);
+        fclose(f);
+        if (got < 1 || n <= 0) continue;
+        if (got == 2 && (unit == 'K' || unit == 'k')) n *= 1024;
+        else if (got == 2 && unit == 'M') n *= 1024 * 1024;
+        return (int64_t)n;
+    }
+    return 0;
+}
+
+int64_t fa_cpu_l2_bytes(void)
+{
+    if (fa_l2_cached) return fa_l2_cached;
+    int64_t l2 = 0;
+#ifdef FA_X86
+    unsigned a, b, c, d;
+    if (fa_cpu_is_amd()) {
+        unsigned maxext = __get_cpuid_max(0x80000000u, NULL);
+        int topoext = __get_cpuid(0x80000001u, &a, &b, &c, &d) && ((c >> 22) & 1);
+        if (topoext && maxext >= 0x8000001Du && (l2 = fa_l2_from_cache_leaf(0x8000001Du)))
+            fa_l2_from = "CPUID leaf 0x8000001D (AMD)";
+        else if (maxext >= 0x80000006u && __get_cpuid(0x80000006u, &a, &b, &c, &d) &&
+                 (l2 = (int64_t)(c >> 16) * 1024))
+            fa_l2_from = "CPUID leaf 0x80000006 (AMD)";
+    } else if (__get_cpuid_max(0, NULL) >= 4 && (l2 = fa_l2_from_cache_leaf(4))) {
+        fa_l2_from = "CPUID leaf 4";
+    }
+#endif
+    if (!l2 && (l2 = fa_l2_from_sysfs())) fa_l2_from = "/sys/devices/system/cpu/cpu0/cache";
+    if (!l2) {
+        l2 = 256 * 1024;
+        fa_l2_from = "not readable: assumed 256 KiB";
+    }
+    fa_l2_cached = l2;
     return l2;
+}
+
+const char *fa_cpu_l2_source(void)
+{
+    (void)fa_cpu_l2_bytes();
+    return fa_l2_from;
 }
 
 static int fa_default = -1;

@@ -111,9 +111,11 @@ int fa_cpu_select(const char *disabled, char *why, int why_len);
  * start-up or from tests only).  fa_set_default_isa returns FA_ERR_ARG if the CPU
  * cannot run `isa`. */
 int fa_default_isa(void);
-/* Per-core L2 cache size in bytes (CPUID leaf 4 on x86; a 256 KiB guess elsewhere),
- * which bounds the default block sizes. */
+/* Per-core L2 cache size in bytes, which bounds the default block sizes: CPUID
+ * leaf 4 on Intel, leaf 0x8000001D or 0x80000006 on AMD, else Linux's sysfs, else
+ * a 256 KiB guess.  fa_cpu_l2_source says which (a static string). */
 int64_t fa_cpu_l2_bytes(void);
+const char *fa_cpu_l2_source(void);
 int fa_set_default_isa(int isa);
 const char *fa_isa_name(int isa);
 

@@ -334,7 +334,7 @@ q0, k0, v0 = qkv(3, 4, seed=0)
     (dict(q=q0[None]), ValueError, "q"),
     (dict(causal="left"), ValueError, "causal"),
     (dict(layout="bsdh"), ValueError, "layout"),
-    (dict(window=(-1, 2)), ValueError, "window"),
+    (dict(window=(-2, 2)), ValueError, "window"),
     (dict(window=(1, -2)), ValueError, "window"),
     (dict(window=3), ValueError, "window"),
     (dict(window=(1.5, 2)), TypeError, "window"),

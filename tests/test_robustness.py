@@ -52,7 +52,7 @@ def calls(draw):
     if draw(st.integers(0, 3)) == 0:
         kw["scale"] = draw(st.sampled_from([0.0, -1.3, 0.2, 3.0] * 3 + [float("nan"), float("inf"), "s"]))
     if draw(st.integers(0, 3)) == 0:
-        kw["window"] = draw(st.sampled_from([(3, None), (None, 0), (0, 0), (5, 2)] * 3 + [(-1, 2), 4]))
+        kw["window"] = draw(st.sampled_from([(3, None), (None, 0), (0, 0), (5, 2), (-1, 2), (3, -1)] * 3 + [(-2, 2), 4]))
     if draw(st.integers(0, 3)) == 0:
         kw["softcap"] = draw(st.sampled_from([1.0, 30.0] * 4 + [0.0, -2.0, float("inf")]))
     if draw(st.integers(0, 4)) == 0:
@@ -283,7 +283,7 @@ def test_concurrent_calls_every_path():
                 q, k, v, kw = jobs[t]
                 assert np.array_equal(fastattn.attention(q, k, v, num_threads=2, **kw), want[t])
                 with pytest.raises(ValueError):
-                    fastattn.attention(q, k, v, window=(-1, 0))
+                    fastattn.attention(q, k, v, window=(-3, 0))
         except BaseException as e:  # noqa: BLE001 -- reported below
             errors.append(e)
 

@@ -221,7 +221,7 @@ VARIANT_ERRORS = [
     (dict(mask=np.ones((5, 149), bool)), ValueError, r"mask of shape \(5, 149\) does not broadcast.*\(2, 4, 37, 149\)"),
     (dict(bias=np.ones((37, 148))), ValueError, r"bias of shape \(37, 148\) does not broadcast"),
     (dict(bias=np.ones((37, 149), np.int32)), TypeError, r"bias must be a float array"),
-    (dict(window=(-1, 3)), ValueError, r"window left size must be >= 0"),
+    (dict(window=(-2, 3)), ValueError, r"window left size must be >= 0, or -1 or None for unbounded"),
     (dict(window=(3, -2)), ValueError, r"window right size must be >= 0"),
     (dict(window=5), ValueError, r"window must be a \(left, right\) pair"),
     (dict(window=(1.5, 2)), TypeError, r"window left size must be an int"),
