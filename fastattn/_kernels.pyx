@@ -55,6 +55,7 @@ cdef extern from "fastattn.h" nogil:
     const char *fa_isa_name(int isa)
     int fa_openmp_enabled()
     int fa_max_threads()
+    int fa_last_num_threads()
     const char *fa_build_info()
     int fa_exp_array(int isa, int dtype, const void *x, void *y, int64_t n)
 
@@ -109,6 +110,12 @@ def build_info():
 
 def max_threads():
     return fa_max_threads()
+
+
+def last_num_threads():
+    """How many threads ran this Python thread's last kernel call (for tests: it
+    shows num_threads, OMP_NUM_THREADS and threadpoolctl reach the kernel)."""
+    return fa_last_num_threads()
 
 
 def exp(cnp.ndarray x, kernel):

@@ -26,6 +26,13 @@ static int fa_thread_num(void) { return 0; }
 #define FA_OPENMP_VERSION 0
 #endif
 
+/* How many threads ran the calling thread's last forward call (each thread of
+ * the parallel region adds one), for tests that check num_threads,
+ * OMP_NUM_THREADS and threadpoolctl really reach the kernel.  Thread-local: a
+ * Python thread reads what its own last call did, whatever other threads run. */
+static _Thread_local int fa_last_threads = 0;
+int fa_last_num_threads(void) { return fa_last_threads; }
+
 #define FA_STR2(x) #x
 #define FA_STR(x) FA_STR2(x)
 
@@ -348,9 +355,10 @@ static int fa_run_head_items(const fa_params *p, const fa_plan *pl, fa_qblock_fn
         front[t] = items * t / nth;
         back[t] = items * (t + 1) / nth;
     }
-    int failed = 0;
-#pragma omp parallel num_threads(nth) if (nth > 1) reduction(| : failed)
+    int failed = 0, ran = 0;
+#pragma omp parallel num_threads(nth) if (nth > 1) reduction(| : failed) reduction(+ : ran)
     {
+        ran += 1;
         void *scratch = fa_scratch_alloc(scratch_bytes);
         char *kvbuf = (char *)fa_scratch_alloc(kv_bytes);
         const int t = fa_thread_num();
@@ -376,6 +384,7 @@ static int fa_run_head_items(const fa_params *p, const fa_plan *pl, fa_qblock_fn
         free(scratch);
     }
     free(seg);
+    fa_last_threads = ran;
     return failed ? FA_ERR_NOMEM : FA_OK;
 }
 
@@ -436,9 +445,10 @@ static int fa_decode_split(const fa_params *p, const fa_plan *pl, fa_qblock_fn q
     const int chunk_major = p->k_sl != p->D || p->v_sl != p->Dv;
     int nth = nth_req;
     if ((int64_t)nth > items) nth = (int)items;
-    int failed = 0;
-#pragma omp parallel num_threads(nth) if (nth > 1) reduction(| : failed)
+    int failed = 0, ran = 0;
+#pragma omp parallel num_threads(nth) if (nth > 1) reduction(| : failed) reduction(+ : ran)
     {
+        ran += 1;
         void *scratch = fa_scratch_alloc(scratch_bytes);
         if (!scratch) failed = 1;
         fa_params local = part;
@@ -483,6 +493,7 @@ static int fa_decode_split(const fa_params *p, const fa_plan *pl, fa_qblock_fn q
         }
         free(row16);
     }
+    fa_last_threads = ran;
     free(pout);
     free(plse);
     return failed ? FA_ERR_NOMEM : FA_OK;
@@ -490,6 +501,7 @@ static int fa_decode_split(const fa_params *p, const fa_plan *pl, fa_qblock_fn q
 
 int fa_attention_forward(const fa_params *p)
 {
+    fa_last_threads = 0;
     int rc = fa_check(p);
     if (rc != FA_OK) return rc;
     const fa_kernel *kern = fa_kernel_for_isa(p->isa < 0 ? fa_default_isa() : p->isa);
@@ -519,6 +531,7 @@ int fa_attention_forward(const fa_params *p)
         failed = fa_run_head_items(p, &pl, qblock, scratch_bytes, nth) != FA_OK;
     } else if (nth == 1) {
         /* One thread: no parallel region at all (short calls stay cheap). */
+        fa_last_threads = 1;
         void *scratch = fa_scratch_alloc(scratch_bytes);
         if (!scratch) failed = 1;
         for (int64_t t = 0; t < items && scratch; t++) {
@@ -528,8 +541,10 @@ int fa_attention_forward(const fa_params *p)
         }
         free(scratch);
     } else {
-#pragma omp parallel num_threads(nth) reduction(| : failed)
+        int ran = 0;
+#pragma omp parallel num_threads(nth) reduction(| : failed) reduction(+ : ran)
         {
+            ran += 1;
             void *scratch = fa_scratch_alloc(scratch_bytes);
             if (!scratch) failed = 1;
 #pragma omp for schedule(dynamic, 1)
@@ -541,6 +556,7 @@ int fa_attention_forward(const fa_params *p)
             }
             free(scratch);
         }
+        fa_last_threads = ran;
     }
     free(pl.start);
     return failed ? FA_ERR_NOMEM : FA_OK;

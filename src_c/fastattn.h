@@ -122,6 +122,8 @@ const char *fa_isa_name(int isa);
 /* ---- OpenMP shim (attention.c) ---- */
 int fa_openmp_enabled(void);
 int fa_max_threads(void);
+/* Threads that ran the calling thread's last fa_attention_forward (for tests). */
+int fa_last_num_threads(void);
 /* "compiler=<name version>; openmp=<_OPENMP date or 0>" */
 const char *fa_build_info(void);
 

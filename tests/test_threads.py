@@ -1,8 +1,16 @@
-"""Results are bitwise identical for any thread count and on every run."""
+"""Results are bitwise identical for any thread count and on every run; the thread
+count asked for (num_threads, OMP_NUM_THREADS, threadpoolctl) is the one that runs."""
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
 import numpy as np
 import pytest
 
 import fastattn
+from fastattn import _kernels
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -17,13 +25,60 @@ def test_bitwise_equal_across_threads(kernel, rng, dtype, causal):
         assert np.array_equal(out, base[0]) and np.array_equal(lse, base[1]), n
 
 
+def _paths(rng):
+    """One call per driver path: plain blocks, strided K/V (head tasks), split-KV
+    decoding, attention_weights, varlen; each has enough work for 4 threads."""
+    q = rng.standard_normal((2, 4, 300, 32)).astype(np.float32)
+    qs = np.ascontiguousarray(q.swapaxes(1, 2))
+    qd = rng.standard_normal((1, 4, 1, 32)).astype(np.float32)
+    kd = rng.standard_normal((1, 4, 5000, 32)).astype(np.float32)
+    cu = np.array([0, 250, 600])
+    qv = rng.standard_normal((600, 4, 32)).astype(np.float32)
+    return {
+        "prefill": lambda **kw: fastattn.attention(q, q, q, **kw),
+        "prefill causal": lambda **kw: fastattn.attention(q, q, q, causal=True, **kw),
+        "bshd": lambda **kw: fastattn.attention(qs, qs, qs, layout="bshd", **kw),
+        "decode": lambda **kw: fastattn.attention(qd, kd, kd, **kw),
+        "weights": lambda **kw: fastattn.attention_weights(q, q, **kw),
+        "varlen": lambda **kw: fastattn.varlen_attention(qv, qv, qv, cu, cu, **kw),
+    }
+
+
+@pytest.mark.parametrize("path", list(_paths(np.random.default_rng(0))))
+def test_num_threads_reaches_the_kernel(kernel, rng, path):
+    """num_threads is the number of threads that run the call (not only a result
+    that happens to be the same on any count)."""
+    call = _paths(rng)[path]
+    for n in (1, 2, 3, 1, 4):
+        call(num_threads=n)
+        assert _kernels.last_num_threads() == n, (path, n)
+    call()
+    assert _kernels.last_num_threads() == _kernels.max_threads()
+
+
 def test_default_threads_follow_threadpoolctl(rng):
     threadpoolctl = pytest.importorskip("threadpoolctl")
     q = rng.standard_normal((4, 130, 32)).astype(np.float32)
     a = fastattn.attention(q, q, q)
-    with threadpoolctl.threadpool_limits(1, user_api="openmp"):
-        b = fastattn.attention(q, q, q)
-    assert np.array_equal(a, b)
+    for n in (1, 3, 2):
+        with threadpoolctl.threadpool_limits(n, user_api="openmp"):
+            b = fastattn.attention(q, q, q)
+            assert _kernels.last_num_threads() == n
+            assert fastattn._config.config()["threads"] == n
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("omp", ["1", "3"])
+def test_default_threads_follow_omp_num_threads(omp):
+    code = ("import numpy as np, fastattn; from fastattn import _kernels as K; "
+            "q = np.ones((4, 130, 32), np.float32); fastattn.attention(q, q, q); "
+            "print(K.last_num_threads(), K.max_threads())")
+    pkg_root = pathlib.Path(fastattn.__file__).resolve().parent.parent
+    env = dict(os.environ, OMP_NUM_THREADS=omp, PYTHONPATH=str(pkg_root))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       cwd=tempfile.gettempdir(), timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [omp, omp]
 
 
 def test_gil_released_concurrent_calls(rng):
