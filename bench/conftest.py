@@ -8,6 +8,14 @@ Every implementation (fastattn, NumPy, PyTorch) runs with the same number of thr
 ``--bench-threads`` (default 2, or $FASTATTN_BENCH_THREADS): fastattn through
 ``num_threads=``, NumPy's BLAS through threadpoolctl (if installed), PyTorch through
 ``torch.set_num_threads``.
+
+Every benchmark checks its result once against ``fastattn.reference`` in every batch and
+head, on a sample of query rows (``check_rows``: the first, the last and a few random
+ones, the oracle computed on just those rows), or on the whole output for small shapes.
+
+The sgemm ceiling of the summary is measured in a child process without the settings that
+make OpenBLAS pick slower kernels (``fastattn.bench.child_ceilings``); the header says when
+such a setting (OPENBLAS_CORETYPE, OPENBLAS_L2_SIZE) is set.
 """
 import os
 
@@ -15,10 +23,17 @@ import numpy as np
 import pytest
 
 import fastattn
+from fastattn import bench as _bench
 
 # float32 results are checked against the float64 oracle to this relative error
 # (max |err| / max |ref|), float64 results to 1e-11.
 TOL = {np.dtype(np.float32): 3e-5, np.dtype(np.float64): 1e-11}
+
+
+def pytest_report_header(config):
+    """A note when the environment makes NumPy's BLAS run kernels it chose for it."""
+    note = _bench.blas_env_note()
+    return [note] if note else []
 
 
 def pytest_addoption(parser):
@@ -86,13 +101,7 @@ def read_bandwidth(bench_threads):
     return measure
 
 
-def rel_err(out, ref):
-    """max |out - ref| / max |ref|, in float64."""
-    ref = np.asarray(ref, dtype=np.float64)
-    if ref.size == 0:
-        return 0.0
-    return float(np.max(np.abs(np.asarray(out, dtype=np.float64) - ref))
-                 / max(float(np.max(np.abs(ref))), 1e-300))
+rel_err = _bench.rel_err  # max |out - ref| / max |ref|, in float64
 
 
 @pytest.fixture(scope="session")
@@ -102,6 +111,18 @@ def check_close():
         err = rel_err(out, ref)
         tol = TOL[np.dtype(dtype)]
         assert err <= tol, f"rel err {err:.3e} > {tol:.0e}"
+        return err
+    return _check
+
+
+@pytest.fixture(scope="session")
+def check_rows():
+    """check_rows(out, q, k, v, tol=..., **attention keywords) -> rel err:
+    fastattn.bench.check_rows (sampled query rows of every batch and head against the
+    oracle on just those rows); asserts it is within tol."""
+    def _check(out, q, k, v, *, tol, **kw):
+        err = _bench.check_rows(out, q, k, v, **kw)
+        assert err <= tol, f"rel err {err:.3e} > {tol:.0e} (sampled rows of every batch and head)"
         return err
     return _check
 
@@ -130,14 +151,25 @@ def pytest_terminal_summary(terminalreporter, config):
     _interleaved_summary(terminalreporter, session.benchmarks)
     rows = _rows(session.benchmarks)
     sgemm = rows.pop("sgemm", {}).get("numpy sgemm")
-    sgemm_gf = sgemm[1]["flops"] / sgemm[0] / 1e9 if sgemm else None
+    sgemm_np = sgemm[1]["flops"] / sgemm[0] / 1e9 if sgemm else None
+    # the ceiling: the clean child's sgemm when it ran, else NumPy's in this process
+    sgemm_gf = (sgemm[1].get("clean_gflops") or sgemm_np) if sgemm else None
     if not rows:
         return
     w = terminalreporter.write_line
     w("")
+    ceiling = ""
+    if sgemm and sgemm[1].get("clean_gflops"):
+        removed = ", ".join(sgemm[1]["env_removed"])
+        ceiling = (f", sgemm ceiling {sgemm_gf:.0f} GFLOP/s (in a child process"
+                   f"{' without ' + removed if removed else ''}; NumPy's in this process "
+                   f"{sgemm_np:.0f})")
+    elif sgemm:
+        ceiling = f", NumPy sgemm {sgemm_gf:.0f} GFLOP/s" + (
+            f" (in this process: the child failed: {sgemm[1]['child_error']})"
+            if sgemm[1].get("child_error") else "")
     w(f"fastattn vs peers, GFLOP/s (best round), threads={config.getoption('--bench-threads')}, "
-      f"kernel={fastattn._kernels.current_kernel()}"
-      + (f", NumPy sgemm {sgemm_gf:.0f} GFLOP/s" if sgemm_gf else ""))
+      f"kernel={fastattn._kernels.current_kernel()}" + ceiling)
     w(f"{'shape':<34} {'fastattn':>9} {'1 thread':>9} {'PyTorch':>8} {'NumPy':>8} "
       f"{'%sgemm':>7} {'vs torch':>9} {'vs numpy':>9} {'2t/1t':>6}")
     for group, impls in rows.items():

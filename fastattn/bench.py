@@ -1,22 +1,44 @@
 """``python -m fastattn.bench``: fastattn vs PyTorch SDPA vs naive NumPy, with measured ceilings.
 
-    python -m fastattn.bench                      # full grid (about a minute on 2 cores)
+    python -m fastattn.bench                      # full grid (a minute or two on 2 cores)
     python -m fastattn.bench --quick              # a subset (seconds)
     python -m fastattn.bench --threads 2 --json out.json --plot out.png --no-torch
 
-Prefill rows report GFLOP/s (4*B*H*Lq*Lk*D, halved for causal) against a NumPy sgemm
-ceiling; decode rows report GB/s of K/V read (k.nbytes + v.nbytes) against a measured
-read bandwidth. Every implementation runs interleaved (A, B, C, A, B, C, ...), each call
+Prefill rows report GFLOP/s (4*B*H*Lq*Lk*D, halved for causal) against an sgemm (dgemm
+for float64) ceiling; decode rows report GB/s of K/V read (k.nbytes + v.nbytes) against a
+measured read bandwidth.
+
+Ceilings are properties of the machine, so the environment must not lower them: sgemm and
+dgemm are timed in a child process whose environment has the settings that make the BLAS
+pick its kernels or blocking (OPENBLAS_CORETYPE, OPENBLAS_L2_SIZE, every other OPENBLAS_*
+and GOTO* variable, MKL's and BLIS's instruction-set knobs) removed, with the same thread
+limit.  The same products timed in this process (the BLAS that the NumPy column runs) are
+kept in the JSON; the report says when they differ from the child's by more than 20%, when
+such a setting is set, and when the child failed (the ceilings then come from this
+process).
+
+Every implementation runs interleaved (A, B, C, A, B, C, ...), 7 to 15 rounds, each call
 after a short idle so no library's spinning worker threads share the cores with the next
-one; the best round is reported. fastattn's output is checked once per shape against the float64 oracle
-on one head; the exit code is 1 if a check fails.
+one.  The table prints medians over the rounds with their interquartile range [Q1-Q3]:
+fastattn's time, and each speed ratio taken round by round (the other's time / fastattn's
+time in the same round, so both saw the same machine state).  A cell whose interquartile
+range exceeds NOISY_SPREAD (10%) of its median is marked "~" (noisy): read it as rough.
+The quartiles, unlike the range, neither grow with the number of rounds nor follow a
+single hiccup of the shared machine.  Rates, % of the ceiling and the plot use the
+medians; --json keeps every round's time (and the min-max ranges).
+
+fastattn's output is checked once per shape against the float64 oracle in every batch
+and head, on a sample of query rows (the first, the last and a few random ones, the
+oracle computed on just those rows: check_rows); the exit code is 1 if a check fails.
 """
 import argparse
 import contextlib
 import datetime
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -29,6 +51,9 @@ from fastattn import _kernels, reference
 TOL = {"float32": 3e-5, "float64": 1e-11, "float16": 1e-4}  # by K/V dtype
 SCORE_LIMIT = 2**30  # skip naive NumPy beyond a 1 GiB score matrix
 IMPLS = ("fastattn", "torch", "numpy")
+NOISY_SPREAD = 0.10  # a cell whose interquartile range over the rounds exceeds this
+                     # fraction of its median is marked "~" (noisy)
+CEILING_GAP = 0.20   # report in-process vs child gemm throughputs that differ by more
 
 
 def _shape(kind, L, D=None, H=None, dtype="float32", kv="float32", causal=False, series=True):
@@ -81,13 +106,122 @@ def blas_limit(threads):
     return threadpool_limits(limits=threads, user_api="blas")
 
 
+def blas_info():
+    """The BLAS NumPy calls in this process and the kernels it picked, e.g.
+    "openblas 0.3.31 Haswell" (None without threadpoolctl)."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return None
+    libs = [" ".join(str(x) for x in (i.get("internal_api"), i.get("version"), i.get("architecture"))
+                     if x) for i in threadpool_info() if i.get("user_api") == "blas"]
+    return "; ".join(libs) or None
+
+
 def gemm_gflops(dtype, n=2048, repeats=3):
+    """GFLOP/s of NumPy's n x n x n matmul in this process (best of `repeats`)."""
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((n, n)).astype(dtype) for _ in range(2))
     c = np.matmul(a, b)
     _warm_up(lambda: np.matmul(a, b, out=c), min_s=0.3)  # idle cores take a while to ramp up
     best = min(_timed(lambda: np.matmul(a, b, out=c)) for _ in range(repeats))
     return 2.0 * n**3 / best / 1e9
+
+
+# Environment variables that make the BLAS choose its kernels or blocking rather than
+# what the CPU allows: removed for the ceilings' child process.  Every OPENBLAS_* and
+# GOTO* variable goes (thread counts among them: the child gets the limit explicitly).
+KERNEL_ENV_PREFIXES = ("OPENBLAS_", "GOTO")
+KERNEL_ENV_NAMES = ("MKL_DEBUG_CPU_TYPE", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "BLIS_ARCH_TYPE")
+# ... and those the report's header warns about (they slow down the NumPy column)
+NOTE_ENV_NAMES = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "MKL_DEBUG_CPU_TYPE",
+                  "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "BLIS_ARCH_TYPE")
+
+
+def _is_kernel_knob(name):
+    return name.startswith(KERNEL_ENV_PREFIXES) or name in KERNEL_ENV_NAMES
+
+
+def blas_env_note(environ=None):
+    """One line naming the kernel-selecting BLAS settings of the environment (None if
+    there are none): the report's and bench/'s pytest header print it."""
+    environ = os.environ if environ is None else environ
+    knobs = [f"{n}={environ[n]}" for n in NOTE_ENV_NAMES if environ.get(n)]
+    if not knobs:
+        return None
+    one = len(knobs) == 1
+    return (f"note: {', '.join(knobs)} {'is' if one else 'are'} set: NumPy's matmul (the naive "
+            f"NumPy column) may run slower kernels than this CPU allows; ceilings are "
+            f"measured without {'it' if one else 'them'}")
+
+
+def clean_env(threads, environ=None):
+    """The ceilings' child environment: `environ` without the kernel-selecting BLAS
+    settings, with the thread limit, and this fastattn first on the path."""
+    environ = os.environ if environ is None else environ
+    env = {k: v for k, v in environ.items() if not _is_kernel_knob(k)}
+    env.update(OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
+               MKL_NUM_THREADS=str(threads))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, environ.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def child_ceilings(threads, n32=2048, n64=0, timeout=120):
+    """sgemm (and dgemm if n64) GFLOP/s measured by `python -m fastattn.bench --_ceilings`
+    in clean_env(threads).  Returns (result dict, None), or (None, why it failed)."""
+    env = clean_env(threads)
+    root = env["PYTHONPATH"].split(os.pathsep)[0]
+    args = [sys.executable, "-m", "fastattn.bench", "--_ceilings", f"{threads},{n32},{n64}"]
+    try:  # cwd = fastattn's parent: -m puts the working directory first on sys.path
+        p = subprocess.run(args, env=env, cwd=root, capture_output=True, text=True,
+                           timeout=timeout)
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"{type(e).__name__}: {e}"
+    if p.returncode != 0:
+        tail = (p.stderr.strip().splitlines() or ["no output"])[-1]
+        return None, f"exit status {p.returncode}: {tail}"
+    try:
+        res = json.loads(p.stdout.strip().splitlines()[-1])
+        if not res["sgemm_gflops"] > 0:
+            raise ValueError(res)
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None, f"unreadable output {p.stdout[-200:]!r}"
+    # (thread counts are replaced by the limit, not removed: not listed)
+    res["env_removed"] = sorted(k for k in os.environ
+                                if _is_kernel_knob(k) and not k.endswith("NUM_THREADS"))
+    return res, None
+
+
+def _ceilings_child(spec):
+    """The child's side of child_ceilings: prints one JSON line."""
+    threads, n32, n64 = (int(x) for x in spec.split(","))
+    with blas_limit(threads):
+        res = dict(sgemm_gflops=gemm_gflops(np.float32, n32), blas=blas_info())
+        if n64:
+            res["dgemm_gflops"] = gemm_gflops(np.float64, n64)
+    print(json.dumps(res))
+    return 0
+
+
+def measure_ceilings(threads, n32=2048, n64=0, read_mib=256):
+    """The ceilings dict of a report: gemm from the clean child process (or, if it fails,
+    this process), the same gemms in this process, and the read bandwidth."""
+    child, why = child_ceilings(threads, n32, n64)
+    c = dict(gemm_n=dict(float32=n32, float64=n64 or None))
+    inproc = dict(sgemm_gflops=gemm_gflops(np.float32, n32), blas=blas_info())
+    if n64:
+        inproc["dgemm_gflops"] = gemm_gflops(np.float64, n64)
+    c["in_process"] = inproc
+    src = child if child is not None else inproc
+    c.update({k: src[k] for k in ("sgemm_gflops", "dgemm_gflops") if k in src})
+    if child is not None:
+        c.update(source="child", blas=child.get("blas"), env_removed=child["env_removed"])
+    else:
+        c.update(source="in-process", blas=inproc["blas"], child_error=why)
+    time.sleep(SETTLE_AFTER_NUMPY_S)  # OpenBLAS's workers spin a while after a matmul
+    c["read_gbps"] = read_gbps(threads, read_mib)
+    return c
 
 
 def read_gbps(threads, mib=256, repeats=5):
@@ -122,6 +256,94 @@ def naive(q, k, v, scale, causal):
     np.exp(s, out=s)
     s /= s.sum(axis=-1, keepdims=True)
     return s @ v
+
+
+# ---------------------------------------------------------------- the oracle check
+def sample_rows(lq, n_random=6, seed=0):
+    """Query rows to check: the first, the last and n_random others (fixed seed), sorted."""
+    if lq <= 0:
+        return np.arange(0)
+    rng = np.random.default_rng(seed)
+    extra = rng.choice(lq, size=min(n_random, lq), replace=False)
+    return np.unique(np.concatenate(([0, lq - 1], extra))).astype(np.intp)
+
+
+def rel_err(out, ref):
+    """max |out - ref| / max |ref|, in float64."""
+    ref = np.asarray(ref, dtype=np.float64)
+    if ref.size == 0:
+        return 0.0
+    return float(np.max(np.abs(np.asarray(out, dtype=np.float64) - ref))
+                 / max(float(np.max(np.abs(ref))), 1e-300))
+
+
+def _rows_of(a, rows, lq):
+    """Rows `rows` of a mask/bias broadcast (right-aligned) against (..., Lq, Lk)."""
+    a = np.asarray(a)
+    return a[..., rows, :] if a.ndim >= 2 and a.shape[-2] == lq else a
+
+
+def check_rows(out, q, k, v, rows=None, *, causal=False, window=None, mask=None, bias=None,
+               alibi_slopes=None, layout="bhsd", **kw):
+    """Relative error of `out` (fastattn.attention(q, k, v, ...)) on some query rows of
+    every batch and every head, against fastattn.reference computed on just those rows.
+
+    rows: query positions (default sample_rows(Lq)).  The oracle sees q[..., rows, :] and
+    all the keys; the causal/window alignment, ALiBi's distances and the mask/bias rows
+    of the original positions become an explicit mask and bias, so a query keeps the keys
+    it had in the full problem (both causal alignments, Lq != Lk).  Other keywords
+    (scale, softcap) pass through to the oracle.
+    """
+    def bhsd(a):  # a (B, H, L, D) view of a 2-D, 3-D or 4-D array in `layout`
+        a = np.asarray(a)
+        if layout == "bshd" and a.ndim >= 3:
+            a = a.swapaxes(-3, -2)
+        return a.reshape((1,) * (4 - a.ndim) + a.shape)
+
+    q4, k4, v4, o4 = (bhsd(a) for a in (q, k, v, out))
+    lq, lk = q4.shape[2], k4.shape[2]
+    rows = sample_rows(lq) if rows is None else np.asarray(rows, dtype=np.intp)
+    i, j = rows[:, None], np.arange(lk)[None, :]
+    mode = None if causal is False or causal is None or (isinstance(causal, np.bool_) and not causal) \
+        else "top-left" if causal == "top-left" else "bottom-right"
+    diag = i if mode == "top-left" else i + (lk - lq)  # the diagonal of DESIGN.md's step 5
+    vis = np.ones((rows.size, lk), dtype=bool)
+    if mode is not None:
+        vis &= j <= diag
+    if window is not None:
+        left, right = window
+        if left is not None:
+            vis &= j >= diag - left
+        if right is not None:
+            vis &= j <= diag + right
+    if mask is not None:
+        vis = vis & _rows_of(mask, rows, lq)
+    b = None if bias is None else _rows_of(bias, rows, lq).astype(np.float64)
+    if alibi_slopes is not None:
+        sl = np.asarray(alibi_slopes, dtype=np.float64)
+        dist = np.abs(i + (lk - lq) - j).astype(np.float64)
+        ali = -sl[..., None, None] * dist  # (Hq, r, Lk) or (B, Hq, r, Lk)
+        b = ali if b is None else b + ali
+    B, hq, hkv = q4.shape[0], q4.shape[1], k4.shape[1]
+    full = (B, hq, rows.size, lk)
+    vis = np.broadcast_to(vis, full)
+    b = None if b is None else np.broadcast_to(b, full)
+    g = hq // hkv if hkv else 0
+    num = den = 0.0
+    # one (batch, K/V head) at a time: the oracle converts its K/V to float64, and a
+    # whole decode cache would take gigabytes
+    for bi in range(B):
+        for h in range(hkv):
+            hs = slice(h * g, (h + 1) * g)  # the query heads of K/V head h
+            ref = reference.attention(q4[bi:bi + 1, hs][:, :, rows], k4[bi:bi + 1, h:h + 1],
+                                      v4[bi:bi + 1, h:h + 1], mask=vis[bi:bi + 1, hs],
+                                      bias=None if b is None else b[bi:bi + 1, hs], **kw)
+            got = np.asarray(o4[bi:bi + 1, hs][:, :, rows], dtype=np.float64)
+            if ref.size:
+                d = float(np.max(np.abs(got - ref)))
+                num = max(num, d) if np.isfinite(d) else np.inf  # a NaN fails the check
+                den = max(den, float(np.max(np.abs(ref))))
+    return num / max(den, 1e-300)
 
 
 SETTLE_S = 0.1  # idle time before each timed call (see _timed)
@@ -174,41 +396,71 @@ def run_shape(sh, threads, torch=None, use_numpy=True, seed=0):
     with ctx:
         out = fns["fastattn"]()  # the result checked below
         warm = max(_warm_up(f) for f in fns.values())
-        rounds = 5 if warm > 0.2 else 9 if warm > 0.02 else 15  # a noisy shared machine
+        # a noisy shared machine: enough rounds for a median and a range that mean something
+        rounds = 7 if warm > 0.2 else 9 if warm > 0.02 else 15
         times = {name: [] for name in fns}
         prev = list(fns)[-1]  # the warm-up's last call
         for _ in range(rounds):
             for name, f in fns.items():
                 times[name].append(_timed(f, SETTLE_AFTER_NUMPY_S if prev == "numpy" else SETTLE_S))
                 prev = name
-    ref = reference.attention(q[:, :1], k[:, :1], v[:, :1], causal=causal)
-    err = float(np.max(np.abs(out[:, :1] - ref)) / max(np.max(np.abs(ref)), 1e-300))
+    rows = sample_rows(sh["Lq"], seed=seed)
+    err = check_rows(out, q, k, v, rows, causal=causal)  # every batch and head
     tol = TOL[sh["kv_dtype"]]
     flops = 4.0 * sh["B"] * sh["H"] * sh["Lq"] * sh["Lk"] * sh["D"] * (0.5 if causal else 1.0)
     row = dict(sh, flops=flops, bytes=k.nbytes + v.nbytes, rounds=rounds, rel_err=err, tol=tol,
-               check_ok=bool(err <= tol), score_bytes=score_bytes)
+               check_ok=bool(err <= tol), checked_rows=rows.tolist(), score_bytes=score_bytes)
     for name in IMPLS:
         t = times.get(name)
-        row[name] = dict(best_ms=min(t) * 1e3, median_ms=statistics.median(t) * 1e3) if t else None
+        row[name] = dict(best_ms=min(t) * 1e3, median_ms=statistics.median(t) * 1e3,
+                         times_ms=[x * 1e3 for x in t]) if t else None
     return row
 
 
+def _times_ms(r):
+    """An implementation's times over the rounds (ms), in round order."""
+    return list(r.get("times_ms") or [r["median_ms"]])
+
+
+def spread(xs):
+    """(median, Q1, Q3, (Q3 - Q1) / median) of a list of positive numbers: the quartiles
+    interpolated between the rounds (statistics.quantiles, "inclusive")."""
+    med = statistics.median(xs)
+    q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else xs * 3
+    return med, q1, q3, (q3 - q1) / med if med > 0 else 0.0
+
+
 def derive(row, ceil):
-    """Throughput, fraction of the ceiling and speed-ups for one row (None where missing)."""
-    fa = row["fastattn"]["best_ms"] / 1e3
+    """Throughput (of the median round), fraction of the ceiling and speed ratios (the
+    median of the per-round ratios, with their quartiles and range) for one row (None
+    where missing); `noisy` flags the cells whose interquartile range exceeds
+    NOISY_SPREAD of their median."""
+    fa_t = _times_ms(row["fastattn"])
+    med, q1, q3, sp = spread(fa_t)
     if row["kind"] == "prefill":
-        rate, unit = row["flops"] / fa / 1e9, "GFLOP/s"
+        work, unit = row["flops"] / 1e9, "GFLOP/s"
         c, cname = (ceil.get("dgemm_gflops"), "dgemm") if row["dtype"] == "float64" \
             else (ceil.get("sgemm_gflops"), "sgemm")
     else:
-        rate, unit = row["bytes"] / fa / 1e9, "GB/s"
+        work, unit = row["bytes"] / 1e9, "GB/s"
         c, cname = ceil.get("read_gbps"), "read bw"
-    rates = {n: (row["flops"] if unit == "GFLOP/s" else row["bytes"]) / (row[n]["best_ms"] / 1e3) / 1e9
-             for n in IMPLS if row.get(n)}
-    return dict(rate=rate, unit=unit, rates=rates, ceiling=cname,
-                pct_ceiling=100.0 * rate / c if c else None,
-                **{f"x_vs_{n}": row[n]["best_ms"] / row["fastattn"]["best_ms"] if row.get(n) else None
-                   for n in ("torch", "numpy")})
+    rate = work / (med / 1e3)
+    d = dict(rate=rate, rate_best=work / (min(fa_t) / 1e3), unit=unit, ceiling=cname,
+             rates={n: work / (row[n]["median_ms"] / 1e3) for n in IMPLS if row.get(n)},
+             pct_ceiling=100.0 * rate / c if c else None,
+             fastattn_ms=med, fastattn_iqr_ms=[q1, q3], fastattn_range_ms=[min(fa_t), max(fa_t)],
+             fastattn_spread=sp, noisy=dict(fastattn=sp > NOISY_SPREAD))
+    for n in ("torch", "numpy"):
+        if not row.get(n):
+            d[f"x_vs_{n}"] = d[f"x_vs_{n}_iqr"] = d[f"x_vs_{n}_range"] = None
+            continue
+        # the same round's times: both calls saw the same machine state
+        ratios = [t / f for t, f in zip(_times_ms(row[n]), fa_t)]
+        rmed, rq1, rq3, rsp = spread(ratios)
+        d[f"x_vs_{n}"], d[f"x_vs_{n}_iqr"] = rmed, [rq1, rq3]
+        d[f"x_vs_{n}_range"] = [min(ratios), max(ratios)]
+        d["noisy"][n] = rsp > NOISY_SPREAD
+    return d
 
 
 # ---------------------------------------------------------------- report
@@ -222,39 +474,90 @@ def _day(iso):
     return iso[:16].replace("T", " ")  # 2024-01-31 12:34
 
 
-def _ms(r):
-    if not r:
-        return "-"
-    m = r["best_ms"]
+def _num(m):
     return f"{m:.1f}" if m >= 10 else f"{m:.2f}" if m >= 0.1 else f"{m:.3f}"
+
+
+def _ms(r):
+    return "-" if not r else _num(r["median_ms"])
+
+
+def _cell(med, iqr, noisy, x=""):
+    """'median [Q1-Q3]', with '~' for a noisy one (' ' keeps the columns aligned)."""
+    if med is None:
+        return "- "
+    f = (lambda y: f"{y:.2f}") if x else _num
+    return f"{f(med)}{x} [{f(iqr[0])}-{f(iqr[1])}]{'~' if noisy else ' '}"
+
+
+def ceiling_lines(c):
+    """The report's lines about the ceilings: where and how they were measured."""
+    vals = ", ".join(f"{label} {c[k]:.1f} {unit}" for k, label, unit in CEILINGS if c.get(k))
+    blas = f" ({c['blas']} kernels)" if c.get("blas") else ""
+    src = c.get("source")
+    if src == "child":
+        removed = c.get("env_removed")
+        how = f"; gemm timed in a child process{' without ' + ', '.join(removed) if removed else ''}{blas}"
+    elif src == "in-process":
+        how = f"; gemm timed in this process{blas}: the child process failed: {c.get('child_error')}"
+    else:
+        how = ""
+    lines = [f"ceilings (this run): {vals}{how}"]
+    inp = c.get("in_process") or {}
+    if src == "child":
+        for k, label in (("sgemm_gflops", "sgemm"), ("dgemm_gflops", "dgemm")):
+            if inp.get(k) and c.get(k):
+                gap = inp[k] / c[k] - 1.0
+                if abs(gap) > CEILING_GAP:
+                    lines.append(
+                        f"note: {label} in this process (the BLAS the NumPy column runs"
+                        f"{', ' + inp['blas'] if inp.get('blas') else ''}): {inp[k]:.1f} GFLOP/s, "
+                        f"{abs(gap) * 100:.0f}% {'below' if gap < 0 else 'above'} the child's"
+                        + ("" if gap < 0 else " (the machine's speed moved between the two)"))
+    return lines
 
 
 def format_table(result):
     """The printed report: a header, the ceilings and one line per row."""
     m, c = result["machine"], result["ceilings"]
     ver = result["versions"]
+    env_note = result.get("env_note")
     lines = [f"fastattn.bench  {_day(result['date'])}",
              f"CPU: {m['cpu']}  kernel: {m['kernel']}  threads: {m['threads']}",
-             f"fastattn {ver['fastattn']}  numpy {ver['numpy']}  torch {ver['torch'] or '-'}",
-             "ceilings (this run): " + ", ".join(
-                 f"{label} {c[k]:.1f} {unit}" for k, label, unit in CEILINGS if c.get(k)),
-             "prefill: B=1 H=8 D=64 float32; decode: B=1 H=32 Lq=1 D=128 float32 (unless noted)", ""]
+             f"fastattn {ver['fastattn']}  numpy {ver['numpy']}  torch {ver['torch'] or '-'}"]
+    lines += [env_note] if env_note else []
+    lines += ceiling_lines(c)
+    rounds = sorted({r["rounds"] for r in result["rows"]})
+    nr = f"{rounds[0]}-{rounds[-1]}" if len(rounds) > 1 else f"{rounds[0]}" if rounds else "-"
+    lines += ["prefill: B=1 H=8 D=64 float32; decode: B=1 H=32 Lq=1 D=128 float32 (unless noted)",
+              f"times: medians of {nr} interleaved rounds, fastattn's with its interquartile "
+              "range [Q1-Q3]; x: the other's time / fastattn's in the same round, median [Q1-Q3]",
+              ""]
     cells = [COLS]
     for row in result["rows"]:
         d = row["derived"]
-        cells.append((row["name"], _ms(row["fastattn"]), _ms(row["torch"]), _ms(row["numpy"]),
+        noisy = d.get("noisy", {})
+        cells.append((row["name"],
+                      _cell(d["fastattn_ms"], d["fastattn_iqr_ms"], noisy.get("fastattn")),
+                      _ms(row["torch"]), _ms(row["numpy"]),
                       f"{d['rate']:.1f} {d['unit']}",
                       "-" if d["pct_ceiling"] is None else f"{d['pct_ceiling']:.0f}% {d['ceiling']}",
-                      "-" if d["x_vs_torch"] is None else f"{d['x_vs_torch']:.2f}x",
-                      "-" if d["x_vs_numpy"] is None else f"{d['x_vs_numpy']:.2f}x"))
+                      _cell(d["x_vs_torch"], d["x_vs_torch_iqr"], noisy.get("torch"), "x"),
+                      _cell(d["x_vs_numpy"], d["x_vs_numpy_iqr"], noisy.get("numpy"), "x")))
     w = [max(len(r[i]) for r in cells) for i in range(len(COLS))]
     fmt = lambda r: "  ".join(s.ljust(w[0]) if i == 0 else s.rjust(w[i]) for i, s in enumerate(r))
     lines += [fmt(cells[0]), "  ".join("-" * x for x in w)] + [fmt(r) for r in cells[1:]]
+    n_noisy = sum(any(r["derived"].get("noisy", {}).values()) for r in result["rows"])
+    lines += ["", f"~ noisy: the cell's interquartile range is over {NOISY_SPREAD:.0%} of its "
+              f"median ((Q3-Q1)/median); {n_noisy} of {len(result['rows'])} rows have one: read "
+              "them as rough (rate and % ceiling come from fastattn's median; --json has every "
+              "round)."]
     bad = [f"{r['name']} (rel err {r['rel_err']:.1e} > {r['tol']:.0e})"
            for r in result["rows"] if not r["check_ok"]]
     worst = max((r["rel_err"] / r["tol"] for r in result["rows"]), default=0.0)
-    lines += ["", f"ORACLE CHECK FAILED: {'; '.join(bad)}" if bad else
-              f"oracle check (one head per shape): all pass, worst rel err {worst:.2g} x tolerance"]
+    lines += [f"ORACLE CHECK FAILED: {'; '.join(bad)}" if bad else
+              "oracle check (every batch and head; query rows first, last and up to 6 others): "
+              f"all pass, worst rel err {worst:.2g} x tolerance"]
     return "\n".join(lines)
 
 
@@ -318,7 +621,10 @@ def main(argv=None):
     p.add_argument("--no-torch", action="store_true", help="skip PyTorch SDPA")
     p.add_argument("--no-numpy", action="store_true", help="skip the naive NumPy formula")
     p.add_argument("--shapes", choices=("full", "quick", "tiny"), help=argparse.SUPPRESS)
+    p.add_argument("--_ceilings", metavar="THREADS,N32,N64", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a._ceilings:  # the child process of child_ceilings
+        return _ceilings_child(a._ceilings)
     if a.threads < 1:
         p.error("--threads must be >= 1")
     shapes = grid(a.shapes or ("quick" if a.quick else "full"))
@@ -337,16 +643,15 @@ def main(argv=None):
                      build=cfg["build"]),
         versions=dict(fastattn=cfg["fastattn"], python=cfg["python"], numpy=cfg["numpy"],
                       torch=torch.__version__ if torch is not None else None),
-        ceilings={}, rows=[])
+        env_note=blas_env_note(), ceilings={}, rows=[])
     tiny = a.shapes == "tiny"
     n = len(shapes) + 1
     with blas_limit(a.threads):
         progress(0, n, "ceilings (sgemm, read bandwidth)")
-        c = result["ceilings"]
-        c["sgemm_gflops"] = gemm_gflops(np.float32, 256 if tiny else 2048)
-        if any(s["dtype"] == "float64" for s in shapes):
-            c["dgemm_gflops"] = gemm_gflops(np.float64)
-        c["read_gbps"] = read_gbps(a.threads, 16 if tiny else 256)
+        f64 = any(s["dtype"] == "float64" for s in shapes)
+        c = result["ceilings"] = measure_ceilings(
+            a.threads, n32=512 if tiny else 2048, n64=(512 if tiny else 2048) if f64 else 0,
+            read_mib=16 if tiny else 256)
         for i, sh in enumerate(shapes, 1):
             progress(i, n, sh["name"])  # i steps done (the ceilings count as one)
             row = run_shape(sh, a.threads, torch, not a.no_numpy)
