@@ -287,11 +287,11 @@ def _check_out(out, shape, dtype, inputs):
     if not out.flags.writeable:
         raise ValueError("fastattn.attention: out is read-only")
     item = dtype.itemsize
-    if (shape[-1] > 1 and out.strides[-1] != item) or any(s % item for s in out.strides) \
-            or not out.flags.aligned:
+    if out.size and ((shape[-1] > 1 and out.strides[-1] != item)
+                     or any(s % item for s in out.strides) or not out.flags.aligned):
         raise ValueError("fastattn.attention: out must have a contiguous last axis, aligned, "
                          f"with strides that are whole elements; got strides {out.strides}")
-    if any(s == 0 and n > 1 for s, n in zip(out.strides, out.shape)):
+    if out.size and any(s == 0 and n > 1 for s, n in zip(out.strides, out.shape)):
         raise ValueError(f"fastattn.attention: out has a zero stride (a broadcast view), strides {out.strides}")
     for name, a in inputs.items():
         if a is not None and np.may_share_memory(out, a) and np.shares_memory(out, a, max_work=10_000):

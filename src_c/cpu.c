@@ -199,14 +199,16 @@ static int fa_list_has(const char *list, const char *name)
 }
 
 /* Disabling a feature disables every kernel that needs it: the avx512 kernel needs
- * AVX512F and (for its FMA and the OS/CPU baseline it assumes) AVX2 and FMA. */
+ * AVX512F and (for its FMA and the OS/CPU baseline it assumes) AVX2, FMA and F16C;
+ * the avx2 kernel AVX2, FMA and F16C. */
 int fa_cpu_select(const char *disabled, char *why, int why_len)
 {
     unsigned have = fa_cpu_supported_isas();
     (void)fa_cpu_l2_bytes(); /* read once here, at import, before any thread uses it */
-    int no512 = disabled && (fa_list_has(disabled, "AVX512F") || fa_list_has(disabled, "AVX2") ||
-                             fa_list_has(disabled, "FMA"));
-    int no2 = disabled && (fa_list_has(disabled, "AVX2") || fa_list_has(disabled, "FMA"));
+    /* both SIMD kernels convert float16 K/V with F16C */
+    int no2 = disabled && (fa_list_has(disabled, "AVX2") || fa_list_has(disabled, "FMA") ||
+                           fa_list_has(disabled, "F16C"));
+    int no512 = no2 || (disabled && fa_list_has(disabled, "AVX512F"));
     int isa = FA_ISA_GENERIC;
     const char *reason;
     if ((have & (1u << FA_ISA_AVX512)) && !no512) {
@@ -219,7 +221,7 @@ int fa_cpu_select(const char *disabled, char *why, int why_len)
                      : "the CPU (or the OS) has no usable AVX512F; it has AVX2, FMA and F16C";
     } else {
         reason = (have & (1u << FA_ISA_AVX2))
-                     ? "AVX2 disabled by FASTATTN_DISABLE_CPU_FEATURES"
+                     ? "AVX2, FMA or F16C disabled by FASTATTN_DISABLE_CPU_FEATURES"
 #ifdef FA_HAVE_X86_KERNELS
                      : "the CPU (or the OS) has neither AVX2+FMA+F16C nor AVX512F";
 #else

@@ -1,20 +1,83 @@
-"""Run-time kernel choice: FASTATTN_DISABLE_CPU_FEATURES forces a lower kernel and
-show_config says which kernel runs and why."""
+"""Run-time kernel choice: the kernels offered match what the CPU can do (read here
+from /proc/cpuinfo or NumPy, not from fastattn), FASTATTN_DISABLE_CPU_FEATURES
+forces a lower kernel, and show_config says which kernel runs and why.
+
+The expectations come from the CPU, never from fastattn._kernels.supported_kernels():
+a build that lost its AVX kernels shrinks that list (and with it the `kernel` fixture
+of every other test file), so a test comparing against it would pass."""
 import os
+import platform
+import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import fastattn
 from fastattn import _kernels
 
 SUPPORTED = _kernels.supported_kernels()
+ORDER = ["generic", "avx2", "avx512"]  # lowest first, as supported_kernels() lists them
+
+# What each kernel needs (docs: avx2 = AVX2 + FMA + F16C; avx512 = AVX512F on top).
+NEEDS = {"avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx512f", "avx2", "fma", "f16c"}}
+# NumPy's names for the same features.
+NUMPY_NAMES = {"avx2": "AVX2", "fma": "FMA3", "f16c": "F16C", "avx512f": "AVX512F"}
 
 
-def _kernel_in_subprocess(disabled):
+def _proc_cpuinfo_flags():
+    """The first "flags" line of /proc/cpuinfo (Linux lists only the features the
+    kernel enabled, so the OS's part is included), or None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if re.match(r"flags\s*:", line):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        return None
+    return None
+
+
+def _numpy_flags():
+    """The same features from NumPy's own CPU detection (CPUID + XGETBV), or None."""
+    try:
+        from numpy._core._multiarray_umath import __cpu_features__ as feats
+    except ImportError:
+        try:
+            from numpy.core._multiarray_umath import __cpu_features__ as feats
+        except ImportError:
+            return None
+    return {ours for ours, theirs in NUMPY_NAMES.items() if feats.get(theirs)}
+
+
+def _is_x86_64():
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def _cpu_features():
+    flags = _proc_cpuinfo_flags()
+    source = "/proc/cpuinfo"
+    if flags is None:
+        flags, source = _numpy_flags(), "numpy __cpu_features__"
+    if flags is None:
+        pytest.skip("neither /proc/cpuinfo nor numpy's __cpu_features__ is available")
+    return flags, source
+
+
+def _kernels_for(flags, disabled=""):
+    """The kernels a CPU with `flags` runs (lowest first), with the features listed in
+    `disabled` (FASTATTN_DISABLE_CPU_FEATURES syntax) turned off: disabling AVX512F,
+    AVX2, FMA or F16C rules out avx512, disabling AVX2, FMA or F16C rules out avx2."""
+    off = {f.lower() for f in re.split(r"[,\s]+", disabled) if f}
+    have = set(flags) - off if _is_x86_64() else set()
+    return ["generic"] + [k for k in ("avx2", "avx512") if NEEDS[k] <= have]
+
+
+def _in_subprocess(disabled):
     env = dict(os.environ, FASTATTN_DISABLE_CPU_FEATURES=disabled)
-    code = "import fastattn; fastattn.show_config(); print(fastattn._kernels.current_kernel())"
+    code = ("import fastattn; fastattn.show_config(); from fastattn import _kernels; "
+            "print(_kernels.kernel_reason()); print(_kernels.current_kernel())")
     # from a neutral directory, so the child imports the fastattn this process
     # tests, never a source tree in the working directory
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
@@ -23,26 +86,87 @@ def _kernel_in_subprocess(disabled):
     return r.stdout.strip().splitlines()
 
 
+def test_every_kernel_the_cpu_supports_is_offered():
+    """A kernel that this CPU (and OS) can run is missing from supported_kernels():
+    a build without its SIMD kernels, or a broken CPU check."""
+    flags, source = _cpu_features()
+    want = _kernels_for(flags)
+    missing = [k for k in want if k not in SUPPORTED]
+    assert not missing, (f"the CPU has {sorted(flags & set(NUMPY_NAMES))} (from {source}), so "
+                         f"fastattn should run {want}; supported_kernels() is {SUPPORTED} "
+                         f"(missing {missing})")
+    extra = [k for k in SUPPORTED if k not in want]
+    assert not extra, (f"supported_kernels() offers {extra}, which this CPU cannot run "
+                       f"(features {sorted(flags & set(NUMPY_NAMES))} from {source})")
+    assert SUPPORTED == [k for k in ORDER if k in SUPPORTED]  # lowest first
+
+
+def test_cpu_feature_sources_agree():
+    """/proc/cpuinfo and NumPy agree on the four features (where both are there), so
+    neither source can hide a kernel from the test above."""
+    proc, npy = _proc_cpuinfo_flags(), _numpy_flags()
+    if proc is None or npy is None:
+        pytest.skip("only one source of CPU features here")
+    assert proc & set(NUMPY_NAMES) == npy
+
+
+def test_every_offered_kernel_runs():
+    """Each kernel the CPU supports can be selected and computes: set_kernel, the
+    kernel's own exp, and an attention call that matches the oracle."""
+    flags, _ = _cpu_features()
+    x = np.linspace(-30.0, 5.0, 101)
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 19, 16)).astype(np.float32)
+    k = rng.standard_normal((2, 70, 16)).astype(np.float32)
+    ref = fastattn.reference.attention(q, k, k, causal=True)
+    before = _kernels.current_kernel()
+    try:
+        for name in _kernels_for(flags):
+            np.testing.assert_allclose(_kernels.exp(x.astype(np.float32), name), np.exp(x),
+                                       rtol=1e-5, atol=0)
+            _kernels.set_kernel(name)
+            assert _kernels.current_kernel() == name
+            out = fastattn.attention(q, k, k, causal=True)
+            assert np.abs(out - ref).max() <= 1e-4 * np.abs(ref).max()
+    finally:
+        _kernels.set_kernel(before)
+
+
+def test_x86_64_build_has_its_simd_kernels():
+    """On x86-64 the build includes the AVX2/AVX-512 kernels (setup.py adds them
+    whenever it builds for x86-64): the kernel choice never says the build lacks them."""
+    ext = os.path.basename(_kernels.__file__)
+    if not (_is_x86_64() or "x86_64" in ext or "amd64" in ext.lower()):
+        pytest.skip(f"not an x86-64 build ({platform.machine()}, {ext})")
+    # AVX2 disabled: the reason names the switch (or the CPU), never the build
+    lines = _in_subprocess("AVX2")
+    assert not any("no x86 SIMD kernels" in ln for ln in lines), lines
+    lines = _in_subprocess("")
+    assert not any("no x86 SIMD kernels" in ln for ln in lines), lines
+
+
 def test_generic_always_available():
     assert SUPPORTED[0] == "generic"
 
 
 def test_best_kernel_chosen_by_default():
-    lines = _kernel_in_subprocess("")
+    flags, _ = _cpu_features()
+    lines = _in_subprocess("")
+    assert lines[-1] == _kernels_for(flags)[-1]
     assert lines[-1] == SUPPORTED[-1]
 
 
-@pytest.mark.parametrize("disabled,expect", [
-    ("AVX512F", "avx2"), ("avx512f", "avx2"), ("AVX512F,AVX2", "generic"), ("AVX2", "generic"),
-    ("FMA", "generic"), ("SSE3, AVX512F", "avx2"),
+@pytest.mark.parametrize("disabled", [
+    "AVX512F", "avx512f", "AVX512F,AVX2", "AVX2", "FMA", "F16C", "f16c", "SSE3, AVX512F", "", "SSE3",
 ])
-def test_disable_features(disabled, expect):
-    want = expect if expect in SUPPORTED else "generic"
-    if expect == "avx2" and "avx2" not in SUPPORTED:
-        want = "generic"
-    lines = _kernel_in_subprocess(disabled)
-    assert lines[-1] == want
-    assert any(f"kernel:   {want}" in ln for ln in lines)
+def test_disable_features(disabled):
+    """FASTATTN_DISABLE_CPU_FEATURES picks the best kernel the CPU has without the
+    listed features (expected from the CPU's flags, not from fastattn)."""
+    flags, _ = _cpu_features()
+    want = _kernels_for(flags, disabled)[-1]
+    lines = _in_subprocess(disabled)
+    assert lines[-1] == want, lines
+    assert any(f"kernel:   {want}" in ln for ln in lines), lines
 
 
 def test_set_kernel_rejects_unknown():

@@ -1,15 +1,34 @@
 """The geometry of attention (DESIGN.md): each output row is a barycentre of the
 visible values with weights on the probability simplex.  Property tests with
-hypothesis, each checked on fastattn and on the oracle."""
+hypothesis (seeded: the same examples on every run), each run under every CPU kernel
+this machine can execute (the `kernel` fixture of conftest.py), and the first two
+also on the oracle."""
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import fastattn
-from fastattn import reference
+from fastattn import _kernels, reference
 
-IMPLS = {"fastattn": fastattn.attention, "reference": reference.attention}
-SETTINGS = settings(max_examples=25, deadline=None)
+from conftest import KERNELS
+
+# derandomize: the same examples on every run; the `kernel` fixture is set once per
+# test (for all its examples), which is what function_scoped_fixture warns about
+SETTINGS = settings(max_examples=50, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(params=[f"fastattn-{k}" for k in KERNELS] + ["reference"])
+def impl(request):
+    """attention as computed by fastattn under each CPU kernel, and by the oracle (the
+    `kernel` fixture's job, without running the oracle once per kernel)."""
+    if request.param == "reference":
+        yield reference.attention
+        return
+    before = _kernels.current_kernel()
+    _kernels.set_kernel(request.param.split("-", 1)[1])
+    yield fastattn.attention
+    _kernels.set_kernel(before)
 
 
 @st.composite
@@ -44,7 +63,6 @@ def _visible(Lq, Lk, causal):
     return np.ones((Lq, Lk), bool)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @SETTINGS
 @given(problems())
 def test_weights_on_the_simplex(impl, prob):
@@ -53,7 +71,7 @@ def test_weights_on_the_simplex(impl, prob):
     q, k, _, causal = prob
     Lk = k.shape[1]
     eye = np.broadcast_to(np.eye(Lk, dtype=q.dtype), (q.shape[0], Lk, Lk))
-    w = IMPLS[impl](q, k, np.ascontiguousarray(eye), causal=causal).astype(np.float64)
+    w = impl(q, k, np.ascontiguousarray(eye), causal=causal).astype(np.float64)
     assert (w >= 0).all()
     seen = _visible(q.shape[1], Lk, causal).any(axis=1)
     sums = w.sum(axis=-1)
@@ -62,12 +80,11 @@ def test_weights_on_the_simplex(impl, prob):
     assert (w[:, ~_visible(q.shape[1], Lk, causal)] == 0).all()
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @SETTINGS
 @given(problems())
 def test_output_in_convex_hull(impl, prob):
     q, k, v, causal = prob
-    out = IMPLS[impl](q, k, v, causal=causal).astype(np.float64)
+    out = impl(q, k, v, causal=causal).astype(np.float64)
     vis = _visible(q.shape[1], k.shape[1], causal)
     v64 = v.astype(np.float64)
     slack = 10 * _tol(q.dtype) * max(1.0, np.abs(v64).max())
@@ -82,7 +99,7 @@ def test_output_in_convex_hull(impl, prob):
 
 @SETTINGS
 @given(problems(), st.floats(-50, 50))
-def test_shift_invariance(prob, c):
+def test_shift_invariance(kernel, prob, c):
     """Adding c to every logit of a row changes nothing: append a feature 1 to k
     and c/scale to q, which adds exactly c to all of row i's logits."""
     q, k, v, causal = prob
@@ -99,7 +116,7 @@ def test_shift_invariance(prob, c):
 
 @SETTINGS
 @given(problems())
-def test_key_permutation_invariance(prob):
+def test_key_permutation_invariance(kernel, prob):
     """Attention is a set operation over keys (without causality, which orders them)."""
     q, k, v, _ = prob
     perm = np.random.default_rng(q.shape[1]).permutation(k.shape[1])
@@ -111,7 +128,7 @@ def test_key_permutation_invariance(prob):
 
 @SETTINGS
 @given(problems())
-def test_zero_query_gives_mean(prob):
+def test_zero_query_gives_mean(kernel, prob):
     q, k, v, causal = prob
     out = fastattn.attention(np.zeros_like(q), k, v, causal=causal).astype(np.float64)
     vis = _visible(q.shape[1], k.shape[1], causal)
@@ -120,7 +137,7 @@ def test_zero_query_gives_mean(prob):
         np.testing.assert_allclose(out[:, i], want, atol=10 * _tol(q.dtype), rtol=10 * _tol(q.dtype))
 
 
-def test_scale_limits_hard_retrieval_and_mean(rng):
+def test_scale_limits_hard_retrieval_and_mean(kernel, rng):
     """scale -> inf tends to argmax retrieval, scale -> 0 to the plain mean."""
     q = rng.standard_normal((20, 16))
     k = rng.standard_normal((50, 16))
