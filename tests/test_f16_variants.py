@@ -1,0 +1,160 @@
+"""float16 K/V (with float32 or float16 q) combined with every variant, layout, GQA,
+decode (split-KV) and prefill shapes, against the float64 oracle.
+
+The oracle reads the very same float16 values and computes in float64, so the only
+error left is the kernel's float32 arithmetic (and, for float16 q, the final rounding
+of the output to float16): the tolerances are tight, so a variant that is plumbed
+slightly wrong for float16 K/V (a slope, a bias, a window edge, an axis) fails.
+"""
+import functools
+import zlib
+
+import numpy as np
+import pytest
+
+import fastattn
+from fastattn import reference
+
+from conftest import assert_lse_close, rel_err
+
+F32_TOL = 3e-5  # float32 output: relative to max |ref|, as for float32 inputs
+
+# (B, Hq, Hkv, Lq, Lk, D, Dv, layout, ndim)
+SHAPES = {
+    # decode: Lq <= 8 and Lk > 512 take the split-KV path; Lk = 300 is one chunk
+    "decode1-gqa-bhsd": (2, 6, 2, 1, 700, 64, 64, "bhsd", 4),
+    "decode4-gqa-bshd": (2, 8, 2, 4, 1000, 40, 24, "bshd", 4),
+    "decode2-mqa-bshd-3d": (1, 4, 1, 2, 613, 32, 48, "bshd", 3),
+    "decode3-bhsd-3d": (1, 3, 3, 3, 300, 24, 24, "bhsd", 3),
+    # prefill: Lq = Lk, odd D / Dv
+    "prefill-gqa-bhsd": (1, 4, 2, 150, 150, 33, 20, "bhsd", 4),
+    "prefill-gqa-bshd": (2, 6, 3, 131, 131, 17, 19, "bshd", 4),
+    "prefill-2d": (1, 1, 1, 123, 123, 45, 45, "bhsd", 2),
+}
+
+
+def _variant(name, rng, nd, B, Hq, Lq, Lk):
+    full = (B, Hq, Lq, Lk)[4 - nd:]
+    mask = rng.random(full) > 0.4
+    mask[..., -1] = True
+    return {
+        "plain": dict(),
+        "alibi-h": dict(alibi_slopes=rng.uniform(0.02, 0.5, Hq)),
+        "alibi-h-f16": dict(alibi_slopes=rng.uniform(0.02, 0.5, Hq).astype(np.float16)),
+        "alibi-bh": dict(alibi_slopes=rng.uniform(0.02, 0.5, (B, Hq))),
+        "softcap": dict(softcap=1.5, scale=1.3),
+        "bias-bcast": dict(bias=rng.standard_normal(Lk).astype(np.float32)),
+        "bias-full": dict(bias=2 * rng.standard_normal(full).astype(np.float32)),
+        "bias-f16-head": dict(bias=rng.standard_normal((Hq, 1, Lk) if nd > 2 else (1, Lk))
+                              .astype(np.float16)),
+        "mask": dict(mask=mask),
+        "mask-bcast-neginf-bias": dict(mask=rng.random(Lk) > 0.2,
+                                       bias=np.where(rng.random((Lq, Lk)) > 0.9, -np.inf, 0.0)),
+        "causal-br": dict(causal="bottom-right"),
+        "causal-tl": dict(causal="top-left"),
+        "window": dict(window=(37, 1)),
+        "window-causal-tl": dict(window=(50, None), causal="top-left"),
+        "everything": dict(causal=True, window=(200, 0), mask=mask, softcap=3.0,
+                           alibi_slopes=rng.uniform(0.01, 0.1, (B, Hq) if nd == 4 else Hq),
+                           bias=rng.standard_normal(full[-2:]).astype(np.float32), scale=0.7),
+    }[name]
+
+
+VARIANTS = ["plain", "alibi-h", "alibi-h-f16", "alibi-bh", "softcap", "bias-bcast", "bias-full",
+            "bias-f16-head", "mask", "mask-bcast-neginf-bias", "causal-br", "causal-tl", "window",
+            "window-causal-tl", "everything"]
+
+
+def _qkv(rng, B, Hq, Hkv, Lq, Lk, D, Dv, layout, nd, q_dtype):
+    def mk(H, L, d, dt):
+        a = rng.standard_normal((B, H, L, d))
+        a = a[0, 0] if nd == 2 else (a[0] if nd == 3 else a)
+        if layout == "bshd" and nd > 2:
+            a = a.swapaxes(-2, -3)   # a strided (B, L, H, d) view: read in place
+        return a.astype(dt)
+    return mk(Hq, Lq, D, q_dtype), mk(Hkv, Lk, D, np.float16), mk(Hkv, Lk, Dv, np.float16)
+
+
+def assert_f16_output_close(out, ref):
+    """float16 output: within half a float16 ulp of the exact answer (plus the float32
+    arithmetic's error, a few 1e-5 of the largest output)."""
+    assert out.dtype == np.float16
+    ref = np.asarray(ref, np.float64)
+    err = np.abs(out.astype(np.float64) - ref)
+    ulp = np.spacing(np.abs(ref).astype(np.float16)).astype(np.float64)
+    allowed = 0.5 * ulp + 3e-5 * max(np.abs(ref).max(), 1e-30)
+    worst = np.unravel_index(np.argmax(err - allowed), err.shape)
+    assert (err <= allowed).all(), (f"at {worst}: got {out[worst]}, want {ref[worst]}, "
+                                    f"|err| {err[worst]:.3g} > {allowed[worst]:.3g}")
+
+
+@functools.lru_cache(maxsize=None)
+def _case(variant, shape, q_dtype):
+    """Inputs and the oracle's answer, computed once and shared by every kernel (the
+    oracle is most of this file's run time); arrays are made read-only."""
+    B, Hq, Hkv, Lq, Lk, D, Dv, layout, nd = SHAPES[shape]
+    rng = np.random.default_rng(zlib.crc32(f"{variant}/{shape}/{q_dtype}".encode()))
+    q, k, v = _qkv(rng, B, Hq, Hkv, Lq, Lk, D, Dv, layout, nd, q_dtype)
+    kw = _variant(variant, rng, nd, B, Hq, Lq, Lk)
+    kw["layout"] = layout
+    ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, **kw)
+    for a in (q, k, v, ref_out, ref_lse, *kw.values()):
+        if isinstance(a, np.ndarray):
+            a.flags.writeable = False
+    return q, k, v, kw, ref_out, ref_lse
+
+
+# (B, Hq) slopes exist only for 4-D inputs: those pairs are not generated
+CASES = [(v, s) for v in VARIANTS for s in SHAPES if not (v == "alibi-bh" and SHAPES[s][-1] != 4)]
+
+
+@pytest.mark.parametrize("q_dtype", [np.float32, np.float16], ids=["q32", "q16"])
+@pytest.mark.parametrize("variant,shape", CASES, ids=[f"{v}-{s}" for v, s in CASES])
+def test_f16_kv_variant_against_oracle(kernel, variant, shape, q_dtype):
+    B, Hq, Hkv, Lq, Lk, D, Dv, layout, nd = SHAPES[shape]
+    q, k, v, kw, ref_out, ref_lse = _case(variant, shape, q_dtype)
+
+    out, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
+    assert out.dtype == q_dtype and out.shape == ref_out.shape
+    assert lse.dtype == np.float32
+    assert lse.shape == ref_lse.shape == ((B, Hq, Lq)[4 - nd:] if nd > 2 else (Lq,))
+    if q_dtype == np.float16:
+        assert_f16_output_close(out, ref_out)
+    else:
+        err = rel_err(out, ref_out)
+        assert err <= F32_TOL, err
+    assert_lse_close(lse, ref_lse, np.float32)
+
+    # without lse (and, for the plain case, the compiled fast path): the same bits
+    np.testing.assert_array_equal(fastattn.attention(q, k, v, **kw), out)
+
+
+@pytest.mark.parametrize("q_dtype", [np.float32, np.float16], ids=["q32", "q16"])
+def test_f16_kv_matches_f32_kv_computation(kernel, rng, q_dtype):
+    """float16 K/V is converted to float32 in registers: the answer equals that of the
+    same values passed as float32 K/V (to float32 rounding), for every variant at once,
+    on the split-KV path and the prefill path."""
+    for shape in ("decode4-gqa-bshd", "prefill-gqa-bshd"):
+        B, Hq, Hkv, Lq, Lk, D, Dv, layout, nd = SHAPES[shape]
+        q, k, v = _qkv(rng, B, Hq, Hkv, Lq, Lk, D, Dv, layout, nd, q_dtype)
+        kw = _variant("everything", rng, nd, B, Hq, Lq, Lk)
+        out16, lse16 = fastattn.attention(q, k, v, layout=layout, return_lse=True, **kw)
+        out32, lse32 = fastattn.attention(q.astype(np.float32), k.astype(np.float32),
+                                          v.astype(np.float32), layout=layout, return_lse=True,
+                                          **kw)
+        if q_dtype == np.float16:
+            assert_f16_output_close(out16, out32)
+        else:
+            assert rel_err(out16, out32) <= F32_TOL
+        assert_lse_close(lse16, lse32.astype(np.float64), np.float32)
+
+
+def test_f16_kv_thread_counts_bitwise(kernel, rng):
+    B, Hq, Hkv, Lq, Lk, D, Dv, layout, nd = SHAPES["decode4-gqa-bshd"]
+    q, k, v = _qkv(rng, B, Hq, Hkv, Lq, Lk, D, Dv, layout, nd, np.float16)
+    kw = _variant("everything", rng, nd, B, Hq, Lq, Lk)
+    base = fastattn.attention(q, k, v, layout=layout, return_lse=True, num_threads=1, **kw)
+    for n in (2, 3):
+        got = fastattn.attention(q, k, v, layout=layout, return_lse=True, num_threads=n, **kw)
+        np.testing.assert_array_equal(got[0], base[0])
+        np.testing.assert_array_equal(got[1], base[1])
