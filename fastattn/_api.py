@@ -27,21 +27,20 @@ def _describe(**arrays):
 
 
 def _torch_problem(x, name, fn):
-    """Why NumPy cannot view the torch tensor `x`, and the fix; None if it can."""
+    """Why NumPy could not view the torch tensor `x`, and the fix; None if `x` is not
+    a torch tensor.  Called only after np.asarray(x) failed, which for a CPU tensor
+    that does not require grad means its dtype has no NumPy equivalent."""
     if not type(x).__module__.startswith("torch"):
         return None
-    device = getattr(x, "device", None)
-    if device is not None and getattr(device, "type", "cpu") != "cpu":
+    device = x.device
+    if device.type != "cpu":
         return (f"fastattn.{fn}: {name} is a torch tensor on device '{device}'; fastattn runs on "
                 f"the CPU: pass {name}.cpu()")
-    if getattr(x, "requires_grad", False):
+    if x.requires_grad:
         return (f"fastattn.{fn}: {name} is a torch tensor that requires grad; fastattn has no "
                 f"autograd yet (forward only): pass {name}.detach()")
-    dt = str(getattr(x, "dtype", ""))
-    if dt not in ("torch.float32", "torch.float64", "torch.float16", "torch.bool", ""):
-        return (f"fastattn.{fn}: {name} is a torch tensor of dtype {dt}; supported dtypes are "
-                f"float32 and float64 (and float16 for k and v): convert it, e.g. {name}.float()")
-    return None
+    return (f"fastattn.{fn}: {name} is a torch tensor of dtype {x.dtype}; supported dtypes are "
+            f"float32 and float64 (and float16 for k and v): convert it, e.g. {name}.float()")
 
 
 def _as_array(x, name, fn="attention"):
