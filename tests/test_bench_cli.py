@@ -13,7 +13,8 @@ import pytest
 import fastattn
 from fastattn import bench, reference
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__)))  # fastattn's parent
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout with bench/
 
 CEIL = {"sgemm_gflops": 100.0, "read_gbps": 10.0}
 
@@ -143,7 +144,7 @@ def test_env_note(monkeypatch):
     assert lines[3] == note  # in the header, before the ceilings
     # the pytest header of bench/ prints the same line
     spec = importlib.util.spec_from_file_location(
-        "bench_conftest", os.path.join(ROOT, "bench", "conftest.py"))
+        "bench_conftest", os.path.join(REPO, "bench", "conftest.py"))
     conftest = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(conftest)
     assert note in conftest.pytest_report_header(None)
