@@ -232,3 +232,50 @@ def test_show_config_writes_to_the_file_given(capsys, monkeypatch):
     fastattn.show_config(file=buf)
     assert "  openmp:   no (serial kernel)\n" in buf.getvalue()
     assert "  can run:  generic, x  (FASTATTN" in buf.getvalue()
+
+
+def test_merge_mixed_dtypes_promote():
+    """float32 parts with float64 lses merge in float64 (np.result_type of all)."""
+    rng = np.random.default_rng(8)
+    o = [rng.standard_normal((3, 5, 4)).astype(f32) for _ in range(2)]
+    lse = [rng.standard_normal((3, 5)) for _ in range(2)]
+    out, l_ = fastattn.merge(o, lse)
+    assert out.dtype == l_.dtype == np.float64
+    r_out, r_lse = reference.merge(o, lse)
+    np.testing.assert_allclose(out, r_out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(l_, r_lse, rtol=1e-12)
+
+
+def test_merge_single_row_parts():
+    """1-D parts: one row of Dv values each, lse a 0-d array."""
+    o = [np.array([1.0, 2.0]), np.array([3.0, 6.0])]
+    lse = [np.array(0.0), np.array(np.log(3.0))]
+    out, l_ = fastattn.merge(o, lse)
+    np.testing.assert_allclose(out, [2.5, 5.0])
+    np.testing.assert_allclose(l_, np.log(4.0))
+
+
+def test_merge_bshd_error_says_where_lse_axes_go():
+    o = np.ones((2, 5, 3, 4), f32)
+    with pytest.raises(ValueError, match=r"\(2, 3, 5\) \(\(\.\.\., Hq, Lq\) for outs \(\.\.\., Lq, Hq, Dv\), "
+                                         r"layout='bshd'\)"):
+        fastattn.merge([o], [np.ones((2, 5, 3), f32)], layout="bshd")
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.uint16, np.int64])
+def test_varlen_any_integer_cu_seqlens(kernel, dtype):
+    rng = np.random.default_rng(9)
+    q, k, v = (rng.standard_normal((9, 2, 8)).astype(f32) for _ in range(3))
+    cu = np.array([0, 4, 9], dtype)
+    out = fastattn.varlen_attention(q, k, v, cu, cu, causal=True)
+    ref = reference.varlen_attention(q, k, v, cu, cu, causal=True)
+    assert rel_err(out, ref) <= TOL[np.dtype(f32)]
+
+
+@pytest.mark.parametrize("n,shown", [(20, "[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]"),
+                                     (21, "[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]...")])
+def test_varlen_cu_seqlens_shown_up_to_20(n, shown):
+    cu = np.arange(1, n + 1)
+    with pytest.raises(ValueError) as info:
+        fastattn.varlen_attention(PK, PK, PK, cu, cu)
+    assert str(info.value).endswith(f"got shape ({n},): {shown}")
