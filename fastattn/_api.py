@@ -435,14 +435,10 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
     else:
         _check_out(out, user_shape, pr.out_dtype, {"q": q, "k": k, "v": v, "mask": mask, "bias": bias})
     out_bhsd = out.swapaxes(-2, -3) if layout == "bshd" and pr.nd > 2 else out
-    if not return_lse:
-        if out.size:
-            _run(pr.q, pr.k, pr.v, out_bhsd, None, scale_f, causal_code, nth, variants)
-        return out
-    lse = np.empty(pr.q.shape[:-1], dtype=pr.lse_dtype)
-    if out.size or lse.size:
+    lse = np.empty(pr.q.shape[:-1], dtype=pr.lse_dtype) if return_lse else None
+    if out.size or lse is not None and lse.size:
         _run(pr.q, pr.k, pr.v, out_bhsd, lse, scale_f, causal_code, nth, variants)
-    return out, lse
+    return out if lse is None else (out, lse)
 
 
 def _run(q, k, v, out, lse, scale, causal, nth, variants=None):
