@@ -13,21 +13,135 @@ Conventions beyond DESIGN.md that this module fixes:
   ``varlen_attention`` returns it as ``(Hq, total_q)``, like FlashAttention.
 - A logit of -inf (e.g. from ``bias``) hides its key exactly like the mask does.
 - With D = 0 the default scale is 1 (all logits are 0 anyway).
+- Dropout (step 11) keeps weight (b, h, i, j) iff word ``j & 3`` of
+  ``philox4x32((j >> 2, i, h, b), (seed & 0xFFFFFFFF, seed >> 32))`` is
+  ``>= min(int(p * 2**32), 2**32 - 1)``; b is the batch (varlen: sequence) index, h the
+  query head, i and j the query and key positions (within the sequence).  Kept weights
+  are scaled by ``1 / (1 - p)``; ``lse`` is that of the undropped softmax.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Sequence, Tuple, Union, overload
+import numbers
+from typing import Any, Literal, NamedTuple, Optional, Sequence, Tuple, Union, overload
 
 import numpy as np
 
 from ._typing import ArrayLike, Causal, Layout, Window
 
 F64 = np.ndarray  # float64 results (annotated loosely: NumPy's generics add nothing here)
+Seed = Union[int, "np.integer[Any]", None]
 
-__all__ = ["attention", "attention_weights", "merge", "varlen_attention"]
+__all__ = ["attention", "attention_backward", "attention_weights", "dropout_keep", "merge",
+           "philox4x32", "varlen_attention"]
 
 _NEG_INF = -np.inf
+
+# Philox-4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011;
+# the Random123 library's philox4x32 with its default 10 rounds).
+_PHILOX_M0, _PHILOX_M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+_PHILOX_W0, _PHILOX_W1 = np.uint64(0x9E3779B9), np.uint64(0xBB67AE85)
+_U32 = np.uint64(0xFFFFFFFF)
+_SHIFT32 = np.uint64(32)
+
+
+def _u32_words(name, x, n):
+    """x as a uint64 array whose last axis has n entries, each in [0, 2**32)."""
+    a = np.asarray(x)
+    if not np.issubdtype(a.dtype, np.integer):
+        raise TypeError(f"{name} must be an integer array, got dtype {a.dtype} with shape "
+                        f"{a.shape}")
+    if a.ndim < 1 or a.shape[-1] != n:
+        raise ValueError(f"{name} must have a last axis of {n} words, got shape {a.shape}")
+    if a.size and (a.min() < 0 or a.max() > 0xFFFFFFFF):
+        raise ValueError(f"{name} words must be in [0, 2**32), got values in "
+                         f"[{a.min()}, {a.max()}]")
+    return a.astype(np.uint64)
+
+
+def philox4x32(counter: ArrayLike, key: ArrayLike) -> np.ndarray:
+    """Philox-4x32-10, vectorised: one block of four uint32 words per counter.
+
+    Parameters
+    ----------
+    counter : integer array (..., 4), words (c0, c1, c2, c3) in [0, 2**32).
+    key : integer array (2,) or (..., 2) broadcastable against counter's leading axes,
+        words (k0, k1) in [0, 2**32).
+
+    Returns
+    -------
+    uint32 array (..., 4): the output block of each counter.
+    """
+    c = _u32_words("counter", counter, 4)
+    k = _u32_words("key", key, 2)
+    c0, c1, c2, c3 = c[..., 0], c[..., 1], c[..., 2], c[..., 3]
+    k0, k1 = k[..., 0], k[..., 1]
+    for r in range(10):
+        # 32x32 -> 64-bit products fit exactly in uint64
+        p0, p1 = _PHILOX_M0 * c0, _PHILOX_M1 * c2
+        c0, c1, c2, c3 = ((p1 >> _SHIFT32) ^ c1 ^ k0, p1 & _U32,
+                          (p0 >> _SHIFT32) ^ c3 ^ k1, p0 & _U32)
+        if r < 9:
+            k0, k1 = (k0 + _PHILOX_W0) & _U32, (k1 + _PHILOX_W1) & _U32
+    return np.stack(np.broadcast_arrays(c0, c1, c2, c3), axis=-1).astype(np.uint32)
+
+
+def _check_dropout(dropout_p, seed, name="dropout_p"):
+    """Validated (p as float, seed as int or None); name is what the caller calls p."""
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"{name} must be a real number in [0, 1), got {dropout_p!r}")
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0:         # also rejects NaN
+        raise ValueError(f"{name} must be in [0, 1), got {dropout_p!r}")
+    if seed is not None:
+        if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
+            raise TypeError(f"seed must be an int in [0, 2**64), got {seed!r}")
+        seed = int(seed)
+        if not 0 <= seed < 2 ** 64:
+            raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+    elif p > 0:
+        raise ValueError(f"{name} > 0 needs a seed, got {name}={dropout_p!r} and "
+                         f"seed=None")
+    return p, seed
+
+
+def _keep(seed, p, B, H, Lq, Lk, b0=0):
+    """Keep mask (B, H, Lq, Lk) for batch indices b0 .. b0 + B - 1 (validated p, seed)."""
+    t = min(int(p * 4294967296.0), 2 ** 32 - 1)
+    if t == 0:
+        return np.ones((B, H, Lq, Lk), dtype=bool)
+    J = -(-Lk // 4)                       # one counter per 4 keys: word j & 3 of j >> 2
+    c = np.empty((B, H, Lq, J, 4), dtype=np.uint64)
+    c[..., 0] = np.arange(J)
+    c[..., 1] = np.arange(Lq)[:, None]
+    c[..., 2] = np.arange(H)[:, None, None]
+    c[..., 3] = (b0 + np.arange(B))[:, None, None, None]
+    words = philox4x32(c, [seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF])
+    return words.reshape(B, H, Lq, 4 * J)[..., :Lk] >= np.uint32(t)
+
+
+def dropout_keep(seed: Seed, p: float, B: int, H: int, Lq: int, Lk: int) -> np.ndarray:
+    """fastattn's dropout decisions: bool array (B, H, Lq, Lk), True = kept.
+
+    Entry (b, h, i, j) is kept iff word ``j & 3`` of
+    ``philox4x32((j >> 2, i, h, b), (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF))``
+    is ``>= min(int(p * 2**32), 2**32 - 1)``; so p = 0 keeps everything.
+
+    Parameters
+    ----------
+    seed : int in [0, 2**64).
+    p : float in [0, 1), the drop probability.
+    B, H, Lq, Lk : ints >= 0, the batch, query-head, query and key counts.
+    """
+    p, seed = _check_dropout(p, seed, "p")
+    for name, n in (("B", B), ("H", H), ("Lq", Lq), ("Lk", Lk)):
+        if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
+            raise TypeError(f"{name} must be an int, got {n!r}")
+        if n < 0:
+            raise ValueError(f"{name} must be >= 0, got {n!r}")
+    if seed is None:                      # p == 0: no generator needed
+        return np.ones((B, H, Lq, Lk), dtype=bool)
+    return _keep(seed, p, int(B), int(H), int(Lq), int(Lk))
 
 
 def _as_float(name, x):
@@ -111,10 +225,23 @@ def _check_options(scale, causal, window, softcap, layout, num_threads):
     return scale, mode, left, right, softcap
 
 
+class _Logits(NamedTuple):
+    s: F64            # (B, Hq, Lq, Lk) logits after steps 1-5, -inf on hidden keys
+    v4: Optional[F64]  # (B, Hq, Lk, Dv): v per query head, or None
+    ndim: int         # the user's ndim
+    q4: F64           # (B, Hq, Lq, D)
+    k4: F64           # (B, Hq, Lk, D): k per query head
+    raw: F64          # (B, Hq, Lq, Lk): scale * q.k, before the softcap
+    scale: float      # resolved (the default applied)
+    softcap: Optional[float]
+    full: Tuple[int, ...]  # the logits shape in the user's ndim
+    hkv: int          # kv heads; query head h reads kv head h // group
+    group: int
+
+
 def _logits(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap, layout,
             num_threads):
-    """Steps 1-5: returns s (B, Hq, Lq, Lk) with -inf on hidden keys, v4 per query head,
-    and the user's ndim."""
+    """Steps 1-5: the logits and what the backward needs besides (see _Logits)."""
     scale, mode, left, right, softcap = _check_options(scale, causal, window, softcap,
                                                        layout, num_threads)
     q = _as_float("q", q)
@@ -149,7 +276,8 @@ def _logits(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap, l
 
     if scale is None:
         scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
-    s = scale * (q4 @ np.repeat(k4, group, axis=1).swapaxes(-1, -2))       # 1.
+    k4 = np.repeat(k4, group, axis=1)
+    s = raw = scale * (q4 @ k4.swapaxes(-1, -2))                           # 1.
     if softcap is not None:
         s = softcap * np.tanh(s / softcap)                                 # 2.
     i = np.arange(Lq)[:, None]
@@ -181,7 +309,8 @@ def _logits(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap, l
             raise TypeError(f"mask must be a bool array, got dtype {m.dtype} with shape "
                             f"{m.shape}")
         vis = vis & _broadcast("mask", m, full).reshape(B, Hq, Lq, Lk)
-    return np.where(vis, s, _NEG_INF), v4, ndim
+    return _Logits(np.where(vis, s, _NEG_INF), v4, ndim, q4, k4, raw, scale, softcap, full,
+                   Hkv, group)
 
 
 def _broadcast(name, a, full):
@@ -208,6 +337,14 @@ def _softmax(s):
     return w, lse, live
 
 
+def _dropout_factor(dropout_p, seed, shape, b0=0):
+    """Step 11: keep / (1 - p) of shape (B, Hq, Lq, Lk), or None without dropout."""
+    p, seed = _check_dropout(dropout_p, seed)
+    if p == 0.0:
+        return None
+    return _keep(seed, p, *shape, b0=b0) / (1.0 - p)
+
+
 def _weighted_values(w, live, v4):
     """out = w @ v, except that a non-finite value only reaches rows that see it."""
     fin = np.isfinite(v4)
@@ -218,29 +355,42 @@ def _weighted_values(w, live, v4):
     return out
 
 
-@overload
-def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None = ...,
-              causal: Causal = ..., window: Window = ..., mask: ArrayLike | None = ...,
-              bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
-              softcap: float | None = ..., layout: Layout = ...,
-              return_lse: Literal[False] = ..., out: Any = ..., num_threads: Any = ...) -> F64: ...
+def _forward(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap, dropout_p,
+             seed, layout, num_threads, b0):
+    """(out, lse) in the user's shapes; dropout batch indices start at b0."""
+    lg = _logits(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap, layout,
+                 num_threads)
+    z = _dropout_factor(dropout_p, seed, lg.s.shape, b0)
+    w, lse, live = _softmax(lg.s)
+    o = _from_bhsd4(_weighted_values(w if z is None else w * z, live, lg.v4), lg.ndim,
+                    layout)
+    return o, lse.reshape(lse.shape[4 - lg.ndim:])
 
 
 @overload
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None = ...,
               causal: Causal = ..., window: Window = ..., mask: ArrayLike | None = ...,
               bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
-              softcap: float | None = ..., layout: Layout = ...,
-              return_lse: Literal[True], out: Any = ..., num_threads: Any = ...
-              ) -> Tuple[F64, F64]: ...
+              softcap: float | None = ..., dropout_p: float = ..., seed: Seed = ...,
+              layout: Layout = ..., return_lse: Literal[False] = ..., out: Any = ...,
+              num_threads: Any = ...) -> F64: ...
+
+
+@overload
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None = ...,
+              causal: Causal = ..., window: Window = ..., mask: ArrayLike | None = ...,
+              bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
+              softcap: float | None = ..., dropout_p: float = ..., seed: Seed = ...,
+              layout: Layout = ..., return_lse: Literal[True], out: Any = ...,
+              num_threads: Any = ...) -> Tuple[F64, F64]: ...
 
 
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None = None,
               causal: Causal = False, window: Window = None, mask: ArrayLike | None = None,
               bias: ArrayLike | None = None, alibi_slopes: ArrayLike | None = None,
-              softcap: float | None = None, layout: Layout = "bhsd",
-              return_lse: bool = False, out: Any = None, num_threads: Any = None
-              ) -> Union[F64, Tuple[F64, F64]]:
+              softcap: float | None = None, dropout_p: float = 0.0, seed: Seed = None,
+              layout: Layout = "bhsd", return_lse: bool = False, out: Any = None,
+              num_threads: Any = None) -> Union[F64, Tuple[F64, F64]]:
     """Exact attention ``softmax(scale * q k^T + ...) v`` in float64.
 
     Parameters
@@ -255,6 +405,9 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
     bias : float array broadcastable to (..., Hq, Lq, Lk).
     alibi_slopes : float array (Hq,) or (B, Hq).
     softcap : float > 0.
+    dropout_p : float in [0, 1), the probability of dropping a weight (see
+        :func:`dropout_keep`); kept weights are scaled by 1 / (1 - dropout_p).
+    seed : int in [0, 2**64), required when dropout_p > 0.
     layout : "bhsd" or "bshd".
     return_lse : bool, also return the log-sum-exp.
     out, num_threads : accepted for signature compatibility; ``out`` is ignored.
@@ -262,30 +415,139 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
     Returns
     -------
     out : float64 array, same layout and ndim as q with Dv last.
-    lse : float64 array (..., Hq, Lq), only if ``return_lse``.
+    lse : float64 array (..., Hq, Lq), only if ``return_lse``; that of the softmax
+        before dropout.
     """
-    s, v4, ndim = _logits(q, k, v, scale, causal, window, mask, bias, alibi_slopes,
-                          softcap, layout, num_threads)
-    w, lse, live = _softmax(s)
-    o = _from_bhsd4(_weighted_values(w, live, v4), ndim, layout)
-    if return_lse:
-        return o, lse.reshape(lse.shape[4 - ndim:])
-    return o
+    o, lse = _forward(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap,
+                      dropout_p, seed, layout, num_threads, 0)
+    return (o, lse) if return_lse else o
 
 
 def attention_weights(q: ArrayLike, k: ArrayLike, *, scale: float | None = None,
                       causal: Causal = False, window: Window = None,
                       mask: ArrayLike | None = None, bias: ArrayLike | None = None,
                       alibi_slopes: ArrayLike | None = None, softcap: float | None = None,
+                      dropout_p: float = 0.0, seed: Seed = None,
                       layout: Layout = "bhsd") -> F64:
     """The attention weight matrix, float64, shape (..., Hq, Lq, Lk) in any layout.
 
     Arguments as for :func:`attention`.  Rows sum to 1; rows with no visible key are 0.
+    With dropout_p > 0 the weights are those after dropout: dropped entries 0, kept ones
+    scaled by 1 / (1 - dropout_p), so that ``attention(...) == attention_weights(...) @ v``.
     """
-    s, _, ndim = _logits(q, k, None, scale, causal, window, mask, bias, alibi_slopes,
-                         softcap, layout, None)
-    w = _softmax(s)[0]
-    return w.reshape(w.shape[4 - ndim:])
+    lg = _logits(q, k, None, scale, causal, window, mask, bias, alibi_slopes, softcap,
+                 layout, None)
+    z = _dropout_factor(dropout_p, seed, lg.s.shape)
+    w = _softmax(lg.s)[0]
+    if z is not None:
+        w = w * z
+    return w.reshape(w.shape[4 - lg.ndim:])
+
+
+def _sum_to_shape(g, shape):
+    """Sum g (a broadcast of an array of the given shape) back to that shape."""
+    g = g.sum(axis=tuple(range(g.ndim - len(shape))))
+    g = g.sum(axis=tuple(a for a, n in enumerate(shape) if n == 1), keepdims=True)
+    return g.reshape(shape)
+
+
+@overload
+def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike,
+                       out: ArrayLike, lse: ArrayLike, *, scale: float | None = ...,
+                       causal: Causal = ..., window: Window = ...,
+                       mask: ArrayLike | None = ..., bias: ArrayLike | None = ...,
+                       alibi_slopes: ArrayLike | None = ..., softcap: float | None = ...,
+                       dropout_p: float = ..., seed: Seed = ..., layout: Layout = ...,
+                       return_dbias: Literal[False] = ..., num_threads: Any = ...
+                       ) -> Tuple[F64, F64, F64]: ...
+
+
+@overload
+def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike,
+                       out: ArrayLike, lse: ArrayLike, *, scale: float | None = ...,
+                       causal: Causal = ..., window: Window = ...,
+                       mask: ArrayLike | None = ..., bias: ArrayLike | None = ...,
+                       alibi_slopes: ArrayLike | None = ..., softcap: float | None = ...,
+                       dropout_p: float = ..., seed: Seed = ..., layout: Layout = ...,
+                       return_dbias: Literal[True], num_threads: Any = ...
+                       ) -> Tuple[F64, F64, F64, F64]: ...
+
+
+def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike,
+                       out: ArrayLike, lse: ArrayLike, *, scale: float | None = None,
+                       causal: Causal = False, window: Window = None,
+                       mask: ArrayLike | None = None, bias: ArrayLike | None = None,
+                       alibi_slopes: ArrayLike | None = None, softcap: float | None = None,
+                       dropout_p: float = 0.0, seed: Seed = None, layout: Layout = "bhsd",
+                       return_dbias: bool = False, num_threads: Any = None
+                       ) -> Union[Tuple[F64, F64, F64], Tuple[F64, F64, F64, F64]]:
+    """Gradients of :func:`attention` with respect to q, k, v (and bias), float64.
+
+    Recomputes the logits S and the weights P = softmax(S) (0 on rows with no visible
+    key), Z = keep / (1 - dropout_p) (or 1), and with dO = dout:
+    dV = (P Z)^T dO, dP = (dO V^T) Z, dS = P (dP - rowsum(P dP)),
+    dS_raw = dS (1 - tanh(scale q.k / softcap)**2) (dS_raw = dS without softcap),
+    dQ = scale dS_raw K, dK = scale dS_raw^T Q; with GQA dK and dV are summed over the
+    query heads that share a kv head.  ALiBi, mask, causal and window pass dS through.
+
+    Parameters
+    ----------
+    dout : float array, the shape of ``out``: the gradient of the loss w.r.t. out.
+    q, k, v : as for :func:`attention`.
+    out : array, attention's output (its shape is checked; otherwise unused).
+    lse : array (..., Hq, Lq), attention's lse (its shape is checked; otherwise unused).
+    return_dbias : bool, also return the gradient w.r.t. ``bias`` (which must be given):
+        dS summed over the axes the bias was broadcast along, in the bias's own shape.
+    Other arguments as for :func:`attention`; dropout_p and seed must be those of the
+    forward pass.
+
+    Returns
+    -------
+    dq, dk, dv : float64, the shapes of q, k, v.
+    dbias : float64, the shape of bias, only if ``return_dbias``.
+    """
+    if return_dbias and bias is None:
+        raise ValueError("return_dbias=True needs a bias, got bias=None")
+    lg = _logits(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap, layout,
+                 num_threads)
+    assert lg.v4 is not None
+    B, Hq, Lq, Lk = lg.s.shape
+    Dv = lg.v4.shape[-1]
+    out_shape = _from_bhsd4(np.broadcast_to(0.0, (B, Hq, Lq, Dv)), lg.ndim, layout).shape
+    lse_shape = (B, Hq, Lq)[4 - lg.ndim:]
+    out_a, lse_a = np.asarray(out), np.asarray(lse)
+    if out_a.shape != out_shape:
+        raise ValueError(f"out must have shape {out_shape} (attention's output for q "
+                         f"{np.shape(q)}, v {np.shape(v)}), got {out_a.shape}")
+    if lse_a.shape != lse_shape:
+        raise ValueError(f"lse must have shape {lse_shape} (attention's lse for q "
+                         f"{np.shape(q)}), got {lse_a.shape}")
+    do = _as_float("dout", dout)
+    if do.shape != out_shape:
+        raise ValueError(f"dout must have the shape of out {out_shape}, got {do.shape}")
+    do4 = _to_bhsd4("dout", do, layout)
+    z = _dropout_factor(dropout_p, seed, lg.s.shape)
+    p, _, live = _softmax(lg.s)
+    pz = p if z is None else p * z
+    dv = pz.swapaxes(-1, -2) @ do4                                     # (B, Hq, Lk, Dv)
+    # (B, Hq, Lq, Lk); hidden keys zeroed so a non-finite v row only reaches rows seeing it
+    dp = np.where(live, do4 @ lg.v4.swapaxes(-1, -2), 0.0)
+    if z is not None:
+        dp = dp * z
+    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
+    ds_raw = ds
+    if lg.softcap is not None:
+        ds_raw = ds * (1.0 - np.tanh(lg.raw / lg.softcap) ** 2)
+    dq = lg.scale * (ds_raw @ lg.k4)                                   # (B, Hq, Lq, D)
+    dk = lg.scale * (ds_raw.swapaxes(-1, -2) @ lg.q4)                  # (B, Hq, Lk, D)
+    dk = dk.reshape(B, lg.hkv, lg.group, Lk, dk.shape[-1]).sum(axis=2)
+    dv = dv.reshape(B, lg.hkv, lg.group, Lk, Dv).sum(axis=2)
+    grads = tuple(_from_bhsd4(g, lg.ndim, layout) for g in (dq, dk, dv))
+    if not return_dbias:
+        return grads[0], grads[1], grads[2]
+    assert bias is not None                        # checked on entry
+    bshape = np.shape(bias)
+    return grads[0], grads[1], grads[2], _sum_to_shape(ds.reshape(lg.full), bshape)
 
 
 def merge(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike], *,
@@ -346,6 +608,7 @@ def varlen_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      cu_seqlens_k: ArrayLike, *, scale: float | None = None,
                      causal: Causal = False, window: Window = None,
                      alibi_slopes: ArrayLike | None = None, softcap: float | None = None,
+                     dropout_p: float = 0.0, seed: Seed = None,
                      return_lse: bool = False) -> Union[F64, Tuple[F64, F64]]:
     """Attention over packed ragged batches, one independent problem per sequence.
 
@@ -356,6 +619,8 @@ def varlen_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
         ending at total_q / total_k.  Sequence s uses q rows cu_q[s]:cu_q[s+1] and key
         rows cu_k[s]:cu_k[s+1]; causal and window are aligned per sequence.
     alibi_slopes : float array (Hq,).
+    dropout_p, seed : as for :func:`attention`, with b = the sequence index s and i, j
+        the query and key positions within sequence s.
     Other arguments as for :func:`attention`.
 
     Returns
@@ -366,9 +631,11 @@ def varlen_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
     for name, a in (("q", q), ("k", k), ("v", v)):
         if np.ndim(a) != 3:
             raise ValueError(f"{name} must be 3-D (total, H, D), got shape {np.shape(a)}")
-    kw: dict[str, Any] = dict(scale=scale, causal=causal, window=window,
-                              alibi_slopes=alibi_slopes, softcap=softcap, layout="bshd")
-    o0, _ = attention(q[:0], k[:0], v[:0], return_lse=True, **kw)    # validates everything cheaply
+    kw: dict[str, Any] = dict(scale=scale, causal=causal, window=window, mask=None,
+                              bias=None, alibi_slopes=alibi_slopes, softcap=softcap,
+                              dropout_p=dropout_p, seed=seed, layout="bshd",
+                              num_threads=None)
+    o0, _ = _forward(q[:0], k[:0], v[:0], b0=0, **kw)    # validates everything cheaply
     cq = _cu("cu_seqlens_q", cu_seqlens_q, np.shape(q)[0])
     ck = _cu("cu_seqlens_k", cu_seqlens_k, np.shape(k)[0])
     if cq.shape != ck.shape:
@@ -379,6 +646,5 @@ def varlen_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
     lse = np.full((Hq, np.shape(q)[0]), _NEG_INF)
     for s in range(cq.size - 1):
         qs, qe, ks, ke = cq[s], cq[s + 1], ck[s], ck[s + 1]
-        out[qs:qe], lse[:, qs:qe] = attention(q[qs:qe], k[ks:ke], v[ks:ke], return_lse=True,
-                                              **kw)
+        out[qs:qe], lse[:, qs:qe] = _forward(q[qs:qe], k[ks:ke], v[ks:ke], b0=s, **kw)
     return (out, lse) if return_lse else out
