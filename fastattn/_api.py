@@ -13,7 +13,7 @@ import numpy as np
 from . import _kernels
 from ._typing import Array, ArrayLike, Causal, FloatArray, Layout, Window
 
-__all__ = ["attention", "attention_weights", "merge", "varlen_attention"]
+__all__ = ["attention", "attention_backward", "attention_weights", "merge", "varlen_attention"]
 
 _F16 = np.dtype(np.float16)
 _F32 = np.dtype(np.float32)
@@ -139,6 +139,27 @@ def _parse_window(window, fn):
     return sides[0], sides[1]
 
 
+def _parse_dropout(dropout_p, seed, fn):
+    """(p, seed) of a call: 0 <= p < 1, and with p > 0 an int seed in [0, 2**64)."""
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"fastattn.{fn}: dropout_p must be a real number in [0, 1), got "
+                        f"{type(dropout_p).__name__}")
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"fastattn.{fn}: dropout_p must be in [0, 1), got {dropout_p!r}")
+    if seed is None:
+        if p > 0:
+            raise ValueError(f"fastattn.{fn}: dropout_p={dropout_p!r} > 0 needs a seed (an int "
+                             "in [0, 2**64)): the same seed gives the same dropped weights in "
+                             "the forward and the backward")
+        return p, 0
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"fastattn.{fn}: seed must be an int, got {type(seed).__name__}")
+    if not 0 <= int(seed) < 2**64:
+        raise ValueError(f"fastattn.{fn}: seed must be in [0, 2**64), got {seed!r}")
+    return p, int(seed)
+
+
 def _parse_threads(num_threads, fn="attention"):
     if num_threads is None:
         return 0
@@ -242,8 +263,9 @@ class _Problem:
         self.Lq, self.D, self.Lk = qs[-2], qs[-1], ks[-2]
         self.logits_shape = (self.B, self.Hq, self.Lq, self.Lk)[4 - nd:]
 
-    def variants(self, window, mask, bias, alibi_slopes, softcap):
-        """The optional arguments as a _kernels.Variants (None if all are off)."""
+    def variants(self, window, mask, bias, alibi_slopes, softcap, dropout=(0.0, 0)):
+        """The optional arguments as a _kernels.Variants (None if all are off);
+        dropout is _parse_dropout's (p, seed)."""
         fn, dt = self.fn, self.dtype
         wl, wr = _parse_window(window, fn)
         cap = _parse_softcap(softcap, fn)
@@ -270,10 +292,11 @@ class _Problem:
                 raise ValueError(f"fastattn.{fn}: alibi_slopes must have shape "
                                  f"{' or '.join(map(str, shapes))}, got {al.shape} ({self.user_shapes})")
             al = np.broadcast_to(_compact(al, dt), (self.B, self.Hq))
-        if m is None and b is None and al is None and cap == 0 and wl < 0 and wr < 0:
+        if m is None and b is None and al is None and cap == 0 and wl < 0 and wr < 0 \
+                and dropout[0] == 0:
             return None
         return _kernels.Variants(mask=m, bias=b, alibi=al, softcap=cap, window_left=wl,
-                                 window_right=wr)
+                                 window_right=wr, dropout_p=dropout[0], seed=dropout[1])
 
 
 def _check_out(out, shape, dtype, inputs):
@@ -301,7 +324,8 @@ def _check_out(out, shape, dtype, inputs):
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None = ...,
               causal: Causal = ..., window: Window = ..., mask: ArrayLike | None = ...,
               bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
-              softcap: float | None = ..., layout: Layout = ..., return_lse: Literal[False] = ...,
+              softcap: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
+              layout: Layout = ..., return_lse: Literal[False] = ...,
               out: Array | None = ..., num_threads: int | None = ...) -> FloatArray: ...
 
 
@@ -309,7 +333,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None = ...,
               causal: Causal = ..., window: Window = ..., mask: ArrayLike | None = ...,
               bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
-              softcap: float | None = ..., layout: Layout = ..., return_lse: Literal[True],
+              softcap: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
+              layout: Layout = ..., return_lse: Literal[True],
               out: Array | None = ..., num_threads: int | None = ...
               ) -> Tuple[FloatArray, FloatArray]: ...
 
@@ -318,7 +343,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None = ...,
               causal: Causal = ..., window: Window = ..., mask: ArrayLike | None = ...,
               bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
-              softcap: float | None = ..., layout: Layout = ..., return_lse: bool = ...,
+              softcap: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
+              layout: Layout = ..., return_lse: bool = ...,
               out: Array | None = ..., num_threads: int | None = ...
               ) -> Union[FloatArray, Tuple[FloatArray, FloatArray]]: ...
 
@@ -326,7 +352,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None = None,
               causal: Causal = False, window: Window = None, mask: ArrayLike | None = None,
               bias: ArrayLike | None = None, alibi_slopes: ArrayLike | None = None,
-              softcap: float | None = None, layout: Layout = "bhsd", return_lse: bool = False,
+              softcap: float | None = None, dropout_p: float = 0.0, seed: int | None = None,
+              layout: Layout = "bhsd", return_lse: bool = False,
               out: Array | None = None, num_threads: int | None = None
               ) -> Union[FloatArray, Tuple[FloatArray, FloatArray]]:
     """Exact scaled dot-product attention, ``softmax(scale * q @ k^T + ...) @ v``.
@@ -376,6 +403,16 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
     softcap : float, optional
         Logit soft-capping ``s = softcap * tanh(s / softcap)`` (applied after the
         scale, before ALiBi and bias); finite and > 0.
+    dropout_p : float in [0, 1), optional
+        Attention dropout (training): each weight ``p_ij`` is kept with probability
+        ``1 - dropout_p`` and then divided by ``1 - dropout_p``, or set to 0;
+        ``lse`` stays that of the undropped softmax (as in FlashAttention).  The
+        decision for (batch b, head h, query i, key j) is a pure function of
+        ``(seed, b, h, i, j)`` (Philox-4x32-10, see ``docs/semantics.md``), so it
+        does not depend on threads or blocks, and :func:`attention_backward` with
+        the same seed sees the same mask without storing it.
+    seed : int in [0, 2**64), optional
+        Required when ``dropout_p > 0``.
     layout : {'bhsd', 'bshd'}, optional
         Axis order of q, k, v and the output: (batch, heads, sequence, features) or
         (batch, sequence, heads, features).  Any strides with a contiguous last axis
@@ -412,6 +449,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
             and (return_lse is False or return_lse is True)
             and window is None and mask is None and bias is None and alibi_slopes is None
             and softcap is None and layout == "bhsd"
+            and type(dropout_p) in (float, int) and dropout_p == 0
             and (num_threads is None or type(num_threads) is int and num_threads >= 1)):
         res = _kernels.attention_common(q, k, v, causal, return_lse, num_threads or 0)
         if res is not None:
@@ -423,7 +461,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
     causal_code = _parse_causal(causal)
     scale_f = _parse_scale(scale, pr.D)
     nth = _parse_threads(num_threads)
-    variants = pr.variants(window, mask, bias, alibi_slopes, softcap)
+    variants = pr.variants(window, mask, bias, alibi_slopes, softcap,
+                           _parse_dropout(dropout_p, seed, fn))
 
     out_shape = pr.q.shape[:-1] + (pr.v.shape[-1],)
     if layout == "bshd" and pr.nd > 2:
@@ -473,6 +512,7 @@ def attention_weights(q: ArrayLike, k: ArrayLike, *, scale: float | None = None,
                       causal: Causal = False, window: Window = None,
                       mask: ArrayLike | None = None, bias: ArrayLike | None = None,
                       alibi_slopes: ArrayLike | None = None, softcap: float | None = None,
+                      dropout_p: float = 0.0, seed: int | None = None,
                       layout: Layout = "bhsd", num_threads: int | None = None) -> FloatArray:
     """The exact attention weights ``softmax(logits)``, shape (..., Hq, Lq, Lk).
 
@@ -480,14 +520,17 @@ def attention_weights(q: ArrayLike, k: ArrayLike, *, scale: float | None = None,
     semantics), for analysis of what each query reads: each row is on the
     probability simplex (>= 0, sums to 1); a row with no visible key is all 0.
     Memory is Lq x Lk by nature.  Returned in q's dtype, in the (..., Hq, Lq, Lk)
-    order whatever the layout.
+    order whatever the layout.  With ``dropout_p > 0`` these are the weights
+    :func:`attention` multiplies V by for the same seed: kept weights divided by
+    ``1 - dropout_p``, dropped ones 0 (rows then no longer sum to 1).
     """
     fn = "attention_weights"
     pr = _Problem(fn, _as_array(q, "q", fn), _as_array(k, "k", fn), None, layout)
     causal_code = _parse_causal(causal, fn)
     scale_f = _parse_scale(scale, pr.D, fn)
     nth = _parse_threads(num_threads, fn)
-    va = pr.variants(window, mask, bias, alibi_slopes, softcap) or _kernels.Variants()
+    va = pr.variants(window, mask, bias, alibi_slopes, softcap,
+                     _parse_dropout(dropout_p, seed, fn)) or _kernels.Variants()
     weights = np.empty(pr.logits_shape, dtype=pr.dtype)
     if weights.size == 0:
         return weights
@@ -500,6 +543,146 @@ def attention_weights(q: ArrayLike, k: ArrayLike, *, scale: float | None = None,
     if not _kernels.forward(qk, kk, kk, unused_out, None, scale_f, causal_code, nth, 0, 0, va):
         _forward_copies(qk, kk, kk, unused_out, None, scale_f, causal_code, nth, va)
     return weights
+
+
+def _grad_input(x, name, shape, what, dt, fn):
+    """dout, out or lse of a backward call as an array of `shape` in the compute
+    dtype, readable in place (copied only if it is not)."""
+    a = _as_array(x, name, fn)
+    if a.shape != shape:
+        raise ValueError(f"fastattn.{fn}: {name} has shape {a.shape}, expected {shape} ({what})")
+    if a.dtype.kind != "f":
+        raise TypeError(f"fastattn.{fn}: {name} must be a float array, got dtype {a.dtype}")
+    a = _compact(a, dt)
+    if a.ndim and a.shape[-1] > 1 and a.strides[-1] != dt.itemsize:
+        a = _fresh(a)
+    return a
+
+
+def _sum_to(g, shape):
+    """g summed over the axes along which an array of `shape` was broadcast to g's shape."""
+    lead = g.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(lead + i for i, n in enumerate(shape)
+                                      if n == 1 and g.shape[lead + i] != 1)
+    return g.sum(axis=axes).reshape(shape) if axes else g
+
+
+@overload
+def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, out: ArrayLike,
+                       lse: ArrayLike, *, scale: float | None = ..., causal: Causal = ...,
+                       window: Window = ..., mask: ArrayLike | None = ...,
+                       bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
+                       softcap: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
+                       layout: Layout = ..., return_dbias: Literal[False] = ...,
+                       num_threads: int | None = ...
+                       ) -> Tuple[FloatArray, FloatArray, FloatArray]: ...
+
+
+@overload
+def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, out: ArrayLike,
+                       lse: ArrayLike, *, scale: float | None = ..., causal: Causal = ...,
+                       window: Window = ..., mask: ArrayLike | None = ...,
+                       bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
+                       softcap: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
+                       layout: Layout = ..., return_dbias: Literal[True],
+                       num_threads: int | None = ...
+                       ) -> Tuple[FloatArray, FloatArray, FloatArray, FloatArray]: ...
+
+
+@overload
+def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, out: ArrayLike,
+                       lse: ArrayLike, *, scale: float | None = ..., causal: Causal = ...,
+                       window: Window = ..., mask: ArrayLike | None = ...,
+                       bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
+                       softcap: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
+                       layout: Layout = ..., return_dbias: bool = ...,
+                       num_threads: int | None = ...
+                       ) -> Tuple[FloatArray, ...]: ...
+
+
+def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, out: ArrayLike,
+                       lse: ArrayLike, *, scale: float | None = None, causal: Causal = False,
+                       window: Window = None, mask: ArrayLike | None = None,
+                       bias: ArrayLike | None = None, alibi_slopes: ArrayLike | None = None,
+                       softcap: float | None = None, dropout_p: float = 0.0,
+                       seed: int | None = None, layout: Layout = "bhsd",
+                       return_dbias: bool = False, num_threads: int | None = None
+                       ) -> Tuple[FloatArray, ...]:
+    """Gradients of :func:`attention`: given ``dout = dL/d(out)``, returns
+    ``(dq, dk, dv)``, or ``(dq, dk, dv, dbias)`` with ``return_dbias=True``.
+
+    `out` and `lse` must be what ``attention(q, k, v, ..., return_lse=True)``
+    returned for the same arguments (the backward recomputes the weights from
+    ``lse`` instead of storing them, FlashAttention-2's scheme).  Every keyword has
+    :func:`attention`'s meaning, and must be passed with the same values as in the
+    forward call (the same `seed` reproduces the same dropped weights).
+
+    q, k, v, out, dout: float32 or float64 (one dtype; float16 K/V caches have no
+    gradients), any layout and strides :func:`attention` takes; lse as `attention`
+    returned it, ``(..., Hq, Lq)``.  Results have the shapes, layout and dtype of
+    q, k and v.  With grouped-query attention, dk and dv are summed over the query
+    heads that read each key/value head.  ``dbias`` (needs `bias`) has the
+    bias's own shape: the logits' gradient summed over the axes along which the
+    bias was broadcast; computing it materializes one (B, Hq, Lq, Lk) array.
+    ALiBi slopes, masks and the window get no gradient.
+
+    Computed in C by FlashAttention-2's backward, parallel over (batch, head, key
+    block) for dk/dv and (batch, head, query block) for dq, so a single head uses
+    every thread; no atomics, and the result is bitwise identical for any
+    `num_threads`.  Extra memory is O(B Hq Lq) plus per-thread scratch: the
+    Lq x Lk weights are never stored (except the one array for ``dbias``).
+    """
+    fn = "attention_backward"
+    pr = _Problem(fn, _as_array(q, "q", fn), _as_array(k, "k", fn), _as_array(v, "v", fn), layout)
+    if _F16 in (pr.q.dtype, pr.k.dtype, pr.v.dtype):
+        raise TypeError(f"fastattn.{fn}: float16 inputs have no gradients (a float16 K/V cache "
+                        f"is for inference); pass float32 or float64 q, k and v "
+                        f"({pr.user_shapes} with dtypes {pr.q.dtype}, {pr.k.dtype}, {pr.v.dtype})")
+    dt = pr.dtype
+    return_dbias = _parse_flag(return_dbias, "return_dbias", fn)
+    if return_dbias and bias is None:
+        raise ValueError(f"fastattn.{fn}: return_dbias=True needs a bias")
+    causal_code = _parse_causal(causal, fn)
+    scale_f = _parse_scale(scale, pr.D, fn)
+    nth = _parse_threads(num_threads, fn)
+    va = pr.variants(window, mask, bias, alibi_slopes, softcap,
+                     _parse_dropout(dropout_p, seed, fn)) or _kernels.Variants()
+    swap = layout == "bshd" and pr.nd > 2
+
+    def user(shape):  # a (..., H, L, X) shape in the caller's layout
+        return shape[:-3] + (shape[-2], shape[-3], shape[-1]) if swap else shape
+
+    def bhsd(a):
+        return a.swapaxes(-2, -3) if swap else a
+
+    out_shape = user(pr.q.shape[:-1] + (pr.v.shape[-1],))
+    what = "the shape attention returned for these q, k, v"
+    dout_a = bhsd(_grad_input(dout, "dout", out_shape, what, dt, fn))
+    out_a = bhsd(_grad_input(out, "out", out_shape, what, dt, fn))
+    lse_a = _grad_input(lse, "lse", pr.q.shape[:-1],
+                        "(..., Hq, Lq): what attention(..., return_lse=True) returned", dt, fn)
+    dq = np.empty(user(pr.q.shape), dt)
+    dk = np.empty(user(pr.k.shape), dt)
+    dv = np.empty(user(pr.v.shape), dt)
+    ds = np.zeros(pr.logits_shape, dt) if return_dbias else None
+    qa, ka, vv = pr.q, pr.k, pr.v
+    dqa, dka, dva = bhsd(dq), bhsd(dk), bhsd(dv)
+    if pr.D == 0:  # every logit q.k is 0: run on one zero feature, keep dv
+        qa, ka = (np.zeros(a.shape[:-1] + (1,), dt) for a in (qa, ka))
+        dqa, dka = (np.empty(a.shape[:-1] + (1,), dt) for a in (qa, ka))
+    if pr.v.shape[-1] == 0:  # nothing flows back through an empty value
+        vv, dout_a, out_a = (np.zeros(a.shape[:-1] + (1,), dt) for a in (vv, dout_a, out_a))
+        dva = np.empty(vv.shape, dt)
+    qa, ka, vv = (a if a.size == 0 or (a.flags.aligned and a.strides[-1] == dt.itemsize
+                                        and not any(s % dt.itemsize for s in a.strides))
+                  else _fresh(a) for a in (qa, ka, vv))
+    if dq.size + dk.size + dv.size or ds is not None:
+        _kernels.backward(qa, ka, vv, out_a, lse_a, dout_a, dqa, dka, dva,
+                          None if ds is None else ds.reshape((1,) * (4 - pr.nd) + pr.logits_shape),
+                          scale_f, causal_code, nth, 0, 0, va)
+    if ds is None:
+        return dq, dk, dv
+    return dq, dk, dv, _sum_to(ds, _as_array(bias, "bias", fn).shape)
 
 
 def merge(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike], *,
@@ -582,6 +765,7 @@ def varlen_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      cu_seqlens_k: ArrayLike, *, scale: float | None = ...,
                      causal: Causal = ..., window: Window = ...,
                      alibi_slopes: ArrayLike | None = ..., softcap: float | None = ...,
+                     dropout_p: float = ..., seed: int | None = ...,
                      return_lse: Literal[False] = ..., num_threads: int | None = ...
                      ) -> FloatArray: ...
 
@@ -591,6 +775,7 @@ def varlen_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      cu_seqlens_k: ArrayLike, *, scale: float | None = ...,
                      causal: Causal = ..., window: Window = ...,
                      alibi_slopes: ArrayLike | None = ..., softcap: float | None = ...,
+                     dropout_p: float = ..., seed: int | None = ...,
                      return_lse: Literal[True], num_threads: int | None = ...
                      ) -> Tuple[FloatArray, FloatArray]: ...
 
@@ -600,6 +785,7 @@ def varlen_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      cu_seqlens_k: ArrayLike, *, scale: float | None = ...,
                      causal: Causal = ..., window: Window = ...,
                      alibi_slopes: ArrayLike | None = ..., softcap: float | None = ...,
+                     dropout_p: float = ..., seed: int | None = ...,
                      return_lse: bool = ..., num_threads: int | None = ...
                      ) -> Union[FloatArray, Tuple[FloatArray, FloatArray]]: ...
 
@@ -608,6 +794,7 @@ def varlen_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      cu_seqlens_k: ArrayLike, *, scale: float | None = None,
                      causal: Causal = False, window: Window = None,
                      alibi_slopes: ArrayLike | None = None, softcap: float | None = None,
+                     dropout_p: float = 0.0, seed: int | None = None,
                      return_lse: bool = False, num_threads: int | None = None
                      ) -> Union[FloatArray, Tuple[FloatArray, FloatArray]]:
     """Attention over a packed ragged batch: each sequence attends only to its own keys.
@@ -623,6 +810,9 @@ def varlen_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
     scale, causal, window, alibi_slopes (Hq,), softcap, num_threads
         As for :func:`attention`; causal and window are aligned per sequence
         (bottom-right: each sequence's last query sees its last key).
+    dropout_p, seed
+        As for :func:`attention`, with b the sequence's index and i, j positions
+        within the sequence.
     return_lse : bool
         Also return lse of shape (Hq, total_q).
 
@@ -645,7 +835,8 @@ def varlen_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
     causal_code = _parse_causal(causal, fn)
     scale_f = _parse_scale(scale, pr.D, fn)
     nth = _parse_threads(num_threads, fn)
-    va = pr.variants(window, None, None, alibi_slopes, softcap) or _kernels.Variants()
+    va = pr.variants(window, None, None, alibi_slopes, softcap,
+                     _parse_dropout(dropout_p, seed, fn)) or _kernels.Variants()
     va.cu_q, va.cu_k = cq, ck
     out = np.empty(qa.shape[:-1] + (va_.shape[-1],), pr.out_dtype)
     lse = np.empty((pr.Hq, qa.shape[0]), pr.lse_dtype) if return_lse else None

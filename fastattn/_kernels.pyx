@@ -5,7 +5,7 @@ codes into exceptions.  No maths here."""
 
 cimport numpy as cnp
 from libc.math cimport sqrt
-from libc.stdint cimport int64_t, uint8_t
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memset
 
 cnp.import_array()
@@ -42,6 +42,23 @@ cdef extern from "fastattn.h" nogil:
         const int64_t *cu_k
         void *weights
         int64_t w_sb, w_sh, w_sq
+        double dropout_p
+        uint64_t seed
+    ctypedef struct fa_bwd_params:
+        fa_params f
+        const void *dout
+        int64_t do_sb, do_sh, do_sl
+        void *dq
+        int64_t dq_sb, dq_sh, dq_sl
+        void *dk
+        int64_t dk_sb, dk_sh, dk_sl
+        void *dv
+        int64_t dv_sb, dv_sh, dv_sl
+        void *ds
+        int64_t ds_sb, ds_sh, ds_sq
+    int fa_attention_backward(const fa_bwd_params *bp)
+    int fa_dropout_keep(uint64_t seed, uint32_t threshold, int64_t b, int64_t h, int64_t i, int64_t j)
+    uint32_t fa_dropout_threshold(double p)
     int FA_OK, FA_ERR_NOMEM, FA_ERR_ARG, FA_F32, FA_F64, FA_ISA_COUNT
     int fa_attention_forward(const fa_params *p)
     int fa_merge(int dtype, int64_t parts, int64_t rows, int64_t dv, const void *outs,
@@ -169,11 +186,31 @@ cdef object _launch(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out
                     int64_t block_k=0, object variants=None):
     """Fill the params struct from readable arrays and run the kernel without the GIL."""
     cdef fa_params p
+    cdef int rc
+    _fill(&p, q, k, v, out, lse_obj, scale, causal, num_threads, block_q, block_k, variants)
+    with nogil:
+        rc = fa_attention_forward(&p)
+    _check_rc(rc, &p)
+    return None
+
+
+cdef void _check_rc(int rc, fa_params *p) except *:
+    if rc == FA_ERR_NOMEM:
+        raise MemoryError("fastattn: could not allocate the per-thread scratch")
+    if rc != FA_OK:
+        raise ValueError("fastattn: the kernel rejected the arguments "
+                         f"(B={p.B}, Hq={p.Hq}, Hkv={p.Hkv}, Lq={p.Lq}, Lk={p.Lk}, D={p.D}, Dv={p.Dv})")
+
+
+cdef void _fill(fa_params *pp, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
+                object lse_obj, double scale, int causal, int num_threads, int64_t block_q,
+                int64_t block_k, object variants) except *:
+    """The params struct of readable arrays q, k, v, out (and lse)."""
+    cdef fa_params p
     cdef cnp.ndarray lse
     cdef int64_t item = 8 if cnp.PyArray_TYPE(q) == cnp.NPY_FLOAT64 else 4  # compute dtype
     cdef int64_t sh[4]
     cdef int64_t st[4]
-    cdef int rc
     memset(&p, 0, sizeof(p))
     # float16 q/k/v/out are stored as half bits and computed in float32
     p.kv_f16 = cnp.PyArray_TYPE(k) == cnp.NPY_FLOAT16
@@ -210,14 +247,7 @@ cdef object _launch(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out
     p.window_right = -1
     if variants is not None:
         _set_variants(&p, <Variants>variants, item)
-    with nogil:
-        rc = fa_attention_forward(&p)
-    if rc == FA_ERR_NOMEM:
-        raise MemoryError("fastattn: could not allocate the per-thread scratch")
-    if rc != FA_OK:
-        raise ValueError("fastattn: the kernel rejected the arguments "
-                         f"(B={p.B}, Hq={p.Hq}, Hkv={p.Hkv}, Lq={p.Lq}, Lk={p.Lk}, D={p.D}, Dv={p.Dv})")
-    return None
+    pp[0] = p
 
 
 cdef class Variants:
@@ -226,13 +256,17 @@ cdef class Variants:
     (broadcast views, strides 0 allowed), alibi (B, Hq) in q's dtype, softcap (0 =
     off), window sides (-1 = unbounded), cu_q/cu_k int64 (varlen; q, k, v are then
     (1, H, total, D) views and the sequence count is len(cu_q) - 1), weights
-    (B, Hq, Lq, Lk) output for attention_weights."""
+    (B, Hq, Lq, Lk) output for attention_weights, dropout_p in [0, 1) and its seed
+    (an int in [0, 2**64))."""
     cdef public object mask, bias, alibi, cu_q, cu_k, weights
-    cdef public double softcap
+    cdef public double softcap, dropout_p
     cdef public int64_t window_left, window_right
+    cdef public uint64_t seed
 
     def __init__(self, mask=None, bias=None, alibi=None, softcap=0.0, window_left=-1,
-                 window_right=-1, cu_q=None, cu_k=None, weights=None):
+                 window_right=-1, cu_q=None, cu_k=None, weights=None, dropout_p=0.0, seed=0):
+        self.dropout_p = dropout_p
+        self.seed = seed
         self.mask = mask
         self.bias = bias
         self.alibi = alibi
@@ -249,6 +283,8 @@ cdef void _set_variants(fa_params *p, Variants va, int64_t item) except *:
     cdef int64_t sh[4]
     cdef int64_t st[4]
     p.softcap = va.softcap
+    p.dropout_p = va.dropout_p
+    p.seed = va.seed
     p.window_left = va.window_left
     p.window_right = va.window_right
     if va.mask is not None:
@@ -366,3 +402,50 @@ def merge(cnp.ndarray outs, cnp.ndarray lses, cnp.ndarray out, cnp.ndarray lse):
                       cnp.PyArray_DATA(out), cnp.PyArray_DATA(lse))
     if rc != FA_OK:
         raise ValueError("merge: the kernel rejected the arguments")
+
+
+def backward(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, cnp.ndarray lse,
+             cnp.ndarray dout, cnp.ndarray dq, cnp.ndarray dk, cnp.ndarray dv, object ds_obj,
+             double scale, int causal, int num_threads, int64_t block_q=0, int64_t block_k=0,
+             Variants variants=None):
+    """Gradients of attention (fa_attention_backward): q, k, v, out, lse as for
+    forward (the forward's output and lse), dout like out; dq, dk, dv written, with
+    q's, k's, v's shapes; ds_obj (B, Hq, Lq, Lk) zeroed, key axis contiguous, or
+    None.  One float dtype (float32 or float64) throughout, every array readable in
+    place (checked by fastattn._api, which copies what is not)."""
+    cdef fa_bwd_params bp
+    cdef int64_t item = cnp.PyArray_ITEMSIZE(q)
+    cdef int64_t sh[4]
+    cdef int64_t st[4]
+    cdef cnp.ndarray a
+    cdef int rc
+    for a in (q, k, v, out, lse, dout, dq, dk, dv):
+        if not _readable(a, item) or cnp.PyArray_TYPE(a) != cnp.PyArray_TYPE(q):
+            raise ValueError("backward: every array must be readable in place, of one dtype")
+    memset(&bp, 0, sizeof(bp))
+    _fill(&bp.f, q, k, v, out, lse, scale, causal, num_threads, block_q, block_k, variants)
+    bp.dout = cnp.PyArray_DATA(dout)
+    _dims(dout, item, sh, st)
+    bp.do_sb = st[0]; bp.do_sh = st[1]; bp.do_sl = st[2]
+    bp.dq = cnp.PyArray_DATA(dq)
+    _dims(dq, item, sh, st)
+    bp.dq_sb = st[0]; bp.dq_sh = st[1]; bp.dq_sl = st[2]
+    bp.dk = cnp.PyArray_DATA(dk)
+    _dims(dk, item, sh, st)
+    bp.dk_sb = st[0]; bp.dk_sh = st[1]; bp.dk_sl = st[2]
+    bp.dv = cnp.PyArray_DATA(dv)
+    _dims(dv, item, sh, st)
+    bp.dv_sb = st[0]; bp.dv_sh = st[1]; bp.dv_sl = st[2]
+    if ds_obj is not None:
+        a = <cnp.ndarray>ds_obj
+        bp.ds = cnp.PyArray_DATA(a)
+        _dims(a, item, sh, st)
+        bp.ds_sb = st[0]; bp.ds_sh = st[1]; bp.ds_sq = st[2]
+    with nogil:
+        rc = fa_attention_backward(&bp)
+    _check_rc(rc, &bp.f)
+
+
+def dropout_keep(uint64_t seed, double p, int64_t b, int64_t h, int64_t i, int64_t j):
+    """The kernel's dropout decision for weight (b, h, i, j) (True = kept)."""
+    return bool(fa_dropout_keep(seed, fa_dropout_threshold(p), b, h, i, j))

@@ -640,3 +640,166 @@ int fa_merge(int dtype, int64_t parts, int64_t rows, int64_t dv, const void *out
     }
     return FA_OK;
 }
+
+/* ---- dropout (the generator is fa_dropout_row in fa_internal.h) ---- */
+uint32_t fa_dropout_threshold(double p)
+{
+    if (!(p > 0)) return 0;
+    const double t = p * 4294967296.0; /* exact: a power-of-two multiply */
+    return t >= 4294967295.0 ? 0xFFFFFFFFu : (uint32_t)t;
+}
+
+int fa_dropout_keep(uint64_t seed, uint32_t threshold, int64_t b, int64_t h, int64_t i, int64_t j)
+{
+    uint8_t keep;
+    fa_dropout_row(seed, threshold, b, h, i, j, 1, &keep, 1);
+    return keep;
+}
+
+/*
+ * The backward.  Two kinds of work item in one parallel loop, so that one head
+ * keeps every thread busy:
+ *   pass 2 (dQ): the forward's query items (fa_make_plan), each over its visible
+ *     key blocks in order;
+ *   pass 1 (dK, dV): one item per (sequence, kv head, key block), over all the
+ *     query items of that kv head in order.
+ * No output element is written by two items and no atomics are used; each is one
+ * ordered chain of sums, so the result is the same for any thread count.  P and
+ * dP are recomputed in both passes (7 tile products instead of 5): the price of
+ * needing no Lq x Lk or per-item dQ buffers (memory O(B Hq Lq) + scratch).
+ *
+ * Block sizes: 64 x 64 by default (the tile's S, dP and P z stay in L1/L2 on
+ * every CPU measured), shrunk to half the L2 for large head sizes like the forward.
+ */
+#define FA_BWD_BLOCK_Q 64
+#define FA_BWD_BLOCK_K 64
+
+static int fa_bwd_check(const fa_bwd_params *bp)
+{
+    const fa_params *p = &bp->f;
+    int rc = fa_check(p);
+    if (rc != FA_OK) return rc;
+    if (p->kv_f16 || p->q_f16 || p->out_f16 || p->weights || p->cu_q || !p->lse || !p->out)
+        return FA_ERR_ARG;
+    if (!bp->dout || !bp->dq || !bp->dk || !bp->dv) return FA_ERR_ARG;
+    if (!(p->dropout_p >= 0 && p->dropout_p < 1)) return FA_ERR_ARG;
+    return FA_OK;
+}
+
+/* D_i = sum_c dout[i, c] * out[i, c] for every row, into delta (B, Hq, Lq). */
+static void fa_bwd_delta(const fa_bwd_params *bp, void *delta, int nth)
+{
+    const fa_params *p = &bp->f;
+    const int64_t rows = p->B * p->Hq * p->Lq;
+#pragma omp parallel for num_threads(nth) if (nth > 1 && rows > 4096) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t b = r / (p->Hq * p->Lq), h = (r / p->Lq) % p->Hq, i = r % p->Lq;
+        const int64_t od = b * bp->do_sb + h * bp->do_sh + i * bp->do_sl;
+        const int64_t oo = b * p->o_sb + h * p->o_sh + i * p->o_sl;
+        double acc = 0;
+        if (p->dtype == FA_F64) {
+            for (int64_t c = 0; c < p->Dv; c++)
+                acc += ((const double *)bp->dout)[od + c] * ((const double *)p->out)[oo + c];
+            ((double *)delta)[r] = acc;
+        } else {
+            for (int64_t c = 0; c < p->Dv; c++)
+                acc += (double)((const float *)bp->dout)[od + c] * ((const float *)p->out)[oo + c];
+            ((float *)delta)[r] = (float)acc;
+        }
+    }
+}
+
+int fa_attention_backward(const fa_bwd_params *bp_in)
+{
+    fa_last_threads = 0;
+    int rc = fa_bwd_check(bp_in);
+    if (rc != FA_OK) return rc;
+    const fa_params *p0 = &bp_in->f;
+    const fa_kernel *kern = fa_kernel_for_isa(p0->isa < 0 ? fa_default_isa() : p0->isa);
+    if (!kern || (p0->isa >= 0 && !(fa_cpu_supported_isas() & (1u << p0->isa)))) return FA_ERR_ARG;
+    if (p0->B == 0 || p0->Hq == 0 || (p0->Lq == 0 && p0->Lk == 0)) return FA_OK;
+
+    fa_bwd_params bpl = *bp_in; /* with the backward's default block sizes */
+    fa_params *p = &bpl.f;
+    if (p->block_q <= 0 || p->block_k <= 0) {
+        const int64_t item = p->dtype == FA_F64 ? 8 : 4, budget = fa_cpu_l2_bytes() / 2;
+        int64_t bq = FA_BWD_BLOCK_Q, bk = FA_BWD_BLOCK_K;
+        /* Q, dO (twice each), K, V and the S, dP, P z tiles */
+        while (item * (2 * bq * (p->D + p->Dv) + bk * (p->D + p->Dv + 3 * bq)) > budget && bk > 16) bk /= 2;
+        if (p->block_q <= 0) p->block_q = bq;
+        if (p->block_k <= 0) p->block_k = bk;
+    }
+    const int nth_req = p->num_threads > 0 ? p->num_threads : fa_max_threads();
+    const int64_t item = p->dtype == FA_F64 ? 8 : 4;
+    void *delta = fa_scratch_alloc((size_t)(p->B * p->Hq * (p->Lq > 0 ? p->Lq : 1)) * (size_t)item);
+    if (!delta) return FA_ERR_NOMEM;
+    fa_bwd_delta(&bpl, delta, nth_req < 1 ? 1 : nth_req);
+
+    fa_plan pl;
+    rc = fa_make_plan(kern, p, &pl);
+    if (rc != FA_OK) {
+        free(delta);
+        return rc;
+    }
+    fa_bwd_ctx cx;
+    cx.bp = &bpl;
+    cx.bl = pl.bl;
+    cx.bl.k = p->block_k < (1 << 16) ? p->block_k : (1 << 16);
+    cx.delta = delta;
+    cx.delta_sb = p->Hq * p->Lq;
+    cx.delta_sh = p->Lq;
+    cx.drop_thresh = fa_dropout_threshold(p->dropout_p);
+    const int ki = p->dtype;
+    const size_t scratch_bytes = kern->bwd_scratch[ki](&cx);
+    const int64_t bk = cx.bl.k, nkb = (p->Lk + bk - 1) / bk;
+    const int64_t n2 = p->Lq > 0 ? pl.items : 0, n1 = p->B * p->Hkv * nkb;
+    const int64_t per_head = pl.nhc * ((p->Lq + pl.nqp - 1) / pl.nqp);
+    int nth = nth_req;
+    if ((int64_t)nth > n1 + n2) nth = (int)(n1 + n2);
+    if (nth < 1) nth = 1;
+    int failed = 0, ran = 0;
+#pragma omp parallel num_threads(nth) if (nth > 1) reduction(| : failed) reduction(+ : ran)
+    {
+        ran += 1;
+        void *scratch = fa_scratch_alloc(scratch_bytes);
+        fa_item *items = (fa_item *)malloc((size_t)(per_head > 0 ? per_head : 1) * sizeof(fa_item));
+        int64_t have_b = -1, have_g = -1;
+        if (!scratch || !items) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < n1 + n2; t++) {
+            if (!scratch || !items) continue;
+            if (t < n2) { /* dQ items first: each is a whole query block's row of tiles */
+                fa_item it;
+                fa_item_of(p, &pl, t, &it);
+                kern->bwd_q[ki](&cx, &it, scratch);
+                continue;
+            }
+            const int64_t u = t - n2, b = u / (p->Hkv * nkb), g = (u / nkb) % p->Hkv, kb = u % nkb;
+            if (b != have_b || g != have_g) {
+                int64_t n = 0;
+                for (int64_t hc = 0; hc < pl.nhc; hc++)
+                    for (int64_t qb = 0; qb < (p->Lq + pl.nqp - 1) / pl.nqp; qb++)
+                        fa_item_make(p, &pl, b, g, hc, qb, &items[n++]);
+                have_b = b;
+                have_g = g;
+            }
+            const int64_t j0 = kb * bk, nk = p->Lk - j0 < bk ? p->Lk - j0 : bk;
+            if (per_head > 0) {
+                kern->bwd_kv[ki](&cx, items, per_head, j0, nk, scratch);
+            } else { /* Lq = 0: no query reads these keys */
+                for (int64_t jj = 0; jj < nk; jj++) {
+                    char *dk = (char *)bpl.dk + (size_t)((b * bpl.dk_sb + g * bpl.dk_sh + (j0 + jj) * bpl.dk_sl) * item);
+                    char *dv = (char *)bpl.dv + (size_t)((b * bpl.dv_sb + g * bpl.dv_sh + (j0 + jj) * bpl.dv_sl) * item);
+                    memset(dk, 0, (size_t)(p->D * item));
+                    memset(dv, 0, (size_t)(p->Dv * item));
+                }
+            }
+        }
+        free(items);
+        free(scratch);
+    }
+    fa_last_threads = ran;
+    free(pl.start);
+    free(delta);
+    return failed ? FA_ERR_NOMEM : FA_OK;
+}

@@ -82,6 +82,43 @@ static inline void fa_transpose_u8_16x16(const uint8_t *const *rows, int64_t off
 }
 #endif
 
+/* Philox-4x32-10 (Salmon et al., SC'11, as in Random123): 10 rounds of two 32x32->64
+ * multiplies, the key bumped by the Weyl constants between rounds. */
+static inline void fa_philox4x32_10(uint32_t c[4], uint32_t k0, uint32_t k1)
+{
+    for (int r = 0; r < 10; r++) {
+        const uint64_t p0 = (uint64_t)0xD2511F53u * c[0], p1 = (uint64_t)0xCD9E8D57u * c[2];
+        const uint32_t n0 = (uint32_t)(p1 >> 32) ^ c[1] ^ k0, n2 = (uint32_t)(p0 >> 32) ^ c[3] ^ k1;
+        c[0] = n0;
+        c[1] = (uint32_t)p1;
+        c[2] = n2;
+        c[3] = (uint32_t)p0;
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+}
+
+/* keep[jj * ks] = the dropout decision (1 = keep) of keys j0 .. j0+nk-1 of row
+ * (b, h, i): one Philox call per 4 keys (see fa_dropout_keep in fastattn.h). */
+static inline void fa_dropout_row(uint64_t seed, uint32_t thresh, int64_t b, int64_t h, int64_t i,
+                                  int64_t j0, int64_t nk, uint8_t *keep, int64_t ks)
+{
+    uint32_t w[4];
+    int64_t have = -1;
+    for (int64_t jj = 0; jj < nk; jj++) {
+        const int64_t j = j0 + jj;
+        if ((j >> 2) != have) {
+            have = j >> 2;
+            w[0] = (uint32_t)have;
+            w[1] = (uint32_t)i;
+            w[2] = (uint32_t)h;
+            w[3] = (uint32_t)b;
+            fa_philox4x32_10(w, (uint32_t)seed, (uint32_t)(seed >> 32));
+        }
+        keep[jj * ks] = w[j & 3] >= thresh;
+    }
+}
+
 /* Alignment of every scratch piece: one cache line, enough for any vector load. */
 #define FA_ALIGN 64
 
@@ -108,6 +145,24 @@ typedef struct fa_item {
 typedef void (*fa_qblock_fn)(const fa_params *p, const fa_blocks *bl, const fa_item *it,
                              void *scratch);
 typedef size_t (*fa_scratch_fn)(const fa_params *p, const fa_blocks *bl);
+
+/* One backward call as the kernels see it: the arguments, the block sizes, each
+ * row's D_i = sum(dout * out) (delta, compute dtype, addressed b * delta_sb +
+ * h * delta_sh + row), and the dropout threshold. */
+typedef struct fa_bwd_ctx {
+    const fa_bwd_params *bp;
+    fa_blocks bl;
+    const void *delta;
+    int64_t delta_sb, delta_sh;
+    uint32_t drop_thresh;
+} fa_bwd_ctx;
+/* Pass 1: dK and dV of keys j0 .. j0+nk-1 of kv head (items[0].b, items[0].g), from
+ * the query items (all of that head's, in order; those that see none of the keys
+ * are skipped).  Pass 2: dQ (and dS) of the rows of one item. */
+typedef void (*fa_bwd_kv_fn)(const fa_bwd_ctx *cx, const fa_item *items, int64_t nitems,
+                             int64_t j0, int64_t nk, void *scratch);
+typedef void (*fa_bwd_q_fn)(const fa_bwd_ctx *cx, const fa_item *it, void *scratch);
+typedef size_t (*fa_bwd_scratch_fn)(const fa_bwd_ctx *cx);
 typedef void (*fa_exp_fn)(const void *x, void *y, int64_t n);
 
 /* The micro-kernels of one instruction set, for each dtype (index enum fa_dtype;
@@ -119,6 +174,9 @@ typedef struct fa_kernel {
     fa_qblock_fn qblock[3];        /* float32, float64, float32 with float16 K/V */
     fa_scratch_fn scratch_bytes[3];
     fa_exp_fn exp_array[2];
+    fa_bwd_kv_fn bwd_kv[2];        /* float32, float64 */
+    fa_bwd_q_fn bwd_q[2];
+    fa_bwd_scratch_fn bwd_scratch[2];
 } fa_kernel;
 
 extern const fa_kernel fa_kernel_generic;

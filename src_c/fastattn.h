@@ -85,7 +85,44 @@ typedef struct fa_params {
                            strides q_sb, k_sb, ... must be 0); NULL: fixed Lq, Lk */
     void *weights;      /* attention_weights: (B, Hq, Lq, Lk) output instead of out */
     int64_t w_sb, w_sh, w_sq;       /* element strides; the key axis is contiguous */
+    double dropout_p;   /* in [0, 1): each weight is kept with probability 1 - p and
+                           then scaled by 1 / (1 - p); lse stays that of the
+                           undropped softmax.  The decision for (b, h, i, j) is
+                           fa_dropout_keep(seed, ...), so it depends on nothing else */
+    uint64_t seed;
 } fa_params;
+
+/* The backward pass: gradients of sum(dout * out) with respect to q, k, v (and the
+ * logits, for the bias's gradient), where out, lse are what fa_attention_forward
+ * returned for the same f.  f.out must point to that output and f.lse to its lse
+ * (strides as in the forward); f.weights, float16 and varlen are not allowed. */
+typedef struct fa_bwd_params {
+    fa_params f;
+    const void *dout;   /* (B, Hq, Lq, Dv), the gradient of out                   */
+    int64_t do_sb, do_sh, do_sl;
+    void *dq;           /* (B, Hq, Lq, D),  written                                */
+    int64_t dq_sb, dq_sh, dq_sl;
+    void *dk;           /* (B, Hkv, Lk, D), written (summed over a group's heads)  */
+    int64_t dk_sb, dk_sh, dk_sl;
+    void *dv;           /* (B, Hkv, Lk, Dv), written                               */
+    int64_t dv_sb, dv_sh, dv_sl;
+    void *ds;           /* (B, Hq, Lq, Lk) gradient of the logits (after softcap: the
+                           bias's gradient before any broadcast sum), or NULL.  Only
+                           entries of tiles with a visible key are written: pass a
+                           zeroed array.  The key axis is contiguous.             */
+    int64_t ds_sb, ds_sh, ds_sq;
+} fa_bwd_params;
+
+/* Thread-safe; the result is bitwise identical for any thread count.  Memory beyond
+ * the arrays: O(B Hq Lq) plus per-thread scratch.  Returns an enum fa_status. */
+int fa_attention_backward(const fa_bwd_params *bp);
+
+/* The dropout decision (1 = keep) of weight (b, h, i, j) for a threshold
+ * t = min(floor(p * 2^32), 2^32 - 1): Philox-4x32-10 with key (seed low 32 bits,
+ * seed high 32 bits) and counter (j / 4, i, h, b) gives four words; word j % 4 >= t
+ * keeps.  Exported for tests. */
+int fa_dropout_keep(uint64_t seed, uint32_t threshold, int64_t b, int64_t h, int64_t i, int64_t j);
+uint32_t fa_dropout_threshold(double p);
 
 /* The forward pass.  Thread-safe: no global mutable state is touched.
  * Returns an enum fa_status. */

@@ -298,4 +298,7 @@ const fa_kernel fa_kernel_avx2 = {
     {fa_qblock_f32_avx2, fa_qblock_f64_avx2, fa_qblock_kv16_avx2},
     {fa_scratch_bytes_f32_avx2, fa_scratch_bytes_f64_avx2, fa_scratch_bytes_kv16_avx2},
     {fa_exp_array_f32_avx2, fa_exp_array_f64_avx2},
+    {fa_bwd_kv_f32_avx2, fa_bwd_kv_f64_avx2},
+    {fa_bwd_q_f32_avx2, fa_bwd_q_f64_avx2},
+    {fa_bwd_scratch_bytes_f32_avx2, fa_bwd_scratch_bytes_f64_avx2},
 };

@@ -89,6 +89,8 @@ typedef struct FA_NAME(fa_scratch) {
     int64_t *lo, *hi;
     int mask_state, need_range; /* of the current key tile (fa_scores) */
     int key_major;              /* the tile's logits are s[r * bcp + j] (fa_scores) */
+    int force_tile;             /* the backward: QK^T always by fa_qk_tile, so a logit's
+                                   bits do not depend on how many rows its block has */
     int64_t bcp;                /* bc rounded up to FA_VL */
     FA_T *o2;
     uint8_t *mt;
@@ -114,6 +116,7 @@ static size_t FA_NAME(fa_layout)(const fa_params *p, const fa_blocks *bl, void *
     if (!sc) sc = &dummy;
     char *cur = base ? (char *)base : (char *)0 + FA_ALIGN;
     char *first = cur;
+    sc->force_tile = 0;
     sc->qt = (FA_T *)FA_NAME(fa_carve)(&cur, (size_t)p->D * brp * t);
     sc->qn = (FA_T *)FA_NAME(fa_carve)(
         &cur, (size_t)FA_DOT_ROWS * (size_t)FA_NAME(fa_round_up)(p->D, FA_VL) * t);
@@ -469,7 +472,7 @@ static void FA_NAME(fa_setup_rows)(const fa_params *p, const fa_item *it, int64_
     const int64_t left = p->window_left, right = p->window_right;
     const int causal = p->causal != FA_CAUSAL_NONE;
     for (int64_t r = nr; r < nvl; r++) {
-        if (nr > FA_DOT_ROWS) /* the dot-product path never reads qt */
+        if (nr > FA_DOT_ROWS || sc->force_tile) /* the dot-product path never reads qt */
             for (int64_t d = 0; d < D; d++) sc->qt[d * brp + r] = (FA_T)0;
         sc->lo[r] = 0;
         sc->hi[r] = -1;
@@ -659,9 +662,10 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
     sc->need_range = lo_max > j0 || hi_min < j0 + nk - 1;
     /* A few rows (decoding) and no logit step on this tile: the logits are stored
      * key-major, row r at s + r * bcp, for fa_softmax_row. */
-    sc->key_major = nr <= FA_DOT_ROWS && !logits && !p->weights && sc->mask_state == 2 &&
+    const int dots = nr <= FA_DOT_ROWS && !sc->force_tile;
+    sc->key_major = dots && !logits && !p->weights && sc->mask_state == 2 &&
                     !sc->need_range && !(p->softcap > 0) && !p->alibi && !p->bias;
-    if (nr <= FA_DOT_ROWS)
+    if (dots)
         FA_NAME(fa_qk_dots)(sc->qn, nr, k + j0 * p->k_sl, p->k_sl, nk, p->D, sc->s,
                             sc->key_major ? 1 : brp, sc->key_major ? sc->bcp : 1);
     else
@@ -739,6 +743,28 @@ static void FA_NAME(fa_pv_tile_nonfinite)(const fa_params *p, const fa_item *it,
     }
 }
 
+/* Dropout on a tile of probabilities: p[jj * ks + r * rs] of rows r < nr (row r is
+ * head h0 + r / nq, position q0 + r % nq) and keys j0 + jj is kept and scaled by
+ * 1 / (1 - dropout_p), or set to 0. */
+static void FA_NAME(fa_dropout_apply)(const fa_params *p, const fa_item *it, int64_t nr, int64_t j0,
+                                      int64_t nk, FA_T *FA_RESTRICT s, int64_t ks, int64_t rs)
+{
+    const uint32_t thresh = fa_dropout_threshold(p->dropout_p);
+    const FA_T inv = (FA_T)(1.0 / (1.0 - p->dropout_p));
+    uint8_t keep[256];
+    for (int64_t r = 0; r < nr; r++) {
+        const int64_t h = it->h0 + r / it->nq, i = it->q0 + r % it->nq;
+        for (int64_t c0 = 0; c0 < nk; c0 += 256) {
+            const int64_t n = nk - c0 < 256 ? nk - c0 : 256;
+            fa_dropout_row(p->seed, thresh, it->b, h, i, j0 + c0, n, keep, 1);
+            for (int64_t jj = 0; jj < n; jj++) {
+                FA_T *x = s + (c0 + jj) * ks + r * rs;
+                *x = keep[jj] ? *x * inv : (FA_T)0;
+            }
+        }
+    }
+}
+
 /* One work item: nr = nh * nq rows against the keys [kv0, kv1) of one kv head. */
 static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa_item *it,
                                void *scratch)
@@ -791,6 +817,9 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
                                          known ? &colmax : NULL);
             }
         if (p->weights) continue;
+        if (p->dropout_p > 0) /* after the softmax's sums: lse is that of the undropped weights */
+            FA_NAME(fa_dropout_apply)(p, it, nr, j0, nk, sc.s, sc.key_major ? 1 : brp,
+                                      sc.key_major ? sc.bcp : 1);
         const FA_KV *vt = v + j0 * p->v_sl;
         if (nr <= FA_DOT_ROWS) {
             /* Few rows: a check of V before P.V would cost as much as P.V itself.  So
@@ -869,6 +898,7 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
                 FA_VSTORE(sp, FA_VMUL(FA_VEXP(FA_VSUB(FA_VLOAD(sp), mv)), inv));
             }
         }
+        if (p->dropout_p > 0) FA_NAME(fa_dropout_apply)(p, it, nr, j0, nk, sc.s, brp, 1);
         for (int64_t r = 0; r < nr; r++)
             for (int64_t jj = 0; jj < nk; jj++) wrow[r][j0 + jj] = sc.s[jj * brp + r];
     }
@@ -889,3 +919,242 @@ static void FA_NAME(fa_exp_array)(const void *xv, void *yv, int64_t n)
     }
 }
 #endif
+
+#ifndef FA_KV_HALF
+/* ============================== the backward ==============================
+ *
+ * FlashAttention-2's backward over the same tiles as the forward: for a block of
+ * query rows against a block of keys, recompute the logits S (the forward's own
+ * code, every variant), P = exp(S - lse), dP = dO V^T, and
+ *     dS = P * (dP * z - D_i) [* (1 - tanh^2) with softcap],  D_i = sum(dO_i * O_i),
+ * z the dropout factor (0 or 1 / (1 - p)).  Then dV += (P z)^T dO, dK += dS^T Q
+ * (pass 1, one item per key block) and dQ += dS K (pass 2, one item per query
+ * block).  Every product reuses a forward micro-kernel: S and dP are fa_qk_tile
+ * (query vectors on the lanes), the three accumulations are fa_pv_tile_strided
+ * with the roles of rows and keys chosen by the strides.
+ *
+ * Determinism: each output row is one chain of fused multiply-adds over the
+ * reduction index in ascending order (keys for dQ; item by item, row by row for
+ * dK and dV), so neither the thread count nor the tiling of the other axis
+ * changes a bit; S is always computed by fa_qk_tile (force_tile) for the same
+ * reason. */
+
+/* The scratch of the backward: the forward's (fa_layout), then
+ *   dot  Dv x brp  dO block, transposed         don  brp x dvp  dO block, rows
+ *   qr   brp x dkp Q block (unscaled), rows     dp   bc x brp   dP, then dS
+ *   pz   bc x brp  P times the dropout factor (dropout only)
+ *   sg   bc x brp  the softcap's derivative 1 - tanh^2 (softcap only)
+ *   lsev dvec brp  each row's lse (+inf for a row that sees no key) and D_i
+ *   ones           max(bc, brp) ones (the accumulations' "no rescale")
+ *   ka   bc x dkp  dK accumulator, va bc x dvp dV accumulator (pass 1)
+ *   qa   brp x dkp dQ accumulator (pass 2) */
+typedef struct FA_NAME(fa_bscratch) {
+    FA_NAME(fa_scratch) f;
+    FA_T *dot, *don, *qr, *dp, *pz, *sg, *lsev, *dvec, *ones, *ka, *va, *qa;
+    uint8_t *keep;
+} FA_NAME(fa_bscratch);
+
+static size_t FA_NAME(fa_blayout)(const fa_bwd_ctx *cx, void *base, FA_NAME(fa_bscratch) *sc)
+{
+    const fa_params *p = &cx->bp->f;
+    const size_t brp = (size_t)cx->bl.q, bc = (size_t)cx->bl.k, t = sizeof(FA_T);
+    const size_t dkp = (size_t)FA_NAME(fa_round_up)(p->D, FA_VL);
+    const size_t dvp = (size_t)FA_NAME(fa_round_up)(p->Dv, FA_VL);
+    FA_NAME(fa_bscratch) dummy;
+    if (!sc) sc = &dummy;
+    char *first = base ? (char *)base : (char *)0 + FA_ALIGN;
+    char *cur = first + FA_NAME(fa_layout)(p, &cx->bl, base, &sc->f);
+    sc->f.force_tile = 1;
+    sc->dot = (FA_T *)FA_NAME(fa_carve)(&cur, (size_t)p->Dv * brp * t);
+    sc->don = (FA_T *)FA_NAME(fa_carve)(&cur, brp * dvp * t);
+    sc->qr = (FA_T *)FA_NAME(fa_carve)(&cur, brp * dkp * t);
+    sc->dp = (FA_T *)FA_NAME(fa_carve)(&cur, bc * brp * t);
+    sc->pz = p->dropout_p > 0 ? (FA_T *)FA_NAME(fa_carve)(&cur, bc * brp * t) : NULL;
+    sc->keep = p->dropout_p > 0 ? (uint8_t *)FA_NAME(fa_carve)(&cur, bc * brp) : NULL;
+    sc->sg = p->softcap > 0 ? (FA_T *)FA_NAME(fa_carve)(&cur, bc * brp * t) : NULL;
+    sc->lsev = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
+    sc->dvec = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
+    sc->ones = (FA_T *)FA_NAME(fa_carve)(&cur, (bc > brp ? bc : brp) * t);
+    sc->ka = (FA_T *)FA_NAME(fa_carve)(&cur, bc * dkp * t);
+    sc->va = (FA_T *)FA_NAME(fa_carve)(&cur, bc * dvp * t);
+    sc->qa = (FA_T *)FA_NAME(fa_carve)(&cur, brp * dkp * t);
+    if (base)
+        for (size_t i = 0; i < (bc > brp ? bc : brp); i++) sc->ones[i] = (FA_T)1;
+    return (size_t)(cur - first);
+}
+
+static size_t FA_NAME(fa_bwd_scratch_bytes)(const fa_bwd_ctx *cx)
+{
+    return FA_NAME(fa_blayout)(cx, NULL, NULL);
+}
+
+/* The rows of item `it`: the forward's set-up (Q transposed and scaled, visible
+ * ranges, mask and bias rows), then dO transposed and as rows, Q as rows, lse, D. */
+static void FA_NAME(fa_bwd_rows)(const fa_bwd_ctx *cx, const fa_item *it, int64_t nr, int64_t nvl,
+                                 FA_NAME(fa_bscratch) *sc, int64_t *lo_max, int64_t *hi_min)
+{
+    const fa_bwd_params *bp = cx->bp;
+    const fa_params *p = &bp->f;
+    const int64_t brp = cx->bl.q, D = p->D, Dv = p->Dv;
+    const int64_t dkp = FA_NAME(fa_round_up)(D, FA_VL), dvp = FA_NAME(fa_round_up)(Dv, FA_VL);
+    FA_NAME(fa_setup_rows)(p, it, nr, nvl, brp, cx->bl.k, &sc->f);
+    for (int64_t r = nr; r < nvl; r++) {
+        for (int64_t d = 0; d < Dv; d++) sc->dot[d * brp + r] = (FA_T)0;
+        sc->lsev[r] = (FA_T)INFINITY; /* padded lanes: P = 0 */
+        sc->dvec[r] = (FA_T)0;
+    }
+    *lo_max = INT64_MIN;
+    *hi_min = INT64_MAX;
+    for (int64_t r = 0; r < nr; r++) {
+        const int64_t h = it->h0 + r / it->nq, row = it->qoff + it->q0 + r % it->nq;
+        const FA_T *dor = (const FA_T *)bp->dout + it->b * bp->do_sb + h * bp->do_sh + row * bp->do_sl;
+        const FA_T *qi = (const FA_T *)p->q + it->b * p->q_sb + h * p->q_sh + row * p->q_sl;
+        for (int64_t d = 0; d < Dv; d++) sc->dot[d * brp + r] = dor[d];
+        for (int64_t d = 0; d < dvp; d++) sc->don[r * dvp + d] = d < Dv ? dor[d] : (FA_T)0;
+        for (int64_t d = 0; d < dkp; d++) sc->qr[r * dkp + d] = d < D ? qi[d] : (FA_T)0;
+        const FA_T l = ((const FA_T *)p->lse)[it->b * p->lse_sb + h * p->lse_sh + row * p->lse_sl];
+        sc->lsev[r] = l == -(FA_T)INFINITY ? (FA_T)INFINITY : l;
+        sc->dvec[r] = ((const FA_T *)cx->delta)[it->b * cx->delta_sb + h * cx->delta_sh + row];
+        if (sc->f.lo[r] > *lo_max) *lo_max = sc->f.lo[r];
+        if (sc->f.hi[r] < *hi_min) *hi_min = sc->f.hi[r];
+    }
+}
+
+/* One tile, rows of `it` against keys j0 .. j0+nk-1: dS (times the softcap's
+ * derivative) into sc->dp, and the weights dV needs (P, or P z with dropout) at
+ * *pw.  With write_ds, dS is also stored into bp->ds.  Returns 0 if no key of the
+ * tile is visible (nothing computed). */
+static int FA_NAME(fa_bwd_tile)(const fa_bwd_ctx *cx, const fa_item *it, int64_t nr, int nv,
+                                int64_t j0, int64_t nk, int64_t lo_max, int64_t hi_min,
+                                FA_NAME(fa_bscratch) *sc, const FA_T **pw, int write_ds)
+{
+    const fa_bwd_params *bp = cx->bp;
+    const fa_params *p = &bp->f;
+    const int64_t brp = cx->bl.q;
+    FA_T *s = sc->f.s;
+    if (!FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc->f, 0)) return 0;
+    if (p->softcap > 0) { /* s holds y = s_raw / c: the derivative of c tanh(y) is 1 - tanh^2 */
+        const FA_V one = FA_VSET1((FA_T)1), m2 = FA_VSET1((FA_T)-2);
+        for (int c = 0; c < nv; c++)
+            for (int64_t jj = 0; jj < nk; jj++) {
+                const int64_t o = jj * brp + (int64_t)c * FA_VL;
+                const FA_V e = FA_VEXP(FA_VMUL(m2, FA_VABS(FA_VLOAD(s + o))));
+                const FA_V th = FA_VDIV(FA_VSUB(one, e), FA_VADD(one, e));
+                FA_VSTORE(sc->sg + o, FA_VSUB(one, FA_VMUL(th, th)));
+            }
+    }
+    FA_NAME(fa_logit_tile)(p, s, nk, 0, nv, nr, j0, brp, &sc->f, NULL);
+    for (int c = 0; c < nv; c++) { /* P = exp(S - lse); hidden keys and padded rows: 0 */
+        const FA_V l = FA_VLOAD(sc->lsev + (int64_t)c * FA_VL);
+        for (int64_t jj = 0; jj < nk; jj++) {
+            FA_T *x = s + jj * brp + (int64_t)c * FA_VL;
+            FA_VSTORE(x, FA_VEXP(FA_VSUB(FA_VLOAD(x), l)));
+        }
+    }
+    const FA_T *v = (const FA_T *)p->v + it->b * p->v_sb + it->g * p->v_sh + (it->koff + j0) * p->v_sl;
+    FA_NAME(fa_qk_tile)(sc->dot, nv, v, p->v_sl, nk, p->Dv, sc->dp, brp);
+    *pw = s;
+    if (p->dropout_p > 0) { /* dV takes P z; dS takes z dP */
+        const FA_T inv = (FA_T)(1.0 / (1.0 - p->dropout_p));
+        for (int64_t r = 0; r < nr; r++)
+            fa_dropout_row(p->seed, cx->drop_thresh, it->b, it->h0 + r / it->nq, it->q0 + r % it->nq,
+                           j0, nk, sc->keep + r, brp);
+        for (int64_t jj = 0; jj < nk; jj++)
+            for (int64_t r = 0; r < nr; r++) {
+                const int64_t o = jj * brp + r;
+                const FA_T z = sc->keep[o] ? inv : (FA_T)0;
+                sc->pz[o] = s[o] * z;
+                sc->dp[o] *= z;
+            }
+        *pw = sc->pz;
+    }
+    for (int c = 0; c < nv; c++) {
+        const int64_t off = (int64_t)c * FA_VL;
+        const FA_V dv = FA_VLOAD(sc->dvec + off);
+        for (int64_t jj = 0; jj < nk; jj++) {
+            const int64_t o = jj * brp + off;
+            FA_VSTORE(sc->dp + o, FA_VMUL(FA_VLOAD(s + o), FA_VSUB(FA_VLOAD(sc->dp + o), dv)));
+        }
+    }
+    if (write_ds) /* the logits' gradient, before the softcap's derivative */
+        for (int64_t r = 0; r < nr; r++) {
+            const int64_t h = it->h0 + r / it->nq, row = it->qoff + it->q0 + r % it->nq;
+            FA_T *dst = (FA_T *)bp->ds + it->b * bp->ds_sb + h * bp->ds_sh + row * bp->ds_sq + j0;
+            for (int64_t jj = 0; jj < nk; jj++) dst[jj] = sc->dp[jj * brp + r];
+        }
+    if (p->softcap > 0)
+        for (int64_t jj = 0; jj < nk; jj++)
+            for (int c = 0; c < nv; c++) {
+                const int64_t o = jj * brp + (int64_t)c * FA_VL;
+                FA_VSTORE(sc->dp + o, FA_VMUL(FA_VLOAD(sc->dp + o), FA_VLOAD(sc->sg + o)));
+            }
+    return 1;
+}
+
+/* Pass 1: dK, dV of keys j0 .. j0+nk-1 (see fa_bwd_kv_fn). */
+static void FA_NAME(fa_bwd_kv)(const fa_bwd_ctx *cx, const fa_item *items, int64_t nitems, int64_t j0,
+                               int64_t nk, void *scratch)
+{
+    const fa_bwd_params *bp = cx->bp;
+    const fa_params *p = &bp->f;
+    const int64_t brp = cx->bl.q, D = p->D, Dv = p->Dv;
+    const int64_t dkp = FA_NAME(fa_round_up)(D, FA_VL), dvp = FA_NAME(fa_round_up)(Dv, FA_VL);
+    FA_NAME(fa_bscratch) sc;
+    FA_NAME(fa_blayout)(cx, scratch, &sc);
+    memset(sc.ka, 0, (size_t)(nk * dkp) * sizeof(FA_T));
+    memset(sc.va, 0, (size_t)(nk * dvp) * sizeof(FA_T));
+    for (int64_t t = 0; t < nitems; t++) {
+        const fa_item *it = items + t;
+        if (it->kv1 <= j0 || it->kv0 >= j0 + nk || it->nq <= 0) continue;
+        const int64_t nr = it->nh * it->nq;
+        const int nv = (int)((nr + FA_VL - 1) / FA_VL);
+        int64_t lo_max, hi_min;
+        FA_NAME(fa_bwd_rows)(cx, it, nr, (int64_t)nv * FA_VL, &sc, &lo_max, &hi_min);
+        const FA_T *w;
+        if (!FA_NAME(fa_bwd_tile)(cx, it, nr, nv, j0, nk, lo_max, hi_min, &sc, &w, 0)) continue;
+        /* dV[j] += sum_r w[j][r] dO[r]; dK[j] += sum_r dS[j][r] Q[r]: output rows are
+         * keys (stride brp in the tile), the reduction runs over the rows (stride 1) */
+        FA_NAME(fa_pv_tile_strided)(w, nk, nr, sc.don, dvp, Dv, sc.va, dvp, sc.ones, 1, brp);
+        FA_NAME(fa_pv_tile_strided)(sc.dp, nk, nr, sc.qr, dkp, D, sc.ka, dkp, sc.ones, 1, brp);
+    }
+    const int64_t b = items[0].b, g = items[0].g, koff = items[0].koff;
+    const FA_T scale = (FA_T)p->scale;
+    for (int64_t jj = 0; jj < nk; jj++) {
+        FA_T *dk = (FA_T *)bp->dk + b * bp->dk_sb + g * bp->dk_sh + (koff + j0 + jj) * bp->dk_sl;
+        FA_T *dv = (FA_T *)bp->dv + b * bp->dv_sb + g * bp->dv_sh + (koff + j0 + jj) * bp->dv_sl;
+        for (int64_t d = 0; d < D; d++) dk[d] = scale * sc.ka[jj * dkp + d];
+        memcpy(dv, sc.va + jj * dvp, (size_t)Dv * sizeof(FA_T));
+    }
+}
+
+/* Pass 2: dQ (and dS) of the rows of one item, over its visible keys in order. */
+static void FA_NAME(fa_bwd_q)(const fa_bwd_ctx *cx, const fa_item *it, void *scratch)
+{
+    const fa_bwd_params *bp = cx->bp;
+    const fa_params *p = &bp->f;
+    const int64_t brp = cx->bl.q, bc = cx->bl.k, D = p->D;
+    const int64_t dkp = FA_NAME(fa_round_up)(D, FA_VL);
+    FA_NAME(fa_bscratch) sc;
+    FA_NAME(fa_blayout)(cx, scratch, &sc);
+    const int64_t nr = it->nh * it->nq;
+    if (nr <= 0) return;
+    const int nv = (int)((nr + FA_VL - 1) / FA_VL);
+    int64_t lo_max, hi_min;
+    FA_NAME(fa_bwd_rows)(cx, it, nr, (int64_t)nv * FA_VL, &sc, &lo_max, &hi_min);
+    memset(sc.qa, 0, (size_t)(nr * dkp) * sizeof(FA_T));
+    const FA_T *k = (const FA_T *)p->k + it->b * p->k_sb + it->g * p->k_sh + it->koff * p->k_sl;
+    for (int64_t j0 = it->kv0; j0 < it->kv1; j0 += bc) {
+        const int64_t nk = it->kv1 - j0 < bc ? it->kv1 - j0 : bc;
+        const FA_T *w;
+        if (!FA_NAME(fa_bwd_tile)(cx, it, nr, nv, j0, nk, lo_max, hi_min, &sc, &w, bp->ds != NULL))
+            continue;
+        FA_NAME(fa_pv_tile)(sc.dp, nr, nk, k + j0 * p->k_sl, p->k_sl, D, sc.qa, dkp, sc.ones, brp);
+    }
+    const FA_T scale = (FA_T)p->scale;
+    for (int64_t r = 0; r < nr; r++) {
+        const int64_t h = it->h0 + r / it->nq, row = it->qoff + it->q0 + r % it->nq;
+        FA_T *dq = (FA_T *)bp->dq + it->b * bp->dq_sb + h * bp->dq_sh + row * bp->dq_sl;
+        for (int64_t d = 0; d < D; d++) dq[d] = scale * sc.qa[r * dkp + d];
+    }
+}
+#endif /* FA_KV_HALF */
