@@ -657,22 +657,28 @@ int fa_dropout_keep(uint64_t seed, uint32_t threshold, int64_t b, int64_t h, int
 }
 
 /*
- * The backward.  Two kinds of work item in one parallel loop, so that one head
- * keeps every thread busy:
- *   pass 2 (dQ): the forward's query items (fa_make_plan), each over its visible
- *     key blocks in order;
- *   pass 1 (dK, dV): one item per (sequence, kv head, key block), over all the
- *     query items of that kv head in order.
- * No output element is written by two items and no atomics are used; each is one
- * ordered chain of sums, so the result is the same for any thread count.  P and
- * dP are recomputed in both passes (7 tile products instead of 5): the price of
- * needing no Lq x Lk or per-item dQ buffers (memory O(B Hq Lq) + scratch).
+ * The backward, in one of two schedules with the same arithmetic:
+ *  - two passes, so that one head keeps every thread busy: pass 1 (dK, dV) has an
+ *    item per (sequence, kv head, chunk of FA_BWD_CHUNK key blocks), over all the
+ *    query items of that kv head in order; pass 2 (dQ) has the forward's query
+ *    items (fa_make_plan), each over its visible key blocks in order.  P and dP are
+ *    computed in both passes: 7 tile products instead of 5.
+ *  - one pass when there are enough kv heads to share among the threads: an item
+ *    per (sequence, kv head) does pass 1 over all its keys and accumulates each
+ *    query item's dQ over the same tiles (5 products).
+ * No output element is written by two items and no atomics are used.  Every
+ * element is one chain of sums in a fixed order (dQ: keys ascending; dK, dV: query
+ * items in order, rows in order), the same chain in both schedules, so the result
+ * has the same bits for any thread count and either schedule.  Memory: O(B Hq Lq)
+ * for D_i, per-thread scratch, and per-thread dK/dV accumulators of a key range
+ * (all Lk keys in one pass, capped at FA_BWD_ONE_PASS_BYTES, else a chunk).
  *
- * Block sizes: 64 x 64 by default (the tile's S, dP and P z stay in L1/L2 on
- * every CPU measured), shrunk to half the L2 for large head sizes like the forward.
+ * Block sizes: 64 x 64 by default, shrunk to half the L2 for large head sizes.
  */
 #define FA_BWD_BLOCK_Q 64
 #define FA_BWD_BLOCK_K 64
+#define FA_BWD_CHUNK 4
+#define FA_BWD_ONE_PASS_BYTES ((int64_t)32 << 20)
 
 static int fa_bwd_check(const fa_bwd_params *bp)
 {
@@ -683,6 +689,7 @@ static int fa_bwd_check(const fa_bwd_params *bp)
         return FA_ERR_ARG;
     if (!bp->dout || !bp->dq || !bp->dk || !bp->dv) return FA_ERR_ARG;
     if (!(p->dropout_p >= 0 && p->dropout_p < 1)) return FA_ERR_ARG;
+    if (bp->passes < 0 || bp->passes > 2) return FA_ERR_ARG;
     return FA_OK;
 }
 
@@ -709,6 +716,15 @@ static void fa_bwd_delta(const fa_bwd_params *bp, void *delta, int nth)
     }
 }
 
+/* One pass when it keeps the threads about as busy as two would: the slowest
+ * thread's ceil(heads / nth) heads within 1.3x of the average (two passes do 7/5
+ * of the work, perfectly shared). */
+static int fa_bwd_one_pass(int64_t heads, int nth)
+{
+    const int64_t rounds = (heads + nth - 1) / nth;
+    return heads >= 1 && 10 * rounds * (int64_t)nth <= 13 * heads;
+}
+
 int fa_attention_backward(const fa_bwd_params *bp_in)
 {
     fa_last_threads = 0;
@@ -721,16 +737,18 @@ int fa_attention_backward(const fa_bwd_params *bp_in)
 
     fa_bwd_params bpl = *bp_in; /* with the backward's default block sizes */
     fa_params *p = &bpl.f;
+    const int64_t item = p->dtype == FA_F64 ? 8 : 4;
     if (p->block_q <= 0 || p->block_k <= 0) {
-        const int64_t item = p->dtype == FA_F64 ? 8 : 4, budget = fa_cpu_l2_bytes() / 2;
-        int64_t bq = FA_BWD_BLOCK_Q, bk = FA_BWD_BLOCK_K;
-        /* Q, dO (twice each), K, V and the S, dP, P z tiles */
-        while (item * (2 * bq * (p->D + p->Dv) + bk * (p->D + p->Dv + 3 * bq)) > budget && bk > 16) bk /= 2;
-        if (p->block_q <= 0) p->block_q = bq;
+        const int64_t budget = fa_cpu_l2_bytes() / 2;
+        int64_t bk = FA_BWD_BLOCK_K;
+        /* Q and dO (twice each), K and V tiles, and the S, dP, P z tiles */
+        while (item * (2 * FA_BWD_BLOCK_Q * (p->D + p->Dv) + bk * (p->D + p->Dv + 3 * FA_BWD_BLOCK_Q)) > budget &&
+               bk > 16)
+            bk /= 2;
+        if (p->block_q <= 0) p->block_q = FA_BWD_BLOCK_Q;
         if (p->block_k <= 0) p->block_k = bk;
     }
     const int nth_req = p->num_threads > 0 ? p->num_threads : fa_max_threads();
-    const int64_t item = p->dtype == FA_F64 ? 8 : 4;
     void *delta = fa_scratch_alloc((size_t)(p->B * p->Hq * (p->Lq > 0 ? p->Lq : 1)) * (size_t)item);
     if (!delta) return FA_ERR_NOMEM;
     fa_bwd_delta(&bpl, delta, nth_req < 1 ? 1 : nth_req);
@@ -744,16 +762,24 @@ int fa_attention_backward(const fa_bwd_params *bp_in)
     fa_bwd_ctx cx;
     cx.bp = &bpl;
     cx.bl = pl.bl;
-    cx.bl.k = p->block_k < (1 << 16) ? p->block_k : (1 << 16);
     cx.delta = delta;
     cx.delta_sb = p->Hq * p->Lq;
     cx.delta_sh = p->Lq;
     cx.drop_thresh = fa_dropout_threshold(p->dropout_p);
     const int ki = p->dtype;
+    const int64_t vl = kern->lanes[ki];
     const size_t scratch_bytes = kern->bwd_scratch[ki](&cx);
-    const int64_t bk = cx.bl.k, nkb = (p->Lk + bk - 1) / bk;
-    const int64_t n2 = p->Lq > 0 ? pl.items : 0, n1 = p->B * p->Hkv * nkb;
+    const int64_t bk = cx.bl.k, heads = p->B * p->Hkv;
     const int64_t per_head = pl.nhc * ((p->Lq + pl.nqp - 1) / pl.nqp);
+    const int64_t row_bytes = ((p->D + vl - 1) / vl + (p->Dv + vl - 1) / vl) * vl * item;
+    int one_pass = bpl.passes == 1 ||
+                   (bpl.passes == 0 && fa_bwd_one_pass(heads, nth_req < 1 ? 1 : nth_req) &&
+                    p->Lk * row_bytes <= FA_BWD_ONE_PASS_BYTES);
+    if (p->Lq == 0 || p->Lk == 0) one_pass = 0;
+    const int64_t chunk = one_pass ? p->Lk : FA_BWD_CHUNK * bk;
+    const int64_t nch = (p->Lk + chunk - 1) / chunk;
+    const int64_t n1 = heads * nch, n2 = one_pass || p->Lq == 0 ? 0 : pl.items;
+    const size_t acc_bytes = (size_t)((chunk < p->Lk ? chunk : p->Lk) * row_bytes);
     int nth = nth_req;
     if ((int64_t)nth > n1 + n2) nth = (int)(n1 + n2);
     if (nth < 1) nth = 1;
@@ -762,19 +788,30 @@ int fa_attention_backward(const fa_bwd_params *bp_in)
     {
         ran += 1;
         void *scratch = fa_scratch_alloc(scratch_bytes);
+        void *acc = fa_scratch_alloc(acc_bytes);
         fa_item *items = (fa_item *)malloc((size_t)(per_head > 0 ? per_head : 1) * sizeof(fa_item));
         int64_t have_b = -1, have_g = -1;
-        if (!scratch || !items) failed = 1;
+        if (!scratch || !items || !acc) failed = 1;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < n1 + n2; t++) {
-            if (!scratch || !items) continue;
+            if (!scratch || !items || !acc) continue;
             if (t < n2) { /* dQ items first: each is a whole query block's row of tiles */
                 fa_item it;
                 fa_item_of(p, &pl, t, &it);
                 kern->bwd_q[ki](&cx, &it, scratch);
                 continue;
             }
-            const int64_t u = t - n2, b = u / (p->Hkv * nkb), g = (u / nkb) % p->Hkv, kb = u % nkb;
+            const int64_t u = t - n2, b = u / (p->Hkv * nch), g = (u / nch) % p->Hkv, c = u % nch;
+            const int64_t k0 = c * chunk, k1 = p->Lk - k0 < chunk ? p->Lk : k0 + chunk;
+            if (per_head == 0) { /* Lq = 0: no query reads these keys */
+                for (int64_t j = k0; j < k1; j++) {
+                    memset((char *)bpl.dk + (size_t)((b * bpl.dk_sb + g * bpl.dk_sh + j * bpl.dk_sl) * item), 0,
+                           (size_t)(p->D * item));
+                    memset((char *)bpl.dv + (size_t)((b * bpl.dv_sb + g * bpl.dv_sh + j * bpl.dv_sl) * item), 0,
+                           (size_t)(p->Dv * item));
+                }
+                continue;
+            }
             if (b != have_b || g != have_g) {
                 int64_t n = 0;
                 for (int64_t hc = 0; hc < pl.nhc; hc++)
@@ -783,19 +820,10 @@ int fa_attention_backward(const fa_bwd_params *bp_in)
                 have_b = b;
                 have_g = g;
             }
-            const int64_t j0 = kb * bk, nk = p->Lk - j0 < bk ? p->Lk - j0 : bk;
-            if (per_head > 0) {
-                kern->bwd_kv[ki](&cx, items, per_head, j0, nk, scratch);
-            } else { /* Lq = 0: no query reads these keys */
-                for (int64_t jj = 0; jj < nk; jj++) {
-                    char *dk = (char *)bpl.dk + (size_t)((b * bpl.dk_sb + g * bpl.dk_sh + (j0 + jj) * bpl.dk_sl) * item);
-                    char *dv = (char *)bpl.dv + (size_t)((b * bpl.dv_sb + g * bpl.dv_sh + (j0 + jj) * bpl.dv_sl) * item);
-                    memset(dk, 0, (size_t)(p->D * item));
-                    memset(dv, 0, (size_t)(p->Dv * item));
-                }
-            }
+            kern->bwd_kv[ki](&cx, items, per_head, k0, k1, one_pass, scratch, acc);
         }
         free(items);
+        free(acc);
         free(scratch);
     }
     fa_last_threads = ran;

@@ -156,11 +156,13 @@ typedef struct fa_bwd_ctx {
     int64_t delta_sb, delta_sh;
     uint32_t drop_thresh;
 } fa_bwd_ctx;
-/* Pass 1: dK and dV of keys j0 .. j0+nk-1 of kv head (items[0].b, items[0].g), from
+/* Pass 1: dK and dV of keys k0 .. k1-1 of kv head (items[0].b, items[0].g), from
  * the query items (all of that head's, in order; those that see none of the keys
- * are skipped).  Pass 2: dQ (and dS) of the rows of one item. */
+ * are skipped), accumulated in `acc` ((k1 - k0) x (D + Dv) rounded up to the vector
+ * width, FA_ALIGN-aligned); with with_dq also every item's dQ (one pass).
+ * Pass 2: dQ (and dS) of the rows of one item. */
 typedef void (*fa_bwd_kv_fn)(const fa_bwd_ctx *cx, const fa_item *items, int64_t nitems,
-                             int64_t j0, int64_t nk, void *scratch);
+                             int64_t k0, int64_t k1, int with_dq, void *scratch, void *acc);
 typedef void (*fa_bwd_q_fn)(const fa_bwd_ctx *cx, const fa_item *it, void *scratch);
 typedef size_t (*fa_bwd_scratch_fn)(const fa_bwd_ctx *cx);
 typedef void (*fa_exp_fn)(const void *x, void *y, int64_t n);

@@ -111,6 +111,10 @@ typedef struct fa_bwd_params {
                            entries of tiles with a visible key are written: pass a
                            zeroed array.  The key axis is contiguous.             */
     int64_t ds_sb, ds_sh, ds_sq;
+    int passes;         /* 0: chosen by the library; 1: one pass (dQ in the loop that
+                           makes dK and dV: fewer products, parallel over kv heads only);
+                           2: two passes (parallel over key and query blocks too).  The
+                           result has the same bits either way. */
 } fa_bwd_params;
 
 /* Thread-safe; the result is bitwise identical for any thread count.  Memory beyond

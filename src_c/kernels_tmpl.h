@@ -946,11 +946,11 @@ static void FA_NAME(fa_exp_array)(const void *xv, void *yv, int64_t n)
  *   sg   bc x brp  the softcap's derivative 1 - tanh^2 (softcap only)
  *   lsev dvec brp  each row's lse (+inf for a row that sees no key) and D_i
  *   ones           max(bc, brp) ones (the accumulations' "no rescale")
- *   ka   bc x dkp  dK accumulator, va bc x dvp dV accumulator (pass 1)
- *   qa   brp x dkp dQ accumulator (pass 2) */
+ *   qa   brp x dkp dQ accumulator
+ * (the dK and dV accumulators of a key range are the caller's). */
 typedef struct FA_NAME(fa_bscratch) {
     FA_NAME(fa_scratch) f;
-    FA_T *dot, *don, *qr, *dp, *pz, *sg, *lsev, *dvec, *ones, *ka, *va, *qa;
+    FA_T *dot, *don, *qr, *dp, *pz, *sg, *lsev, *dvec, *ones, *qa;
     uint8_t *keep;
 } FA_NAME(fa_bscratch);
 
@@ -975,8 +975,6 @@ static size_t FA_NAME(fa_blayout)(const fa_bwd_ctx *cx, void *base, FA_NAME(fa_b
     sc->lsev = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
     sc->dvec = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
     sc->ones = (FA_T *)FA_NAME(fa_carve)(&cur, (bc > brp ? bc : brp) * t);
-    sc->ka = (FA_T *)FA_NAME(fa_carve)(&cur, bc * dkp * t);
-    sc->va = (FA_T *)FA_NAME(fa_carve)(&cur, bc * dvp * t);
     sc->qa = (FA_T *)FA_NAME(fa_carve)(&cur, brp * dkp * t);
     if (base)
         for (size_t i = 0; i < (bc > brp ? bc : brp); i++) sc->ones[i] = (FA_T)1;
@@ -1091,39 +1089,63 @@ static int FA_NAME(fa_bwd_tile)(const fa_bwd_ctx *cx, const fa_item *it, int64_t
     return 1;
 }
 
-/* Pass 1: dK, dV of keys j0 .. j0+nk-1 (see fa_bwd_kv_fn). */
-static void FA_NAME(fa_bwd_kv)(const fa_bwd_ctx *cx, const fa_item *items, int64_t nitems, int64_t j0,
-                               int64_t nk, void *scratch)
+/* dK and dV of keys k0 .. k1-1 of one kv head (see fa_bwd_kv_fn): the query items
+ * in order, each packed once and run against its visible key tiles of the range;
+ * the accumulators of the whole range are in `acc` ((k1 - k0) x (dkp + dvp)).
+ * With with_dq (the range is all the keys), each item's dQ is accumulated over
+ * the same tiles and written too: the one-pass backward, whose sums are the same
+ * chains, in the same order, as pass 1 plus pass 2. */
+static void FA_NAME(fa_bwd_kv)(const fa_bwd_ctx *cx, const fa_item *items, int64_t nitems, int64_t k0,
+                               int64_t k1, int with_dq, void *scratch, void *acc)
 {
     const fa_bwd_params *bp = cx->bp;
     const fa_params *p = &bp->f;
-    const int64_t brp = cx->bl.q, D = p->D, Dv = p->Dv;
+    const int64_t bc = cx->bl.k, D = p->D, Dv = p->Dv, nk_all = k1 - k0;
     const int64_t dkp = FA_NAME(fa_round_up)(D, FA_VL), dvp = FA_NAME(fa_round_up)(Dv, FA_VL);
     FA_NAME(fa_bscratch) sc;
     FA_NAME(fa_blayout)(cx, scratch, &sc);
-    memset(sc.ka, 0, (size_t)(nk * dkp) * sizeof(FA_T));
-    memset(sc.va, 0, (size_t)(nk * dvp) * sizeof(FA_T));
+    FA_T *ka = (FA_T *)acc, *va = ka + nk_all * dkp;
+    memset(acc, 0, (size_t)(nk_all * (dkp + dvp)) * sizeof(FA_T));
+    const int64_t b = items[0].b, g = items[0].g, koff = items[0].koff;
+    const FA_T *k = (const FA_T *)p->k + b * p->k_sb + g * p->k_sh + koff * p->k_sl;
+    const FA_T scale = (FA_T)p->scale;
     for (int64_t t = 0; t < nitems; t++) {
         const fa_item *it = items + t;
-        if (it->kv1 <= j0 || it->kv0 >= j0 + nk || it->nq <= 0) continue;
+        const int64_t j_lo = it->kv0 > k0 ? it->kv0 : k0, j_hi = it->kv1 < k1 ? it->kv1 : k1;
         const int64_t nr = it->nh * it->nq;
+        if (nr <= 0 || (j_lo >= j_hi && !with_dq)) continue;
         const int nv = (int)((nr + FA_VL - 1) / FA_VL);
         int64_t lo_max, hi_min;
         FA_NAME(fa_bwd_rows)(cx, it, nr, (int64_t)nv * FA_VL, &sc, &lo_max, &hi_min);
-        const FA_T *w;
-        if (!FA_NAME(fa_bwd_tile)(cx, it, nr, nv, j0, nk, lo_max, hi_min, &sc, &w, 0)) continue;
-        /* dV[j] += sum_r w[j][r] dO[r]; dK[j] += sum_r dS[j][r] Q[r]: output rows are
-         * keys (stride brp in the tile), the reduction runs over the rows (stride 1) */
-        FA_NAME(fa_pv_tile_strided)(w, nk, nr, sc.don, dvp, Dv, sc.va, dvp, sc.ones, 1, brp);
-        FA_NAME(fa_pv_tile_strided)(sc.dp, nk, nr, sc.qr, dkp, D, sc.ka, dkp, sc.ones, 1, brp);
+        if (with_dq) memset(sc.qa, 0, (size_t)(nr * dkp) * sizeof(FA_T));
+        for (int64_t j0 = j_lo; j0 < j_hi; j0 += bc) {
+            const int64_t nk = j_hi - j0 < bc ? j_hi - j0 : bc;
+            const FA_T *w;
+            if (!FA_NAME(fa_bwd_tile)(cx, it, nr, nv, j0, nk, lo_max, hi_min, &sc, &w,
+                                      with_dq && bp->ds != NULL))
+                continue;
+            /* dV[j] += sum_r w[j][r] dO[r]; dK[j] += sum_r dS[j][r] Q[r]: output rows
+             * are keys (stride brp in the tile), the reduction runs over the rows */
+            FA_NAME(fa_pv_tile_strided)(w, nk, nr, sc.don, dvp, Dv, va + (j0 - k0) * dvp, dvp,
+                                        sc.ones, 1, cx->bl.q);
+            FA_NAME(fa_pv_tile_strided)(sc.dp, nk, nr, sc.qr, dkp, D, ka + (j0 - k0) * dkp, dkp,
+                                        sc.ones, 1, cx->bl.q);
+            if (with_dq)
+                FA_NAME(fa_pv_tile)(sc.dp, nr, nk, k + j0 * p->k_sl, p->k_sl, D, sc.qa, dkp, sc.ones,
+                                    cx->bl.q);
+        }
+        if (with_dq)
+            for (int64_t r = 0; r < nr; r++) {
+                const int64_t h = it->h0 + r / it->nq, row = it->qoff + it->q0 + r % it->nq;
+                FA_T *dq = (FA_T *)bp->dq + it->b * bp->dq_sb + h * bp->dq_sh + row * bp->dq_sl;
+                for (int64_t d = 0; d < D; d++) dq[d] = scale * sc.qa[r * dkp + d];
+            }
     }
-    const int64_t b = items[0].b, g = items[0].g, koff = items[0].koff;
-    const FA_T scale = (FA_T)p->scale;
-    for (int64_t jj = 0; jj < nk; jj++) {
-        FA_T *dk = (FA_T *)bp->dk + b * bp->dk_sb + g * bp->dk_sh + (koff + j0 + jj) * bp->dk_sl;
-        FA_T *dv = (FA_T *)bp->dv + b * bp->dv_sb + g * bp->dv_sh + (koff + j0 + jj) * bp->dv_sl;
-        for (int64_t d = 0; d < D; d++) dk[d] = scale * sc.ka[jj * dkp + d];
-        memcpy(dv, sc.va + jj * dvp, (size_t)Dv * sizeof(FA_T));
+    for (int64_t jj = 0; jj < nk_all; jj++) {
+        FA_T *dk = (FA_T *)bp->dk + b * bp->dk_sb + g * bp->dk_sh + (koff + k0 + jj) * bp->dk_sl;
+        FA_T *dv = (FA_T *)bp->dv + b * bp->dv_sb + g * bp->dv_sh + (koff + k0 + jj) * bp->dv_sl;
+        for (int64_t d = 0; d < D; d++) dk[d] = scale * ka[jj * dkp + d];
+        memcpy(dv, va + jj * dvp, (size_t)Dv * sizeof(FA_T));
     }
 }
 
