@@ -148,23 +148,33 @@ typedef size_t (*fa_scratch_fn)(const fa_params *p, const fa_blocks *bl);
 
 /* One backward call as the kernels see it: the arguments, the block sizes, each
  * row's D_i = sum(dout * out) (delta, compute dtype, addressed b * delta_sb +
- * h * delta_sh + row), and the dropout threshold. */
+ * h * delta_sh + row), the dropout threshold, and the key chunk kc of the dQ sums:
+ * dq_i = scale * sum over chunks c in order of (the chain of dS_ij k_j over the
+ * keys j of chunk c, ascending), in every schedule.  part_sc: elements per chunk
+ * of the per-chunk dQ buffer (B, Hq, Lq, D rounded up to the vector width). */
 typedef struct fa_bwd_ctx {
     const fa_bwd_params *bp;
     fa_blocks bl;
     const void *delta;
     int64_t delta_sb, delta_sh;
     uint32_t drop_thresh;
+    int64_t kc, part_sc;
 } fa_bwd_ctx;
-/* Pass 1: dK and dV of keys k0 .. k1-1 of kv head (items[0].b, items[0].g), from
- * the query items (all of that head's, in order; those that see none of the keys
- * are skipped), accumulated in `acc` ((k1 - k0) x (D + Dv) rounded up to the vector
- * width, FA_ALIGN-aligned); with with_dq also every item's dQ (one pass).
- * Pass 2: dQ (and dS) of the rows of one item. */
+/* dK and dV of keys k0 .. k1-1 of kv head (items[0].b, items[0].g), from the query
+ * items (all of that head's, in order; with dq_mode 0 those that see none of the
+ * keys are skipped), accumulated in `acc` ((k1 - k0) x (D + Dv) rounded up to the
+ * vector width, FA_ALIGN-aligned).  dq_mode 1 (k0 = 0, k1 = Lk): also each item's
+ * dQ, written; dq_mode 2 (k0 .. k1 is one dQ chunk): also each item's chunk sum,
+ * stored in `part` for fa_bwd_reduce_fn. */
 typedef void (*fa_bwd_kv_fn)(const fa_bwd_ctx *cx, const fa_item *items, int64_t nitems,
-                             int64_t k0, int64_t k1, int with_dq, void *scratch, void *acc);
+                             int64_t k0, int64_t k1, int dq_mode, void *scratch, void *acc,
+                             void *part);
+/* Pass 2 of the two-pass schedule: dQ (and dS) of the rows of one item. */
 typedef void (*fa_bwd_q_fn)(const fa_bwd_ctx *cx, const fa_item *it, void *scratch);
 typedef size_t (*fa_bwd_scratch_fn)(const fa_bwd_ctx *cx);
+/* dq of rows r0 .. r1-1 (of B Hq Lq) from the nch chunk sums in part. */
+typedef void (*fa_bwd_reduce_fn)(const fa_bwd_ctx *cx, const void *part, int64_t nch, int64_t r0,
+                                 int64_t r1);
 typedef void (*fa_exp_fn)(const void *x, void *y, int64_t n);
 
 /* The micro-kernels of one instruction set, for each dtype (index enum fa_dtype;
@@ -179,6 +189,7 @@ typedef struct fa_kernel {
     fa_bwd_kv_fn bwd_kv[2];        /* float32, float64 */
     fa_bwd_q_fn bwd_q[2];
     fa_bwd_scratch_fn bwd_scratch[2];
+    fa_bwd_reduce_fn bwd_reduce[2];
 } fa_kernel;
 
 extern const fa_kernel fa_kernel_generic;

@@ -946,11 +946,11 @@ static void FA_NAME(fa_exp_array)(const void *xv, void *yv, int64_t n)
  *   sg   bc x brp  the softcap's derivative 1 - tanh^2 (softcap only)
  *   lsev dvec brp  each row's lse (+inf for a row that sees no key) and D_i
  *   ones           max(bc, brp) ones (the accumulations' "no rescale")
- *   qa   brp x dkp dQ accumulator
+ *   qa   brp x dkp dQ accumulator of one key chunk, qs brp x dkp their running sum
  * (the dK and dV accumulators of a key range are the caller's). */
 typedef struct FA_NAME(fa_bscratch) {
     FA_NAME(fa_scratch) f;
-    FA_T *dot, *don, *qr, *dp, *pz, *sg, *lsev, *dvec, *ones, *qa;
+    FA_T *dot, *don, *qr, *dp, *pz, *sg, *lsev, *dvec, *ones, *qa, *qs;
     uint8_t *keep;
 } FA_NAME(fa_bscratch);
 
@@ -976,6 +976,7 @@ static size_t FA_NAME(fa_blayout)(const fa_bwd_ctx *cx, void *base, FA_NAME(fa_b
     sc->dvec = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
     sc->ones = (FA_T *)FA_NAME(fa_carve)(&cur, (bc > brp ? bc : brp) * t);
     sc->qa = (FA_T *)FA_NAME(fa_carve)(&cur, brp * dkp * t);
+    sc->qs = (FA_T *)FA_NAME(fa_carve)(&cur, brp * dkp * t);
     if (base)
         for (size_t i = 0; i < (bc > brp ? bc : brp); i++) sc->ones[i] = (FA_T)1;
     return (size_t)(cur - first);
@@ -1089,58 +1090,108 @@ static int FA_NAME(fa_bwd_tile)(const fa_bwd_ctx *cx, const fa_item *it, int64_t
     return 1;
 }
 
-/* dK and dV of keys k0 .. k1-1 of one kv head (see fa_bwd_kv_fn): the query items
- * in order, each packed once and run against its visible key tiles of the range;
- * the accumulators of the whole range are in `acc` ((k1 - k0) x (dkp + dvp)).
- * With with_dq (the range is all the keys), each item's dQ is accumulated over
- * the same tiles and written too: the one-pass backward, whose sums are the same
- * chains, in the same order, as pass 1 plus pass 2. */
-static void FA_NAME(fa_bwd_kv)(const fa_bwd_ctx *cx, const fa_item *items, int64_t nitems, int64_t k0,
-                               int64_t k1, int with_dq, void *scratch, void *acc)
+/* dQ of the rows of `it` over the key chunks that start at k0 and end at k1 (kc
+ * keys each, the last maybe fewer): qa holds one chunk's chain of sums (keys
+ * ascending), qs their sum in chunk order (started by a copy of the first).  With
+ * kv accumulators (ka, va, from key k0), dK and dV of the same tiles too.  With
+ * part, each chunk's qa is stored there instead (chunk c's rows at part + c *
+ * part_sc); with qs_out, the final sum is left in qs. */
+static void FA_NAME(fa_bwd_chunks)(const fa_bwd_ctx *cx, const fa_item *it, int64_t k0, int64_t k1,
+                                   int64_t kc, int want_dq, FA_T *ka, FA_T *va,
+                                   FA_NAME(fa_bscratch) *sc, FA_T *part, int64_t part_sc)
 {
     const fa_bwd_params *bp = cx->bp;
     const fa_params *p = &bp->f;
-    const int64_t bc = cx->bl.k, D = p->D, Dv = p->Dv, nk_all = k1 - k0;
+    const int64_t bc = cx->bl.k, brp = cx->bl.q, D = p->D, Dv = p->Dv;
+    const int64_t dkp = FA_NAME(fa_round_up)(D, FA_VL), dvp = FA_NAME(fa_round_up)(Dv, FA_VL);
+    const int64_t nr = it->nh * it->nq;
+    const int nv = (int)((nr + FA_VL - 1) / FA_VL);
+    const FA_T *k = (const FA_T *)p->k + it->b * p->k_sb + it->g * p->k_sh + it->koff * p->k_sl;
+    int64_t lo_max, hi_min;
+    FA_NAME(fa_bwd_rows)(cx, it, nr, (int64_t)nv * FA_VL, sc, &lo_max, &hi_min);
+    if (want_dq && !part && k0 >= k1) memset(sc->qs, 0, (size_t)(nr * dkp) * sizeof(FA_T)); /* no keys */
+    for (int64_t c0 = k0; c0 < k1; c0 += kc) {
+        const int64_t c1 = k1 - c0 < kc ? k1 : c0 + kc;
+        const int64_t lo = it->kv0 > c0 ? it->kv0 : c0, hi = it->kv1 < c1 ? it->kv1 : c1;
+        if (want_dq) memset(sc->qa, 0, (size_t)(nr * dkp) * sizeof(FA_T));
+        for (int64_t j0 = lo; j0 < hi; j0 += bc) {
+            const int64_t nk = hi - j0 < bc ? hi - j0 : bc;
+            const FA_T *w;
+            if (!FA_NAME(fa_bwd_tile)(cx, it, nr, nv, j0, nk, lo_max, hi_min, sc, &w,
+                                      want_dq && bp->ds != NULL))
+                continue;
+            if (ka) {
+                /* dV[j] += sum_r w[j][r] dO[r]; dK[j] += sum_r dS[j][r] Q[r]: output rows
+                 * are keys (stride brp in the tile), the reduction runs over the rows */
+                FA_NAME(fa_pv_tile_strided)(w, nk, nr, sc->don, dvp, Dv, va + (j0 - k0) * dvp, dvp,
+                                            sc->ones, 1, brp);
+                FA_NAME(fa_pv_tile_strided)(sc->dp, nk, nr, sc->qr, dkp, D, ka + (j0 - k0) * dkp, dkp,
+                                            sc->ones, 1, brp);
+            }
+            if (want_dq)
+                FA_NAME(fa_pv_tile)(sc->dp, nr, nk, k + j0 * p->k_sl, p->k_sl, D, sc->qa, dkp, sc->ones, brp);
+        }
+        if (!want_dq) continue;
+        if (part) {
+            FA_T *dst = part + (c0 / kc) * part_sc;
+            for (int64_t r = 0; r < nr; r++) {
+                const int64_t h = it->h0 + r / it->nq, row = it->qoff + it->q0 + r % it->nq;
+                memcpy(dst + (it->b * p->Hq + h) * p->Lq * dkp + row * dkp, sc->qa + r * dkp,
+                       (size_t)dkp * sizeof(FA_T));
+            }
+        } else if (c0 == k0) {
+            memcpy(sc->qs, sc->qa, (size_t)(nr * dkp) * sizeof(FA_T));
+        } else {
+            for (int64_t x = 0; x < nr * dkp; x += FA_VL)
+                FA_VSTORE(sc->qs + x, FA_VADD(FA_VLOAD(sc->qs + x), FA_VLOAD(sc->qa + x)));
+        }
+    }
+}
+
+/* Writes dq = scale * qs for the rows of `it`. */
+static void FA_NAME(fa_bwd_store_dq)(const fa_bwd_ctx *cx, const fa_item *it, const FA_T *qs)
+{
+    const fa_bwd_params *bp = cx->bp;
+    const int64_t D = bp->f.D, dkp = FA_NAME(fa_round_up)(D, FA_VL), nr = it->nh * it->nq;
+    const FA_T scale = (FA_T)bp->f.scale;
+    for (int64_t r = 0; r < nr; r++) {
+        const int64_t h = it->h0 + r / it->nq, row = it->qoff + it->q0 + r % it->nq;
+        FA_T *dq = (FA_T *)bp->dq + it->b * bp->dq_sb + h * bp->dq_sh + row * bp->dq_sl;
+        for (int64_t d = 0; d < D; d++) dq[d] = scale * qs[r * dkp + d];
+    }
+}
+
+/* dK and dV of keys k0 .. k1-1 of one kv head (see fa_bwd_kv_fn). */
+static void FA_NAME(fa_bwd_kv)(const fa_bwd_ctx *cx, const fa_item *items, int64_t nitems, int64_t k0,
+                               int64_t k1, int dq_mode, void *scratch, void *acc, void *part)
+{
+    const fa_bwd_params *bp = cx->bp;
+    const fa_params *p = &bp->f;
+    const int64_t D = p->D, Dv = p->Dv, nk_all = k1 - k0;
     const int64_t dkp = FA_NAME(fa_round_up)(D, FA_VL), dvp = FA_NAME(fa_round_up)(Dv, FA_VL);
     FA_NAME(fa_bscratch) sc;
     FA_NAME(fa_blayout)(cx, scratch, &sc);
     FA_T *ka = (FA_T *)acc, *va = ka + nk_all * dkp;
     memset(acc, 0, (size_t)(nk_all * (dkp + dvp)) * sizeof(FA_T));
-    const int64_t b = items[0].b, g = items[0].g, koff = items[0].koff;
-    const FA_T *k = (const FA_T *)p->k + b * p->k_sb + g * p->k_sh + koff * p->k_sl;
-    const FA_T scale = (FA_T)p->scale;
+    const int64_t kc = dq_mode ? cx->kc : nk_all;
     for (int64_t t = 0; t < nitems; t++) {
         const fa_item *it = items + t;
-        const int64_t j_lo = it->kv0 > k0 ? it->kv0 : k0, j_hi = it->kv1 < k1 ? it->kv1 : k1;
-        const int64_t nr = it->nh * it->nq;
-        if (nr <= 0 || (j_lo >= j_hi && !with_dq)) continue;
-        const int nv = (int)((nr + FA_VL - 1) / FA_VL);
-        int64_t lo_max, hi_min;
-        FA_NAME(fa_bwd_rows)(cx, it, nr, (int64_t)nv * FA_VL, &sc, &lo_max, &hi_min);
-        if (with_dq) memset(sc.qa, 0, (size_t)(nr * dkp) * sizeof(FA_T));
-        for (int64_t j0 = j_lo; j0 < j_hi; j0 += bc) {
-            const int64_t nk = j_hi - j0 < bc ? j_hi - j0 : bc;
-            const FA_T *w;
-            if (!FA_NAME(fa_bwd_tile)(cx, it, nr, nv, j0, nk, lo_max, hi_min, &sc, &w,
-                                      with_dq && bp->ds != NULL))
-                continue;
-            /* dV[j] += sum_r w[j][r] dO[r]; dK[j] += sum_r dS[j][r] Q[r]: output rows
-             * are keys (stride brp in the tile), the reduction runs over the rows */
-            FA_NAME(fa_pv_tile_strided)(w, nk, nr, sc.don, dvp, Dv, va + (j0 - k0) * dvp, dvp,
-                                        sc.ones, 1, cx->bl.q);
-            FA_NAME(fa_pv_tile_strided)(sc.dp, nk, nr, sc.qr, dkp, D, ka + (j0 - k0) * dkp, dkp,
-                                        sc.ones, 1, cx->bl.q);
-            if (with_dq)
-                FA_NAME(fa_pv_tile)(sc.dp, nr, nk, k + j0 * p->k_sl, p->k_sl, D, sc.qa, dkp, sc.ones,
-                                    cx->bl.q);
+        if (it->nh * it->nq <= 0) continue;
+        if (dq_mode != 1 && (it->kv0 >= k1 || it->kv1 <= k0)) {
+            if (dq_mode == 2) /* rows that see none of this chunk: a sum of 0 */
+                for (int64_t r = 0; r < it->nh * it->nq; r++) {
+                    const int64_t h = it->h0 + r / it->nq, row = it->qoff + it->q0 + r % it->nq;
+                    memset((FA_T *)part + (k0 / cx->kc) * cx->part_sc + (it->b * p->Hq + h) * p->Lq * dkp + row * dkp,
+                           0, (size_t)dkp * sizeof(FA_T));
+                }
+            continue;
         }
-        if (with_dq)
-            for (int64_t r = 0; r < nr; r++) {
-                const int64_t h = it->h0 + r / it->nq, row = it->qoff + it->q0 + r % it->nq;
-                FA_T *dq = (FA_T *)bp->dq + it->b * bp->dq_sb + h * bp->dq_sh + row * bp->dq_sl;
-                for (int64_t d = 0; d < D; d++) dq[d] = scale * sc.qa[r * dkp + d];
-            }
+        FA_NAME(fa_bwd_chunks)(cx, it, k0, k1, kc, dq_mode != 0, ka, va, &sc,
+                               dq_mode == 2 ? (FA_T *)part : NULL, cx->part_sc);
+        if (dq_mode == 1) FA_NAME(fa_bwd_store_dq)(cx, it, sc.qs);
     }
+    const int64_t b = items[0].b, g = items[0].g, koff = items[0].koff;
+    const FA_T scale = (FA_T)p->scale;
     for (int64_t jj = 0; jj < nk_all; jj++) {
         FA_T *dk = (FA_T *)bp->dk + b * bp->dk_sb + g * bp->dk_sh + (koff + k0 + jj) * bp->dk_sl;
         FA_T *dv = (FA_T *)bp->dv + b * bp->dv_sb + g * bp->dv_sh + (koff + k0 + jj) * bp->dv_sl;
@@ -1149,34 +1200,36 @@ static void FA_NAME(fa_bwd_kv)(const fa_bwd_ctx *cx, const fa_item *items, int64
     }
 }
 
-/* Pass 2: dQ (and dS) of the rows of one item, over its visible keys in order. */
+/* Pass 2 of the two-pass schedule: dQ (and dS) of the rows of one item. */
 static void FA_NAME(fa_bwd_q)(const fa_bwd_ctx *cx, const fa_item *it, void *scratch)
+{
+    FA_NAME(fa_bscratch) sc;
+    FA_NAME(fa_blayout)(cx, scratch, &sc);
+    if (it->nh * it->nq <= 0) return;
+    FA_NAME(fa_bwd_chunks)(cx, it, 0, it->Lk, cx->kc, 1, NULL, NULL, &sc, NULL, 0);
+    FA_NAME(fa_bwd_store_dq)(cx, it, sc.qs);
+}
+
+/* dq = scale * (part[0] + part[1] + ...) of rows r0 .. r1-1 of (B, Hq, Lq), the
+ * chunks' sums in order, as fa_bwd_chunks adds them. */
+static void FA_NAME(fa_bwd_reduce)(const fa_bwd_ctx *cx, const void *partv, int64_t nch, int64_t r0,
+                                   int64_t r1)
 {
     const fa_bwd_params *bp = cx->bp;
     const fa_params *p = &bp->f;
-    const int64_t brp = cx->bl.q, bc = cx->bl.k, D = p->D;
-    const int64_t dkp = FA_NAME(fa_round_up)(D, FA_VL);
-    FA_NAME(fa_bscratch) sc;
-    FA_NAME(fa_blayout)(cx, scratch, &sc);
-    const int64_t nr = it->nh * it->nq;
-    if (nr <= 0) return;
-    const int nv = (int)((nr + FA_VL - 1) / FA_VL);
-    int64_t lo_max, hi_min;
-    FA_NAME(fa_bwd_rows)(cx, it, nr, (int64_t)nv * FA_VL, &sc, &lo_max, &hi_min);
-    memset(sc.qa, 0, (size_t)(nr * dkp) * sizeof(FA_T));
-    const FA_T *k = (const FA_T *)p->k + it->b * p->k_sb + it->g * p->k_sh + it->koff * p->k_sl;
-    for (int64_t j0 = it->kv0; j0 < it->kv1; j0 += bc) {
-        const int64_t nk = it->kv1 - j0 < bc ? it->kv1 - j0 : bc;
-        const FA_T *w;
-        if (!FA_NAME(fa_bwd_tile)(cx, it, nr, nv, j0, nk, lo_max, hi_min, &sc, &w, bp->ds != NULL))
-            continue;
-        FA_NAME(fa_pv_tile)(sc.dp, nr, nk, k + j0 * p->k_sl, p->k_sl, D, sc.qa, dkp, sc.ones, brp);
-    }
-    const FA_T scale = (FA_T)p->scale;
-    for (int64_t r = 0; r < nr; r++) {
-        const int64_t h = it->h0 + r / it->nq, row = it->qoff + it->q0 + r % it->nq;
-        FA_T *dq = (FA_T *)bp->dq + it->b * bp->dq_sb + h * bp->dq_sh + row * bp->dq_sl;
-        for (int64_t d = 0; d < D; d++) dq[d] = scale * sc.qa[r * dkp + d];
+    const int64_t D = p->D, dkp = FA_NAME(fa_round_up)(D, FA_VL);
+    const FA_T *part = (const FA_T *)partv, scale = (FA_T)p->scale;
+    FA_T tot[4 * FA_VL];
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t b = r / (p->Hq * p->Lq), h = (r / p->Lq) % p->Hq, i = r % p->Lq;
+        FA_T *dq = (FA_T *)bp->dq + b * bp->dq_sb + h * bp->dq_sh + i * bp->dq_sl;
+        for (int64_t d0 = 0; d0 < D; d0 += 4 * FA_VL) {
+            const int64_t n = D - d0 < 4 * FA_VL ? D - d0 : 4 * FA_VL;
+            for (int64_t d = 0; d < n; d++) tot[d] = part[r * dkp + d0 + d];
+            for (int64_t c = 1; c < nch; c++)
+                for (int64_t d = 0; d < n; d++) tot[d] += part[c * cx->part_sc + r * dkp + d0 + d];
+            for (int64_t d = 0; d < n; d++) dq[d0 + d] = scale * tot[d];
+        }
     }
 }
 #endif /* FA_KV_HALF */

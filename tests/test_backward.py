@@ -178,9 +178,13 @@ def test_bitwise_identical_across_threads(kernel, rng, case):
 
 
 def test_backward_uses_every_thread_on_one_head(rng):
-    args = make(rng, 1, 1, 1, 512, 512, 16, 16, np.float32)
+    # one head of 2048 keys: 8 key chunks of work items (and with 16 threads, 16 chunks
+    # of 512 keys are cut from 8192 keys)
+    args = make(rng, 1, 1, 1, 256, 2048, 16, 16, np.float32)
     run_grads(args, {}, 3)
     assert _kernels.last_num_threads() == 3
+    run_grads(make(rng, 1, 1, 1, 64, 8192, 8, 8, np.float32), {}, 16)
+    assert _kernels.last_num_threads() == 16
 
 
 # ---------------------------------------------------------------- dropout
@@ -323,3 +327,37 @@ def test_errors_name_the_argument(rng):
         fastattn.attention_weights(q, k, dropout_p=0.5, seed=1.5)
     with pytest.raises(TypeError, match="dout must be a float array"):
         bw(dout.astype(np.int32), q, k, v, out, lse)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("case", ["plain", "causal_gqa_dropout", "long_one_head", "bias_window"])
+def test_every_schedule_gives_the_same_bits(kernel, rng, case, dtype):
+    """One pass per head, one pass per key chunk (dQ chunk sums added at the end) and
+    two passes: the library picks by thread count and memory; the bits must not care."""
+    B, Hq, Hkv, Lq, Lk, D = {"plain": (2, 2, 2, 70, 90, 8), "causal_gqa_dropout": (1, 4, 2, 100, 300, 8),
+                             "long_one_head": (1, 1, 1, 40, 1500, 16),
+                             "bias_window": (2, 2, 1, 50, 400, 12)}[case]
+    q, k, v, dout = make(rng, B, Hq, Hkv, Lq, Lk, D, D, dtype)
+    kw, ds_shape = {}, None
+    if case == "causal_gqa_dropout":
+        kw = dict(causal=True, dropout_p=0.3, seed=11)
+    elif case == "bias_window":
+        kw = dict(bias=rng.standard_normal((1, Hq, Lq, Lk)).astype(dtype), window=(60, 5))
+        ds_shape = (B, Hq, Lq, Lk)
+    out, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
+    va = fastattn._api._Problem("t", q, k, v, "bhsd").variants(
+        kw.get("window"), None, kw.get("bias"), None, None, (kw.get("dropout_p", 0.0), kw.get("seed", 0)))
+    results = []
+    for passes in (0, 1, 2):
+        for nth in (1, 3):
+            grads = [np.empty_like(a) for a in (q, k, v)]
+            ds = None if ds_shape is None else np.zeros(ds_shape, dtype)
+            _kernels.backward(q, k, v, out, lse, dout, *grads, ds, D ** -0.5, 1 if kw.get("causal") else 0,
+                              nth, 0, 0, va, passes)
+            results.append(grads + ([] if ds is None else [ds]))
+    for other in results[1:]:
+        for x, y in zip(results[0], other):
+            assert x.tobytes() == y.tobytes()
+    ref = reference.attention_backward(dout, q, k, v, out, lse, **kw)
+    for g, r in zip(results[0], ref):
+        assert rel_err(g, r) <= GTOL[dtype]
