@@ -149,6 +149,7 @@ def pytest_terminal_summary(terminalreporter, config):
     _variant_summary(terminalreporter, session.benchmarks)
     _decode_summary(terminalreporter, session.benchmarks)
     _interleaved_summary(terminalreporter, session.benchmarks)
+    _backward_summary(terminalreporter, session.benchmarks)
     rows = _rows(session.benchmarks)
     sgemm = rows.pop("sgemm", {}).get("numpy sgemm")
     sgemm_np = sgemm[1]["flops"] / sgemm[0] / 1e9 if sgemm else None
@@ -237,3 +238,30 @@ def _interleaved_summary(terminalreporter, benchmarks):
     for info, st in rows:
         w(f"  {info['interleaved']:<38} {info['gflops']:6.1f} GFLOP/s   "
           f"{info['baseline_min_s'] / st.min:5.2f}x / {info['baseline_median_s'] / st.median:5.2f}x")
+
+
+def _backward_summary(terminalreporter, benchmarks):
+    """Gradients against PyTorch's backward, interleaved (bench/test_backward.py):
+    PyTorch time / fastattn time (best / median rounds), and for the backward alone its
+    GFLOP/s (10·B·H·L²·D, halved for causal) and % of the sgemm ceiling of this run."""
+    rows = [(bm.extra_info, bm.stats) for bm in benchmarks
+            if "backward" in (getattr(bm, "extra_info", {}) or {}) and getattr(bm, "stats", None)]
+    if not rows:
+        return
+    sgemm = [bm for bm in benchmarks if bm.group == "sgemm" and getattr(bm, "stats", None)]
+    sgemm_gf = None
+    if sgemm:
+        info = sgemm[0].extra_info
+        sgemm_gf = info.get("clean_gflops") or info["flops"] / sgemm[0].stats.min / 1e9
+    w = terminalreporter.write_line
+    w("")
+    w(f"gradients vs PyTorch, interleaved (threads={rows[0][0]['threads']}, "
+      f"kernel={rows[0][0]['kernel']}): PyTorch time / fastattn time (best / median), "
+      "backward GFLOP/s" + (f" and % of sgemm ({sgemm_gf:.0f} GFLOP/s)" if sgemm_gf else ""))
+    for info, st in rows:
+        line = (f"  {info['backward']:<34} {info['baseline_min_s'] / st.min:5.2f}x / "
+                f"{info['baseline_median_s'] / st.median:5.2f}x")
+        if info["what"] == "bwd":
+            gf = info["bwd_flops"] / st.min / 1e9
+            line += f"   {gf:6.1f} GFLOP/s" + (f" {100 * gf / sgemm_gf:4.0f}%" if sgemm_gf else "")
+        w(line)
