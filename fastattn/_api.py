@@ -37,8 +37,9 @@ def _torch_problem(x, name, fn):
         return (f"fastattn.{fn}: {name} is a torch tensor on device '{device}'; fastattn runs on "
                 f"the CPU: pass {name}.cpu()")
     if x.requires_grad:
-        return (f"fastattn.{fn}: {name} is a torch tensor that requires grad; fastattn has no "
-                f"autograd yet (forward only): pass {name}.detach()")
+        return (f"fastattn.{fn}: {name} is a torch tensor that requires grad; the NumPy API "
+                f"does not record gradients: pass {name}.detach() (gradients: "
+                "fastattn.torch.scaled_dot_product_attention, or fastattn.attention_backward)")
     return (f"fastattn.{fn}: {name} is a torch tensor of dtype {x.dtype}; supported dtypes are "
             f"float32 and float64 (and float16 for k and v): convert it, e.g. {name}.float()")
 

@@ -183,7 +183,9 @@ def test_torch_diagnosis_of_each_cause():
         (torch.empty(2, 5, 8, device="meta"), r"fastattn\.attention: k is a torch tensor on device 'meta'; "
                                               r"fastattn runs on the CPU: pass k\.cpu\(\)$"),
         (torch.randn(2, 5, 8, requires_grad=True), r"fastattn\.attention: k is a torch tensor that requires "
-                                                  r"grad; fastattn has no autograd yet \(forward only\): pass k\.detach\(\)$"),
+                                                  r"grad; the NumPy API does not record gradients: pass k\.detach\(\) \(gradients: "
+                                                  r"fastattn\.torch\.scaled_dot_product_attention, or "
+                                                  r"fastattn\.attention_backward\)$"),
         (q.bfloat16(), r"fastattn\.attention: k is a torch tensor of dtype torch\.bfloat16; supported dtypes "
                        r"are float32 and float64 \(and float16 for k and v\): convert it, e\.g\. k\.float\(\)$"),
     ]
