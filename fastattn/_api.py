@@ -17,6 +17,11 @@ __all__ = ["attention", "attention_backward", "attention_weights", "merge", "var
 
 _F16 = np.dtype(np.float16)
 _F32 = np.dtype(np.float32)
+try:  # bfloat16 arrays come from ml_dtypes (the dtype JAX and others use)
+    import ml_dtypes as _ml_dtypes
+    _BF16: np.dtype | None = np.dtype(_ml_dtypes.bfloat16)
+except ImportError:  # then no array can have that dtype
+    _BF16 = None
 _F64 = np.dtype(np.float64)
 _CAUSAL = {"bottom-right": 1, "top-left": 2}
 _LAYOUTS = ("bhsd", "bshd")
@@ -57,23 +62,31 @@ def _as_array(x, name, fn="attention"):
                         f"as one), got {type(x).__name__}: {e}") from e
 
 
+def _is_float(dt):
+    """A float dtype fastattn reads: NumPy's, or ml_dtypes' bfloat16."""
+    return dt.kind == "f" or (_BF16 is not None and dt == _BF16)
+
+
 def _dtypes(fn, **arrays):
-    """(compute, output, lse) dtypes of a call: all float32, all float64, or float16
-    K/V (with float32 or float16 q), which the kernel converts to float32 in
-    registers; the output takes q's dtype, lse is float32 unless float64."""
+    """(compute, output, lse) dtypes of a call: all float32, all float64, or 16-bit
+    K/V (float16, or bfloat16 from ml_dtypes) with float32 q or q of the same 16-bit
+    type, which the kernel converts to float32 in registers; the output takes q's
+    dtype, lse is float32 unless float64."""
     q = arrays["q"]
     dq, dkv = q.dtype, {a.dtype for n, a in arrays.items() if n != "q"}
     if dkv == {dq} and (dq == _F32 or dq == _F64):
         return dq, dq, dq
-    if dkv == {_F16} and (dq == _F32 or dq == _F16):
-        return _F32, dq, _F32
-    if dq not in (_F32, _F64, _F16):
+    for half in (_F16, _BF16):
+        if half is not None and dkv == {half} and (dq == _F32 or dq == half):
+            return _F32, dq, _F32
+    if dq not in (_F32, _F64, _F16, _BF16):
         raise TypeError(f"fastattn.{fn}: q has dtype {dq}; supported dtypes are float32, float64 "
-                        "and, for k and v (with float32 or float16 q), float16 (native byte order)")
+                        "and, for k and v (with float32 q or q of their dtype), float16 or "
+                        "bfloat16 (ml_dtypes.bfloat16), native byte order")
     raise TypeError(f"fastattn.{fn}: unsupported dtype combination "
                     + ", ".join(f"{n} {a.dtype}" for n, a in arrays.items())
-                    + "; q, k and v must share float32 or float64, or k and v be float16 with "
-                    "float32 or float16 q")
+                    + "; q, k and v must share float32 or float64, or k and v be float16 (or "
+                    "bfloat16) with float32 q or q of the same 16-bit type")
 
 
 def _parse_causal(causal, fn="attention"):
@@ -279,13 +292,13 @@ class _Problem:
             m = _broadcast4(m, "mask", self.logits_shape, fn)
         if bias is not None:
             b = _as_array(bias, "bias", fn)
-            if b.dtype.kind != "f":
+            if not _is_float(b.dtype):
                 raise TypeError(f"fastattn.{fn}: bias must be a float array, got dtype {b.dtype} "
                                 f"with shape {b.shape}")
             b = _broadcast4(_compact(b, dt), "bias", self.logits_shape, fn)
         if alibi_slopes is not None:
             al = _as_array(alibi_slopes, "alibi_slopes", fn)
-            if al.dtype.kind not in "fiu":
+            if al.dtype.kind not in "fiu" and not _is_float(al.dtype):
                 raise TypeError(f"fastattn.{fn}: alibi_slopes must be a float array, got dtype "
                                 f"{al.dtype}")
             shapes = [(self.Hq,)] + ([(self.B, self.Hq)] if self.nd == 4 else [])
@@ -552,7 +565,7 @@ def _grad_input(x, name, shape, what, dt, fn):
     a = _as_array(x, name, fn)
     if a.shape != shape:
         raise ValueError(f"fastattn.{fn}: {name} has shape {a.shape}, expected {shape} ({what})")
-    if a.dtype.kind != "f":
+    if not _is_float(a.dtype):
         raise TypeError(f"fastattn.{fn}: {name} must be a float array, got dtype {a.dtype}")
     a = _compact(a, dt)
     if a.ndim and a.shape[-1] > 1 and a.strides[-1] != dt.itemsize:
@@ -634,7 +647,17 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     Lq x Lk weights are never stored (except the one array for ``dbias``).
     """
     fn = "attention_backward"
-    pr = _Problem(fn, _as_array(q, "q", fn), _as_array(k, "k", fn), _as_array(v, "v", fn), layout)
+    qa_, ka_, va_ = _as_array(q, "q", fn), _as_array(k, "k", fn), _as_array(v, "v", fn)
+    pr = _Problem(fn, qa_, ka_, va_, layout)
+    if _BF16 is not None and _BF16 in (qa_.dtype, ka_.dtype, va_.dtype):
+        # bfloat16: the float32 backward on float32 copies (float32 accumulation, as the
+        # forward), each gradient rounded to its input's dtype
+        grads = attention_backward(
+            dout, qa_.astype(_F32), ka_.astype(_F32), va_.astype(_F32), out, lse, scale=scale,
+            causal=causal, window=window, mask=mask, bias=bias, alibi_slopes=alibi_slopes,
+            softcap=softcap, dropout_p=dropout_p, seed=seed, layout=layout,
+            return_dbias=return_dbias, num_threads=num_threads)
+        return tuple(g.astype(x.dtype) for g, x in zip(grads, (qa_, ka_, va_))) + grads[3:]
     if _F16 in (pr.q.dtype, pr.k.dtype, pr.v.dtype):
         raise TypeError(f"fastattn.{fn}: float16 inputs have no gradients (a float16 K/V cache "
                         f"is for inference); pass float32 or float64 q, k and v "
@@ -724,6 +747,8 @@ def merge(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike], *,
     outs_a = [_as_array(o, f"outs[{i}]", fn) for i, o in enumerate(outs)]
     lses_a = [_as_array(x, f"lses[{i}]", fn) for i, x in enumerate(lses)]
     dt = np.result_type(*outs_a, *lses_a)
+    if _BF16 is not None and dt == _BF16:  # bfloat16 parts: merged in float32
+        dt = _F32
     if dt != _F32 and dt != _F64:
         raise TypeError(f"fastattn.merge: outs and lses must be float32 or float64, got "
                         f"{sorted({str(a.dtype) for a in outs_a + lses_a})}")

@@ -30,7 +30,17 @@ def config() -> dict[str, Any]:
         "kernels_supported": _kernels.supported_kernels(),
         "l2_bytes": info["l2_bytes"],
         "l2_source": info["l2_source"],
+        "bf16": _bf16_line(info),
     }
+
+
+def _bf16_line(info: dict[str, Any]) -> str:
+    """Which kernel computes bfloat16 and why."""
+    have = [n for n, k in (("AVX512-BF16", "bf16_avx512"), ("AMX-BF16", "bf16_amx")) if info.get(k)]
+    cpu = (f"this CPU has {' and '.join(have)}, which fastattn does not use yet" if have
+           else "this CPU has no AVX512-BF16 or AMX-BF16")
+    return (f"the {_kernels.current_kernel()} kernel reads bfloat16 and computes in float32 "
+            f"(converted in registers); {cpu}")
 
 
 def _size(n: int) -> str:
@@ -51,6 +61,7 @@ def show_config(file: IO[str] | None = None) -> None:
         f"  threads:  {c['threads']} (default; OMP_NUM_THREADS or num_threads= to change)",
         f"  kernel:   {c['kernel']} -- {c['kernel_reason']}",
         f"  L2 cache: {_size(c['l2_bytes'])} per core, from {c['l2_source']} (bounds the block sizes)",
+        f"  bfloat16: {c['bf16']}",
         f"  can run:  {', '.join(c['kernels_supported'])}"
         "  (FASTATTN_DISABLE_CPU_FEATURES=AVX512F,AVX2 forces a lower one)",
     ]

@@ -28,7 +28,7 @@ cdef extern from "fastattn.h" nogil:
         int causal
         int num_threads
         int isa
-        int kv_f16, q_f16, out_f16
+        int kv_f16, q_f16, out_f16, bf16
         int64_t block_q, block_k
         double softcap
         const void *alibi
@@ -69,6 +69,7 @@ cdef extern from "fastattn.h" nogil:
     int fa_default_isa()
     int64_t fa_cpu_l2_bytes()
     const char *fa_cpu_l2_source()
+    unsigned fa_cpu_bf16_features()
     int fa_set_default_isa(int isa)
     const char *fa_isa_name(int isa)
     int fa_openmp_enabled()
@@ -123,7 +124,9 @@ def kernel_reason():
 def build_info():
     return {"build": fa_build_info().decode(), "openmp": bool(fa_openmp_enabled()),
             "max_threads": fa_max_threads(), "l2_bytes": fa_cpu_l2_bytes(),
-            "l2_source": fa_cpu_l2_source().decode()}
+            "l2_source": fa_cpu_l2_source().decode(),
+            "bf16_avx512": bool(fa_cpu_bf16_features() & 1),
+            "bf16_amx": bool(fa_cpu_bf16_features() & 2)}
 
 
 def max_threads():
@@ -213,10 +216,12 @@ cdef void _fill(fa_params *pp, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.
     cdef int64_t sh[4]
     cdef int64_t st[4]
     memset(&p, 0, sizeof(p))
-    # float16 q/k/v/out are stored as half bits and computed in float32
-    p.kv_f16 = cnp.PyArray_TYPE(k) == cnp.NPY_FLOAT16
-    p.q_f16 = cnp.PyArray_TYPE(q) == cnp.NPY_FLOAT16
-    p.out_f16 = cnp.PyArray_TYPE(out) == cnp.NPY_FLOAT16
+    # 16-bit q/k/v/out (float16, or bfloat16: ml_dtypes' 2-byte float, which NumPy
+    # knows only as a user type) are stored as their bits and computed in float32
+    p.kv_f16 = cnp.PyArray_ITEMSIZE(k) == 2
+    p.bf16 = p.kv_f16 and cnp.PyArray_TYPE(k) != cnp.NPY_FLOAT16
+    p.q_f16 = cnp.PyArray_ITEMSIZE(q) == 2
+    p.out_f16 = cnp.PyArray_ITEMSIZE(out) == 2
     p.dtype = FA_F64 if cnp.PyArray_TYPE(q) == cnp.NPY_FLOAT64 else FA_F32
     p.q = cnp.PyArray_DATA(q)
     p.k = cnp.PyArray_DATA(k)

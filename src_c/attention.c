@@ -135,7 +135,7 @@ static int fa_check(const fa_params *p)
     if (!(p->softcap >= 0) || !isfinite(p->softcap)) return FA_ERR_ARG;
     if ((p->cu_q == NULL) != (p->cu_k == NULL)) return FA_ERR_ARG;
     if (p->kv_f16 && p->dtype != FA_F32) return FA_ERR_ARG;
-    if ((p->q_f16 || p->out_f16) && !p->kv_f16) return FA_ERR_ARG;
+    if ((p->q_f16 || p->out_f16 || p->bf16) && !p->kv_f16) return FA_ERR_ARG;
     return FA_OK;
 }
 
@@ -504,7 +504,8 @@ static int fa_decode_split(const fa_params *p, const fa_plan *pl, fa_qblock_fn q
                 fa_merge_row_f32(nch, Dv, (const float *)pout + r * Dv, rows * Dv,
                                  (const float *)plse + r, rows, dst, lse);
                 if (p->out_f16)
-                    for (int64_t c = 0; c < Dv; c++) ((uint16_t *)p->out)[o + c] = fa_float_to_half(dst[c]);
+                    for (int64_t c = 0; c < Dv; c++)
+                        ((uint16_t *)p->out)[o + c] = p->bf16 ? fa_float_to_bf16(dst[c]) : fa_float_to_half(dst[c]);
             }
         }
         free(row16);
@@ -527,7 +528,7 @@ int fa_attention_forward(const fa_params *p)
     fa_plan pl;
     rc = fa_make_plan(kern, p, &pl);
     if (rc != FA_OK) return rc;
-    const int ki = p->kv_f16 ? FA_KV16 : p->dtype;
+    const int ki = p->kv_f16 ? (p->bf16 ? FA_KVB16 : FA_KV16) : p->dtype;
     const fa_qblock_fn qblock = kern->qblock[ki];
     const size_t scratch_bytes = kern->scratch_bytes[ki](p, &pl.bl);
     const int64_t items = pl.items;

@@ -60,6 +60,20 @@ unsigned fa_cpu_supported_isas(void)
     return isas;
 }
 
+/* The CPU's bfloat16 instructions (bit 0 AVX512-BF16, bit 1 AMX-BF16), for
+ * show_config: fastattn's bfloat16 path converts to float32 in registers on every
+ * kernel and uses neither yet. */
+unsigned fa_cpu_bf16_features(void)
+{
+    unsigned f = 0;
+#ifdef FA_X86
+    unsigned a, b, c, d;
+    if (__get_cpuid_max(0, NULL) >= 7 && __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 5) & 1)) f |= 1;
+    if (__get_cpuid_max(0, NULL) >= 7 && __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 22) & 1)) f |= 2;
+#endif
+    return f;
+}
+
 /* Size of the L2 cache that one core uses, and where the figure came from.
  * Intel describes its caches in CPUID leaf 4; AMD leaves that leaf empty and
  * describes them in 0x8000001D (the same layout, with TOPOEXT) and, more coarsely,

@@ -55,6 +55,24 @@ static inline uint16_t fa_float_to_half(float f)
     return (uint16_t)(sign | ((r - 0x38000000u) >> 13));
 }
 
+/* bfloat16 <-> float: the high half of the float's bits; to bfloat16 rounds to nearest
+ * even and keeps NaN a (quiet) NaN. */
+static inline float fa_bf16_to_float(uint16_t h)
+{
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t fa_float_to_bf16(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u);
+    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
 #if defined(__SSE2__) || defined(_M_X64)
 #include <emmintrin.h>
 #define FA_HAVE_SSE2 1
@@ -178,13 +196,14 @@ typedef void (*fa_bwd_reduce_fn)(const fa_bwd_ctx *cx, const void *part, int64_t
 typedef void (*fa_exp_fn)(const void *x, void *y, int64_t n);
 
 /* The micro-kernels of one instruction set, for each dtype (index enum fa_dtype;
- * FA_KV16 = float32 compute with float16 K/V). */
+ * FA_KV16 = float32 compute with float16 K/V, FA_KVB16 with bfloat16 K/V). */
 #define FA_KV16 2
+#define FA_KVB16 3
 typedef struct fa_kernel {
     const char *name;
     int lanes[2];        /* vector width in elements */
-    fa_qblock_fn qblock[3];        /* float32, float64, float32 with float16 K/V */
-    fa_scratch_fn scratch_bytes[3];
+    fa_qblock_fn qblock[4];        /* float32, float64, float32 with float16 / bfloat16 K/V */
+    fa_scratch_fn scratch_bytes[4];
     fa_exp_fn exp_array[2];
     fa_bwd_kv_fn bwd_kv[2];        /* float32, float64 */
     fa_bwd_q_fn bwd_q[2];

@@ -25,7 +25,7 @@ extern "C" {
 
 /* The compute type, which is also that of q, k, v, out, lse, bias and ALiBi slopes,
  * except where fa_params.kv_f16 / q_f16 / out_f16 say that k and v / q / out hold
- * float16 (FA_F32 only; lse stays float32). */
+ * float16, or with fa_params.bf16 bfloat16 (FA_F32 only; lse stays float32). */
 enum fa_dtype { FA_F32 = 0, FA_F64 = 1 };
 
 /* Causal convention (DESIGN.md, semantics 5). */
@@ -67,6 +67,7 @@ typedef struct fa_params {
     int isa;            /* < 0: the kernel chosen at start-up; else an enum fa_isa */
     int kv_f16;         /* k and v hold float16 (IEEE half) bits; dtype must be FA_F32 */
     int q_f16, out_f16; /* q / out hold float16 bits (only with kv_f16); lse is f32 */
+    int bf16;           /* the 16-bit arrays above hold bfloat16, not IEEE half   */
     int64_t block_q;    /* query rows per block; 0: chosen by the library (a value is  */
     int64_t block_k;    /* rounded up to the vector width); keys per block; 0: chosen */
 
@@ -157,6 +158,8 @@ int fa_default_isa(void);
  * a 256 KiB guess.  fa_cpu_l2_source says which (a static string). */
 int64_t fa_cpu_l2_bytes(void);
 const char *fa_cpu_l2_source(void);
+/* bfloat16 instructions of this CPU: bit 0 AVX512-BF16, bit 1 AMX-BF16. */
+unsigned fa_cpu_bf16_features(void);
 int fa_set_default_isa(int isa);
 const char *fa_isa_name(int isa);
 

@@ -234,6 +234,29 @@ static inline __m512 fa_half_loadu_n(const uint16_t *p, int n)
 #define FA_KV_LOADU_N(p, n) fa_half_loadu_n((p), (n))
 #define FA_KV_SCALAR(x) fa_half_to_float(x)
 #include "kernels_tmpl.h"
+
+/* ---------------- float32 with bfloat16 K/V: a bfloat16 is a float's high half ---------------- */
+static inline __m512 fa_bf16_loadu(const uint16_t *p)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline __m512 fa_bf16_loadu_n(const uint16_t *p, int n)
+{
+    uint16_t tmp[16] = {0};
+    memcpy(tmp, p, (size_t)n * sizeof(uint16_t));
+    return fa_bf16_loadu(tmp);
+}
+#include "kernels_kv16.h"
+#define FA_NAME(x) x##_kvb16_avx512
+#define FA_KV_HALF 1
+#define FA_KV uint16_t
+#define FA_KV_BCAST(p) _mm512_set1_ps(fa_bf16_to_float(*(p)))
+#define FA_KV_LOADU(p) fa_bf16_loadu(p)
+#define FA_KV_LOADU_N(p, n) fa_bf16_loadu_n((p), (n))
+#define FA_KV_SCALAR(x) fa_bf16_to_float(x)
+#define FA_16_TO_FLOAT(x) fa_bf16_to_float(x)
+#define FA_FLOAT_TO_16(x) fa_float_to_bf16(x)
+#include "kernels_tmpl.h"
 #include "kernels_undef.h"
 
 /* ---------------- float64 ---------------- */
@@ -273,8 +296,9 @@ static inline __m512 fa_half_loadu_n(const uint16_t *p, int n)
 const fa_kernel fa_kernel_avx512 = {
     "avx512",
     {16, 8},
-    {fa_qblock_f32_avx512, fa_qblock_f64_avx512, fa_qblock_kv16_avx512},
-    {fa_scratch_bytes_f32_avx512, fa_scratch_bytes_f64_avx512, fa_scratch_bytes_kv16_avx512},
+    {fa_qblock_f32_avx512, fa_qblock_f64_avx512, fa_qblock_kv16_avx512, fa_qblock_kvb16_avx512},
+    {fa_scratch_bytes_f32_avx512, fa_scratch_bytes_f64_avx512, fa_scratch_bytes_kv16_avx512,
+     fa_scratch_bytes_kvb16_avx512},
     {fa_exp_array_f32_avx512, fa_exp_array_f64_avx512},
     {fa_bwd_kv_f32_avx512, fa_bwd_kv_f64_avx512},
     {fa_bwd_q_f32_avx512, fa_bwd_q_f64_avx512},

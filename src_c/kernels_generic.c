@@ -145,6 +145,26 @@ static inline fa_v4f fa_half_loadu_n(const uint16_t *p, int n)
 #define FA_KV_LOADU_N(p, n) fa_half_loadu_n((p), (n))
 #define FA_KV_SCALAR(x) fa_half_to_float(x)
 #include "kernels_tmpl.h"
+
+/* ---------------- float32 with bfloat16 K/V: a bfloat16 is a float's high half ---------------- */
+static inline fa_v4f fa_bf16_loadu_n(const uint16_t *p, int n)
+{
+    fa_v4f x = {0, 0, 0, 0};
+    for (int i = 0; i < n; i++) x[i] = fa_bf16_to_float(p[i]);
+    return x;
+}
+#define fa_bf16_loadu(p) fa_bf16_loadu_n((p), 4)
+#include "kernels_kv16.h"
+#define FA_NAME(x) x##_kvb16_generic
+#define FA_KV_HALF 1
+#define FA_KV uint16_t
+#define FA_KV_BCAST(p) fa_set1_v4f(fa_bf16_to_float(*(p)))
+#define FA_KV_LOADU(p) fa_bf16_loadu(p)
+#define FA_KV_LOADU_N(p, n) fa_bf16_loadu_n((p), (n))
+#define FA_KV_SCALAR(x) fa_bf16_to_float(x)
+#define FA_16_TO_FLOAT(x) fa_bf16_to_float(x)
+#define FA_FLOAT_TO_16(x) fa_float_to_bf16(x)
+#include "kernels_tmpl.h"
 #include "kernels_undef.h"
 
 /* ---------------- float64 ---------------- */
@@ -182,8 +202,9 @@ static inline fa_v4f fa_half_loadu_n(const uint16_t *p, int n)
 const fa_kernel fa_kernel_generic = {
     "generic",
     {4, 2},
-    {fa_qblock_f32_generic, fa_qblock_f64_generic, fa_qblock_kv16_generic},
-    {fa_scratch_bytes_f32_generic, fa_scratch_bytes_f64_generic, fa_scratch_bytes_kv16_generic},
+    {fa_qblock_f32_generic, fa_qblock_f64_generic, fa_qblock_kv16_generic, fa_qblock_kvb16_generic},
+    {fa_scratch_bytes_f32_generic, fa_scratch_bytes_f64_generic, fa_scratch_bytes_kv16_generic,
+     fa_scratch_bytes_kvb16_generic},
     {fa_exp_array_f32_generic, fa_exp_array_f64_generic},
     {fa_bwd_kv_f32_generic, fa_bwd_kv_f64_generic},
     {fa_bwd_q_f32_generic, fa_bwd_q_f64_generic},

@@ -46,6 +46,11 @@
     FA_TILE_ROW(CASE, 1) FA_TILE_ROW(CASE, 2) FA_TILE_ROW(CASE, 3) FA_TILE_ROW(CASE, 4)          \
     FA_TILE_ROW(CASE, 5) FA_TILE_ROW(CASE, 6)
 
+#ifndef FA_16_TO_FLOAT /* the 16-bit type of q and out with 16-bit K/V: IEEE half */
+#define FA_16_TO_FLOAT(x) fa_half_to_float(x)
+#define FA_FLOAT_TO_16(x) fa_float_to_half(x)
+#endif
+
 #ifndef FA_KV
 #define FA_KV FA_T
 #define FA_KV_BCAST(p) FA_VSET1(*(p))
@@ -488,7 +493,7 @@ static void FA_NAME(fa_setup_rows)(const fa_params *p, const fa_item *it, int64_
 #ifdef FA_KV_HALF
         if (p->q_f16) {
             const uint16_t *qh = (const uint16_t *)p->q + qoff;
-            for (int64_t d = 0; d < D; d++) sc->qt[d * brp + r] = qscale * (FA_T)fa_half_to_float(qh[d]);
+            for (int64_t d = 0; d < D; d++) sc->qt[d * brp + r] = qscale * (FA_T)FA_16_TO_FLOAT(qh[d]);
         } else
 #endif
         {
@@ -861,7 +866,7 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
 #ifdef FA_KV_HALF
         if (p->out_f16) {
             uint16_t *orow = (uint16_t *)sc.orow[r];
-            for (int64_t c = 0; c < Dv; c++) orow[c] = fa_float_to_half((float)acc[c]);
+            for (int64_t c = 0; c < Dv; c++) orow[c] = FA_FLOAT_TO_16((float)acc[c]);
             continue;
         }
 #endif
