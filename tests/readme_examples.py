@@ -27,6 +27,16 @@ ref = fastattn.reference.attention(q[:, :1], k[:, :1], v[:, :1], causal=True)
 fastattn.show_config()    # compiler, OpenMP, threads, which CPU kernel runs and why
 
 # ---- README block
+from fastattn import geometry
+
+gq, gk, gv = (rng.standard_normal((4, 256, 64)) for _ in range(3))   # (H, L, D), float64
+prof = geometry.entropy_profile(gq, gk, causal=True)   # .entropy, .effective_support,
+                                                       # .max_weight, .n_visible: (4, 256)
+row = fastattn.attention_weights(gq, gk, causal=True)[0, 100, :101]   # head 0, query 100
+keys, coords, rest = geometry.simplex_coordinates(row, top_k=5)       # 5 largest + the rest
+points_2d, output_2d = geometry.barycentre_projection(row, gv[0, :101])  # = row @ points_2d
+
+# ---- README block
 B, H, D, T = 1, 32, 128, 8192
 k_cache = np.zeros((B, H, T, D), np.float16)      # preallocated once, filled as tokens arrive
 v_cache = np.zeros((B, H, T, D), np.float16)
