@@ -35,11 +35,12 @@ try:
     from . import _kernels
 except ImportError as _exc:
     raise _source_tree_error(_exc) from None
-from ._api import attention, attention_backward, attention_weights, merge, varlen_attention
+from ._api import (AttentionStats, attention, attention_backward, attention_weights, key_mass, merge,
+                   varlen_attention)
 from ._config import show_config
 
 __version__ = "0.1.0"
-__all__ = ["attention", "attention_backward", "attention_weights", "merge", "varlen_attention", "show_config",
+__all__ = ["attention", "attention_backward", "attention_weights", "key_mass", "AttentionStats", "merge", "varlen_attention", "show_config",
            "reference", "__version__"]
 
 _kernels.select_kernel(_os.environ.get("FASTATTN_DISABLE_CPU_FEATURES", ""))

@@ -6,14 +6,39 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Literal, Sequence, Tuple, Union, overload
+from typing import Any, Literal, NamedTuple, Sequence, Tuple, Union, overload
 
 import numpy as np
 
 from . import _kernels
 from ._typing import Array, ArrayLike, Causal, FloatArray, Layout, Window
 
-__all__ = ["attention", "attention_backward", "attention_weights", "merge", "varlen_attention"]
+__all__ = ["attention", "attention_backward", "attention_weights", "key_mass", "merge",
+           "varlen_attention", "AttentionStats"]
+
+
+class AttentionStats(NamedTuple):
+    """Per-row statistics of the weights (``attention(..., return_stats=True)``), each
+    of shape ``(..., Hq, Lq)`` like lse, float64 for float64 inputs, else float32.
+
+    entropy : ``H = -sum_j p_j log p_j`` in nats, computed in the online pass
+        (``H = log l - sum_j e^(s_j - m) (s_j - m) / l``): 0 at a vertex of the
+        simplex (one key takes all the weight), ``log n`` at its centre.
+    effective_support : ``exp(H)``, how many keys the row really uses (1 .. n).
+    max_weight : the row's largest weight ``exp(max_j s_j - lse)``.
+
+    A row that sees no key has 0 in all three (it has no weights; 0 keeps means over
+    rows finite).  With dropout they describe the weights before dropout, like lse."""
+    entropy: Any
+    effective_support: Any
+    max_weight: Any
+
+
+def _stats(entropy, max_weight, lse):
+    none = np.isneginf(lse)
+    support = np.exp(entropy)
+    support[none] = 0
+    return AttentionStats(entropy, support, max_weight)
 
 _F16 = np.dtype(np.float16)
 _F32 = np.dtype(np.float32)
@@ -340,6 +365,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
               bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
               softcap: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
               layout: Layout = ..., return_lse: Literal[False] = ...,
+              return_stats: Literal[False] = ...,
               out: Array | None = ..., num_threads: int | None = ...) -> FloatArray: ...
 
 
@@ -349,6 +375,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
               bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
               softcap: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
               layout: Layout = ..., return_lse: Literal[True],
+              return_stats: Literal[False] = ...,
               out: Array | None = ..., num_threads: int | None = ...
               ) -> Tuple[FloatArray, FloatArray]: ...
 
@@ -358,18 +385,18 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
               causal: Causal = ..., window: Window = ..., mask: ArrayLike | None = ...,
               bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
               softcap: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
-              layout: Layout = ..., return_lse: bool = ...,
+              layout: Layout = ..., return_lse: bool = ..., return_stats: bool = ...,
               out: Array | None = ..., num_threads: int | None = ...
-              ) -> Union[FloatArray, Tuple[FloatArray, FloatArray]]: ...
+              ) -> Union[FloatArray, Tuple[Any, ...]]: ...
 
 
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None = None,
               causal: Causal = False, window: Window = None, mask: ArrayLike | None = None,
               bias: ArrayLike | None = None, alibi_slopes: ArrayLike | None = None,
               softcap: float | None = None, dropout_p: float = 0.0, seed: int | None = None,
-              layout: Layout = "bhsd", return_lse: bool = False,
+              layout: Layout = "bhsd", return_lse: bool = False, return_stats: bool = False,
               out: Array | None = None, num_threads: int | None = None
-              ) -> Union[FloatArray, Tuple[FloatArray, FloatArray]]:
+              ) -> Union[FloatArray, Tuple[Any, ...]]:
     """Exact scaled dot-product attention, ``softmax(scale * q @ k^T + ...) @ v``.
 
     Computed by a blocked online softmax (FlashAttention-2 loop) in C, OpenMP-parallel
@@ -431,6 +458,10 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
         Axis order of q, k, v and the output: (batch, heads, sequence, features) or
         (batch, sequence, heads, features).  Any strides with a contiguous last axis
         are used in place (e.g. slices of a fused QKV projection (B, L, 3, H, D)).
+    return_stats : bool, optional
+        Also return an :class:`AttentionStats` (last in the tuple): each row's entropy,
+        effective support ``exp(entropy)`` and largest weight, computed in the same
+        pass with one more accumulator (no Lq x Lk weights).
     return_lse : bool, optional
         Also return ``lse = log(sum_j exp(s_ij))`` (natural log) over visible keys,
         shape ``(..., Hq, Lq)`` in either layout: heads before the sequence even for
@@ -463,7 +494,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
             and (return_lse is False or return_lse is True)
             and window is None and mask is None and bias is None and alibi_slopes is None
             and softcap is None and layout == "bhsd"
-            and type(dropout_p) in (float, int) and dropout_p == 0
+            and type(dropout_p) in (float, int) and dropout_p == 0 and return_stats is False
             and (num_threads is None or type(num_threads) is int and num_threads >= 1)):
         res = _kernels.attention_common(q, k, v, causal, return_lse, num_threads or 0)
         if res is not None:
@@ -472,6 +503,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
     fn = "attention"
     pr = _Problem(fn, _as_array(q, "q"), _as_array(k, "k"), _as_array(v, "v"), layout)
     return_lse = _parse_flag(return_lse, "return_lse", fn)
+    return_stats = _parse_flag(return_stats, "return_stats", fn)
     causal_code = _parse_causal(causal)
     scale_f = _parse_scale(scale, pr.D)
     nth = _parse_threads(num_threads)
@@ -488,10 +520,17 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
     else:
         _check_out(out, user_shape, pr.out_dtype, {"q": q, "k": k, "v": v, "mask": mask, "bias": bias})
     out_bhsd = out.swapaxes(-2, -3) if layout == "bshd" and pr.nd > 2 else out
-    lse = np.empty(pr.q.shape[:-1], dtype=pr.lse_dtype) if return_lse else None
+    lse = np.empty(pr.q.shape[:-1], dtype=pr.lse_dtype) if return_lse or return_stats else None
+    if return_stats:
+        variants = variants or _kernels.Variants()
+        variants.entropy, variants.max_weight = (np.zeros(pr.q.shape[:-1], pr.lse_dtype)
+                                                 for _ in range(2))
     if out.size or lse is not None and lse.size:
         _run(pr.q, pr.k, pr.v, out_bhsd, lse, scale_f, causal_code, nth, variants)
-    return out if lse is None else (out, lse)
+    res: Tuple[Any, ...] = (out,) + ((lse,) if return_lse else ())
+    if return_stats:
+        res += (_stats(variants.entropy, variants.max_weight, lse),)
+    return res[0] if len(res) == 1 else res
 
 
 def _run(q, k, v, out, lse, scale, causal, nth, variants=None):
@@ -707,6 +746,46 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     if ds is None:
         return dq, dk, dv
     return dq, dk, dv, _sum_to(ds, _as_array(bias, "bias", fn).shape)
+
+
+def key_mass(q: ArrayLike, k: ArrayLike, *, scale: float | None = None, causal: Causal = False,
+             window: Window = None, mask: ArrayLike | None = None, bias: ArrayLike | None = None,
+             alibi_slopes: ArrayLike | None = None, softcap: float | None = None,
+             layout: Layout = "bhsd", num_threads: int | None = None) -> FloatArray:
+    """For each key, the total weight the queries of each head give it:
+    ``mass[..., h, j] = sum_i p_hij``, shape ``(..., Hq, Lk)`` in either layout.
+
+    The mass each value vertex receives in the barycentres of all the rows (a
+    heavy-hitter / SnapKV-style score for KV-cache eviction).  The arguments are
+    :func:`attention`'s (no values needed).  Computed in two passes without the
+    weights: the forward's lse, then a pass over (key/value head, key chunk) items
+    that recomputes each weight as ``exp(s - lse)`` and adds the query rows in order:
+    O(L) memory, bitwise identical for any thread count.  The masses of a head sum
+    to the number of its rows that see at least one key.  float32 or float64 (16-bit
+    inputs are computed in float32); the weights are those before any dropout.
+    """
+    fn = "key_mass"
+    pr = _Problem(fn, _as_array(q, "q", fn), _as_array(k, "k", fn), None, layout)
+    causal_code = _parse_causal(causal, fn)
+    scale_f = _parse_scale(scale, pr.D, fn)
+    nth = _parse_threads(num_threads, fn)
+    va = pr.variants(window, mask, bias, alibi_slopes, softcap) or _kernels.Variants()
+    dt = pr.dtype
+    qa, ka = (a if a.dtype == dt else a.astype(dt) for a in (pr.q, pr.k))
+    if pr.D == 0:
+        qa, ka = (np.zeros(a.shape[:-1] + (1,), dt) for a in (qa, ka))
+    qa, ka = (a if a.size == 0 or (a.flags.aligned and a.strides[-1] == dt.itemsize
+                                   and not any(s % dt.itemsize for s in a.strides))
+              else _fresh(a) for a in (qa, ka))
+    mass = np.empty(pr.logits_shape[:-2] + (pr.Lk,), dt)
+    if mass.size == 0:
+        return mass
+    lse = np.empty(qa.shape[:-1], dt)
+    v0 = np.zeros(ka.shape[:-1] + (1,), dt)   # the forward for lse only: one zero value column
+    out0 = np.empty(qa.shape[:-1] + (1,), dt)
+    _run(qa, ka, v0, out0, lse, scale_f, causal_code, nth, va)
+    _kernels.key_mass(qa, ka, lse, mass.reshape((pr.B, pr.Hq, pr.Lk)), scale_f, causal_code, nth, va)
+    return mass
 
 
 def merge(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike], *,

@@ -15,6 +15,8 @@ class Variants:
     window_right: int
     dropout_p: float
     seed: int
+    entropy: Any
+    max_weight: Any
     def __init__(self, mask: Any = ..., bias: Any = ..., alibi: Any = ..., softcap: float = ...,
                  window_left: int = ..., window_right: int = ..., cu_q: Any = ...,
                  cu_k: Any = ..., weights: Any = ..., dropout_p: float = ...,
@@ -40,3 +42,5 @@ def backward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, lse: 
              scale: float, causal: int, num_threads: int, block_q: int = ..., block_k: int = ...,
              variants: Variants | None = ..., passes: int = ...) -> None: ...
 def dropout_keep(seed: int, p: float, b: int, h: int, i: int, j: int) -> bool: ...
+def key_mass(q: np.ndarray, k: np.ndarray, lse: np.ndarray, mass: np.ndarray, scale: float,
+             causal: int, num_threads: int, variants: Variants | None = ...) -> None: ...

@@ -42,6 +42,8 @@ cdef extern from "fastattn.h" nogil:
         const int64_t *cu_k
         void *weights
         int64_t w_sb, w_sh, w_sq
+        void *entropy
+        void *max_weight
         double dropout_p
         uint64_t seed
     ctypedef struct fa_bwd_params:
@@ -58,6 +60,7 @@ cdef extern from "fastattn.h" nogil:
         int64_t ds_sb, ds_sh, ds_sq
         int passes
     int fa_attention_backward(const fa_bwd_params *bp)
+    int fa_key_mass(const fa_params *p, void *mass, int64_t m_sb, int64_t m_sh)
     int fa_dropout_keep(uint64_t seed, uint32_t threshold, int64_t b, int64_t h, int64_t i, int64_t j)
     uint32_t fa_dropout_threshold(double p)
     int FA_OK, FA_ERR_NOMEM, FA_ERR_ARG, FA_F32, FA_F64, FA_ISA_COUNT
@@ -264,7 +267,7 @@ cdef class Variants:
     (1, H, total, D) views and the sequence count is len(cu_q) - 1), weights
     (B, Hq, Lq, Lk) output for attention_weights, dropout_p in [0, 1) and its seed
     (an int in [0, 2**64))."""
-    cdef public object mask, bias, alibi, cu_q, cu_k, weights
+    cdef public object mask, bias, alibi, cu_q, cu_k, weights, entropy, max_weight
     cdef public double softcap, dropout_p
     cdef public int64_t window_left, window_right
     cdef public uint64_t seed
@@ -273,6 +276,8 @@ cdef class Variants:
                  window_right=-1, cu_q=None, cu_k=None, weights=None, dropout_p=0.0, seed=0):
         self.dropout_p = dropout_p
         self.seed = seed
+        self.entropy = None
+        self.max_weight = None
         self.mask = mask
         self.bias = bias
         self.alibi = alibi
@@ -317,6 +322,9 @@ cdef void _set_variants(fa_params *p, Variants va, int64_t item) except *:
         p.cu_k = <const int64_t *>cnp.PyArray_DATA(a)
         # the sequences are offsets on the L axis: no batch axis to step along
         p.q_sb = p.k_sb = p.v_sb = p.o_sb = p.lse_sb = 0
+    if va.entropy is not None:  # laid out like lse (the kernel uses lse's strides)
+        p.entropy = cnp.PyArray_DATA(<cnp.ndarray>va.entropy)
+        p.max_weight = cnp.PyArray_DATA(<cnp.ndarray>va.max_weight)
     if va.weights is not None:
         a = <cnp.ndarray>va.weights
         p.weights = cnp.PyArray_DATA(a)
@@ -457,3 +465,25 @@ def backward(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, cnp.n
 def dropout_keep(uint64_t seed, double p, int64_t b, int64_t h, int64_t i, int64_t j):
     """The kernel's dropout decision for weight (b, h, i, j) (True = kept)."""
     return bool(fa_dropout_keep(seed, fa_dropout_threshold(p), b, h, i, j))
+
+
+def key_mass(cnp.ndarray q, cnp.ndarray k, cnp.ndarray lse, cnp.ndarray mass, double scale,
+             int causal, int num_threads, Variants variants=None):
+    """mass (B, Hq, Lk), keys contiguous, written: sum over the queries of each head of
+    its weights, from the forward's lse.  q, k readable in place, float32 or float64
+    (one dtype, with lse and mass)."""
+    cdef fa_params p
+    cdef int64_t item = cnp.PyArray_ITEMSIZE(q)
+    cdef int64_t sh[4]
+    cdef int64_t st[4]
+    cdef int rc
+    for a in (q, k, lse, mass):
+        if not _readable(a, item) or cnp.PyArray_TYPE(a) != cnp.PyArray_TYPE(q):
+            raise ValueError("key_mass: every array must be readable in place, of one dtype")
+    if cnp.PyArray_NDIM(mass) != 3:
+        raise ValueError("key_mass: mass must be (B, Hq, Lk)")
+    _fill(&p, q, k, k, q, lse, scale, causal, num_threads, 0, 0, variants)
+    with nogil:
+        rc = fa_key_mass(&p, cnp.PyArray_DATA(mass), cnp.PyArray_STRIDES(mass)[0] // item,
+                         cnp.PyArray_STRIDES(mass)[1] // item)
+    _check_rc(rc, &p)

@@ -32,7 +32,7 @@ from ._typing import ArrayLike, Causal, Layout, Window
 F64 = np.ndarray  # float64 results (annotated loosely: NumPy's generics add nothing here)
 Seed = Union[int, "np.integer[Any]", None]
 
-__all__ = ["attention", "attention_backward", "attention_weights", "dropout_keep", "merge",
+__all__ = ["attention_stats", "key_mass", "attention", "attention_backward", "attention_weights", "dropout_keep", "merge",
            "philox4x32", "varlen_attention"]
 
 _NEG_INF = -np.inf
@@ -442,6 +442,35 @@ def attention_weights(q: ArrayLike, k: ArrayLike, *, scale: float | None = None,
     if z is not None:
         w = w * z
     return w.reshape(w.shape[4 - lg.ndim:])
+
+
+def attention_stats(q: ArrayLike, k: ArrayLike, *, scale: float | None = None,
+                    causal: Causal = False, window: Window = None,
+                    mask: ArrayLike | None = None, bias: ArrayLike | None = None,
+                    alibi_slopes: ArrayLike | None = None, softcap: float | None = None,
+                    layout: Layout = "bhsd") -> Tuple[F64, F64, F64]:
+    """(entropy, effective_support, max_weight), each (..., Hq, Lq), float64, computed
+    naively from the weights: ``H = -sum p log p`` over the row's weights (0 log 0 = 0),
+    ``exp(H)``, ``max p``; a row with no visible key gets 0 in all three (what
+    ``fastattn.attention(..., return_stats=True)`` documents)."""
+    w = attention_weights(q, k, scale=scale, causal=causal, window=window, mask=mask, bias=bias,
+                          alibi_slopes=alibi_slopes, softcap=softcap, layout=layout)
+    logw = np.log(np.where(w > 0, w, 1.0))
+    entropy = -np.sum(w * logw, axis=-1)
+    empty = ~np.any(w > 0, axis=-1)
+    support = np.where(empty, 0.0, np.exp(entropy))
+    return entropy, support, np.max(w, axis=-1, initial=0.0)
+
+
+def key_mass(q: ArrayLike, k: ArrayLike, *, scale: float | None = None, causal: Causal = False,
+             window: Window = None, mask: ArrayLike | None = None, bias: ArrayLike | None = None,
+             alibi_slopes: ArrayLike | None = None, softcap: float | None = None,
+             layout: Layout = "bhsd") -> F64:
+    """For each key the sum of its weights over the query rows, (..., Hq, Lk), float64:
+    the weights' column sums (no dropout)."""
+    w = attention_weights(q, k, scale=scale, causal=causal, window=window, mask=mask, bias=bias,
+                          alibi_slopes=alibi_slopes, softcap=softcap, layout=layout)
+    return w.sum(axis=-2)
 
 
 def _sum_to_shape(g, shape):

@@ -190,6 +190,11 @@ typedef void (*fa_bwd_kv_fn)(const fa_bwd_ctx *cx, const fa_item *items, int64_t
 /* Pass 2 of the two-pass schedule: dQ (and dS) of the rows of one item. */
 typedef void (*fa_bwd_q_fn)(const fa_bwd_ctx *cx, const fa_item *it, void *scratch);
 typedef size_t (*fa_bwd_scratch_fn)(const fa_bwd_ctx *cx);
+/* key_mass of keys k0 .. k1-1 of one kv head (see fa_key_mass), the accumulators
+ * in acc (G x (k1 - k0) compute-dtype elements), written to out. */
+typedef void (*fa_mass_fn)(const fa_bwd_ctx *cx, const fa_item *items, int64_t nitems, int64_t k0,
+                           int64_t k1, void *scratch, void *acc, void *out, int64_t m_sb,
+                           int64_t m_sh);
 /* dq of rows r0 .. r1-1 (of B Hq Lq) from the nch chunk sums in part. */
 typedef void (*fa_bwd_reduce_fn)(const fa_bwd_ctx *cx, const void *part, int64_t nch, int64_t r0,
                                  int64_t r1);
@@ -209,6 +214,7 @@ typedef struct fa_kernel {
     fa_bwd_q_fn bwd_q[2];
     fa_bwd_scratch_fn bwd_scratch[2];
     fa_bwd_reduce_fn bwd_reduce[2];
+    fa_mass_fn mass[2];
 } fa_kernel;
 
 extern const fa_kernel fa_kernel_generic;

@@ -86,6 +86,10 @@ typedef struct fa_params {
                            strides q_sb, k_sb, ... must be 0); NULL: fixed Lq, Lk */
     void *weights;      /* attention_weights: (B, Hq, Lq, Lk) output instead of out */
     int64_t w_sb, w_sh, w_sq;       /* element strides; the key axis is contiguous */
+    void *entropy;      /* return_stats: (B, Hq, Lq) like lse (lse's strides; lse must
+                           be set): each row's entropy -sum p log p in nats, or NULL */
+    void *max_weight;   /* (B, Hq, Lq) each row's largest weight, or NULL (set with
+                           entropy); a row that sees no key gets 0 in both            */
     double dropout_p;   /* in [0, 1): each weight is kept with probability 1 - p and
                            then scaled by 1 / (1 - p); lse stays that of the
                            undropped softmax.  The decision for (b, h, i, j) is
@@ -121,6 +125,12 @@ typedef struct fa_bwd_params {
 /* Thread-safe; the result is bitwise identical for any thread count.  Memory beyond
  * the arrays: O(B Hq Lq) plus per-thread scratch.  Returns an enum fa_status. */
 int fa_attention_backward(const fa_bwd_params *bp);
+
+/* key_mass: mass[b, h, j] = sum_i p_ij, the total weight the queries of head h give
+ * key j (B, Hq, Lk; element strides m_sb, m_sh, keys contiguous), computed from
+ * p->lse (required: the forward's lse for the same arguments), deterministic.  p->v,
+ * p->out, dropout and stats are ignored; float16, varlen and weights are refused. */
+int fa_key_mass(const fa_params *p, void *mass, int64_t m_sb, int64_t m_sh);
 
 /* The dropout decision (1 = keep) of weight (b, h, i, j) for a threshold
  * t = min(floor(p * 2^32), 2^32 - 1): Philox-4x32-10 with key (seed low 32 bits,

@@ -326,4 +326,5 @@ const fa_kernel fa_kernel_avx2 = {
     {fa_bwd_q_f32_avx2, fa_bwd_q_f64_avx2},
     {fa_bwd_scratch_bytes_f32_avx2, fa_bwd_scratch_bytes_f64_avx2},
     {fa_bwd_reduce_f32_avx2, fa_bwd_reduce_f64_avx2},
+    {fa_mass_kv_f32_avx2, fa_mass_kv_f64_avx2},
 };

@@ -210,4 +210,5 @@ const fa_kernel fa_kernel_generic = {
     {fa_bwd_q_f32_generic, fa_bwd_q_f64_generic},
     {fa_bwd_scratch_bytes_f32_generic, fa_bwd_scratch_bytes_f64_generic},
     {fa_bwd_reduce_f32_generic, fa_bwd_reduce_f64_generic},
+    {fa_mass_kv_f32_generic, fa_mass_kv_f64_generic},
 };

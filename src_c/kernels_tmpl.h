@@ -91,6 +91,7 @@ static inline int64_t FA_NAME(fa_round_up)(int64_t x, int64_t m) { return (x + m
  *   mrow brow orow     brp pointers: a row's mask, bias and output rows */
 typedef struct FA_NAME(fa_scratch) {
     FA_T *qt, *qn, *s, *s2, *o, *m, *l, *alpha, *rlo, *rhi, *slope, *apos, *bt;
+    FA_T *u; /* return_stats: sum_j p_j (s_j - m), rescaled with l; NULL otherwise */
     int64_t *lo, *hi;
     int mask_state, need_range; /* of the current key tile (fa_scores) */
     int key_major;              /* the tile's logits are s[r * bcp + j] (fa_scores) */
@@ -135,6 +136,7 @@ static size_t FA_NAME(fa_layout)(const fa_params *p, const fa_blocks *bl, void *
     sc->m = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
     sc->l = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
     sc->alpha = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
+    sc->u = p->entropy ? (FA_T *)FA_NAME(fa_carve)(&cur, brp * t) : NULL;
     sc->rlo = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
     sc->rhi = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
     sc->slope = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
@@ -291,11 +293,57 @@ static void FA_NAME(fa_qk_dots)(const FA_T *FA_RESTRICT qn, int64_t nr, const FA
  * the sum).  Rows that have seen no visible key keep m = -inf; they use 0 in place
  * of m so that exp(-inf - 0) = 0 and never exp(-inf + inf) = NaN.  Query vectors
  * c0 .. c1-1; colmax, if not NULL, holds their maxima over the block's keys. */
+/* With u (return_stats): also u = sum_j e^(s_j - m) (s_j - m), the row's centred
+ * logit sum, rescaled when m grows: u' = alpha (u + (m_old - m_new) l), so that
+ * the entropy is log l - u / l at the end without the cancellation of lse - E[s].
+ * Hidden keys (s = -inf, e = 0) and a row still at m = -inf add 0. */
+static void FA_NAME(fa_softmax_tile_u)(FA_T *FA_RESTRICT s, int64_t nk, int c0, int c1,
+                                       FA_T *FA_RESTRICT m, FA_T *FA_RESTRICT l,
+                                       FA_T *FA_RESTRICT alpha, int64_t brp,
+                                       const FA_V *FA_RESTRICT colmax, FA_T *FA_RESTRICT u)
+{
+    for (int c = c0; c < c1; c++) {
+        FA_T *sc = s + c * FA_VL;
+        const FA_V m_old = FA_VLOAD(m + c * FA_VL);
+        FA_V m_new = m_old;
+        if (colmax)
+            m_new = FA_VMAX(m_new, colmax[c - c0]);
+        else
+            for (int64_t j = 0; j < nk; j++) m_new = FA_VMAX(m_new, FA_VLOAD(sc + j * brp));
+        const FA_V m_use = FA_VNEGINF_TO_ZERO(m_new);
+        const FA_V a = FA_VEXP(FA_VSUB(m_old, m_use));
+        /* the row sums pair up exactly as in fa_softmax_tile: the output and lse of
+         * a call do not change when the statistics are asked for */
+        FA_V sum0 = FA_VZERO(), sum1 = FA_VZERO(), us = FA_VZERO();
+        for (int64_t j = 0; j < nk; j++) {
+            const FA_V x = FA_VSUB(FA_VLOAD(sc + j * brp), m_use);
+            const FA_V e = FA_VEXP(x);
+            FA_VSTORE(sc + j * brp, e);
+            if (j & 1)
+                sum1 = FA_VADD(sum1, e);
+            else
+                sum0 = FA_VADD(sum0, e);
+            us = FA_VFMA(e, FA_VNEGINF_TO_ZERO(x), us);
+        }
+        const FA_V sum = FA_VADD(sum0, sum1);
+        const FA_V l_old = FA_VLOAD(l + c * FA_VL);
+        const FA_V shift = FA_VMUL(FA_VNEGINF_TO_ZERO(FA_VSUB(m_old, m_use)), l_old);
+        FA_VSTORE(u + c * FA_VL, FA_VFMA(a, FA_VADD(FA_VLOAD(u + c * FA_VL), shift), us));
+        FA_VSTORE(l + c * FA_VL, FA_VFMA(l_old, a, sum));
+        FA_VSTORE(m + c * FA_VL, m_new);
+        FA_VSTORE(alpha + c * FA_VL, a);
+    }
+}
+
 static void FA_NAME(fa_softmax_tile)(FA_T *FA_RESTRICT s, int64_t nk, int c0, int c1,
                                      FA_T *FA_RESTRICT m, FA_T *FA_RESTRICT l,
                                      FA_T *FA_RESTRICT alpha, int64_t brp,
-                                     const FA_V *FA_RESTRICT colmax)
+                                     const FA_V *FA_RESTRICT colmax, FA_T *FA_RESTRICT u)
 {
+    if (u) {
+        FA_NAME(fa_softmax_tile_u)(s, nk, c0, c1, m, l, alpha, brp, colmax, u);
+        return;
+    }
     for (int c = c0; c < c1; c++) {
         FA_T *sc = s + c * FA_VL;
         FA_V m_old = FA_VLOAD(m + c * FA_VL);
@@ -668,7 +716,7 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
     /* A few rows (decoding) and no logit step on this tile: the logits are stored
      * key-major, row r at s + r * bcp, for fa_softmax_row. */
     const int dots = nr <= FA_DOT_ROWS && !sc->force_tile;
-    sc->key_major = dots && !logits && !p->weights && sc->mask_state == 2 &&
+    sc->key_major = dots && !logits && !p->weights && !p->entropy && sc->mask_state == 2 &&
                     !sc->need_range && !(p->softcap > 0) && !p->alibi && !p->bias;
     if (dots)
         FA_NAME(fa_qk_dots)(sc->qn, nr, k + j0 * p->k_sl, p->k_sl, nk, p->D, sc->s,
@@ -793,6 +841,7 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
     for (int64_t i = 0; i < nvl; i++) {
         sc.m[i] = -(FA_T)INFINITY;
         sc.l[i] = (FA_T)0;
+        if (sc.u) sc.u[i] = (FA_T)0;
     }
 
     /* Pass over the visible key blocks: online softmax (and P.V unless only the
@@ -813,13 +862,13 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
             for (int64_t r = 0; r < nr; r++)
                 FA_NAME(fa_softmax_row)(sc.s + r * sc.bcp, nk, sc.m + r, sc.l + r, sc.alpha + r);
         else if (!FA_NAME(fa_has_logit_steps)(p, &sc))
-            FA_NAME(fa_softmax_tile)(sc.s, nk, 0, nv, sc.m, sc.l, sc.alpha, brp, NULL);
+            FA_NAME(fa_softmax_tile)(sc.s, nk, 0, nv, sc.m, sc.l, sc.alpha, brp, NULL, sc.u);
         else /* column by column, each column's logits in L1 for its softmax */
             for (int c = 0; c < nv; c++) {
                 FA_V colmax;
                 const int known = FA_NAME(fa_logit_tile)(p, sc.s, nk, c, c + 1, nr, j0, brp, &sc, &colmax);
                 FA_NAME(fa_softmax_tile)(sc.s, nk, c, c + 1, sc.m, sc.l, sc.alpha, brp,
-                                         known ? &colmax : NULL);
+                                         known ? &colmax : NULL, sc.u);
             }
         if (p->weights) continue;
         if (p->dropout_p > 0) /* after the softmax's sums: lse is that of the undropped weights */
@@ -854,6 +903,12 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
                            : NULL;
         if (lse) lse[0] = sc.l[r] == (FA_T)0 ? -(FA_T)INFINITY
                                              : sc.m[r] + (FA_T)log((double)sc.l[r]);
+        if (p->entropy) { /* H = log l - u / l; the largest weight is e^0 / l */
+            const int64_t o = it->b * p->lse_sb + h * p->lse_sh + row * p->lse_sl;
+            const int none = sc.l[r] == (FA_T)0;
+            ((FA_T *)p->entropy)[o] = none ? (FA_T)0 : (FA_T)(log((double)sc.l[r]) - (double)sc.u[r] / (double)sc.l[r]);
+            ((FA_T *)p->max_weight)[o] = none ? (FA_T)0 : (FA_T)1 / sc.l[r];
+        }
         if (p->weights) continue;
         FA_T *acc = sc.o + r * dvp;
         if (sc.l[r] == (FA_T)0) {
@@ -1236,5 +1291,61 @@ static void FA_NAME(fa_bwd_reduce)(const fa_bwd_ctx *cx, const void *partv, int6
             for (int64_t d = 0; d < n; d++) dq[d0 + d] = scale * tot[d];
         }
     }
+}
+/* key_mass: acc[(h - h_first) * (k1 - k0) + j - k0] = sum over the rows i of query head
+ * h of p_ij = exp(s_ij - lse_i), for keys k0 .. k1-1 of one kv head, from the query
+ * items in order (rows in order within each): the same sums for any thread count.
+ * Then written to out[b, h, j] (strides m_sb, m_sh; keys contiguous). */
+static void FA_NAME(fa_mass_kv)(const fa_bwd_ctx *cx, const fa_item *items, int64_t nitems, int64_t k0,
+                                int64_t k1, void *scratch, void *accv, void *out, int64_t m_sb,
+                                int64_t m_sh)
+{
+    const fa_params *p = &cx->bp->f;
+    const int64_t brp = cx->bl.q, bc = cx->bl.k, nk_all = k1 - k0, G = p->Hq / p->Hkv;
+    FA_NAME(fa_bscratch) sc;
+    FA_NAME(fa_blayout)(cx, scratch, &sc);
+    FA_T *acc = (FA_T *)accv;
+    memset(acc, 0, (size_t)(G * nk_all) * sizeof(FA_T));
+    const int64_t b = items[0].b, g = items[0].g;
+    for (int64_t t = 0; t < nitems; t++) {
+        const fa_item *it = items + t;
+        const int64_t lo = it->kv0 > k0 ? it->kv0 : k0, hi = it->kv1 < k1 ? it->kv1 : k1;
+        const int64_t nr = it->nh * it->nq;
+        if (nr <= 0 || lo >= hi) continue;
+        const int nv = (int)((nr + FA_VL - 1) / FA_VL);
+        const int64_t nvl = (int64_t)nv * FA_VL;
+        FA_NAME(fa_setup_rows)(p, it, nr, nvl, brp, bc, &sc.f);
+        int64_t lo_max = INT64_MIN, hi_min = INT64_MAX;
+        for (int64_t r = 0; r < nvl; r++) {
+            if (r >= nr) {
+                sc.lsev[r] = (FA_T)INFINITY;
+                continue;
+            }
+            const int64_t h = it->h0 + r / it->nq, row = it->qoff + it->q0 + r % it->nq;
+            const FA_T l = ((const FA_T *)p->lse)[it->b * p->lse_sb + h * p->lse_sh + row * p->lse_sl];
+            sc.lsev[r] = l == -(FA_T)INFINITY ? (FA_T)INFINITY : l;
+            if (sc.f.lo[r] > lo_max) lo_max = sc.f.lo[r];
+            if (sc.f.hi[r] < hi_min) hi_min = sc.f.hi[r];
+        }
+        for (int64_t j0 = lo; j0 < hi; j0 += bc) {
+            const int64_t nk = hi - j0 < bc ? hi - j0 : bc;
+            FA_T *s = sc.f.s;
+            if (!FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc.f, 1)) continue;
+            for (int c = 0; c < nv; c++) {
+                const FA_V lv = FA_VLOAD(sc.lsev + (int64_t)c * FA_VL);
+                for (int64_t jj = 0; jj < nk; jj++) {
+                    FA_T *x = s + jj * brp + (int64_t)c * FA_VL;
+                    FA_VSTORE(x, FA_VEXP(FA_VSUB(FA_VLOAD(x), lv)));
+                }
+            }
+            for (int64_t r = 0; r < nr; r++) {
+                FA_T *a = acc + (it->h0 + r / it->nq - g * G) * nk_all + (j0 - k0);
+                for (int64_t jj = 0; jj < nk; jj++) a[jj] += s[jj * brp + r];
+            }
+        }
+    }
+    for (int64_t hh = 0; hh < G; hh++)
+        memcpy((FA_T *)out + b * m_sb + (g * G + hh) * m_sh + k0, acc + hh * nk_all,
+               (size_t)nk_all * sizeof(FA_T));
 }
 #endif /* FA_KV_HALF */
