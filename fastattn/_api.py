@@ -527,10 +527,10 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
                                                  for _ in range(2))
     if out.size or lse is not None and lse.size:
         _run(pr.q, pr.k, pr.v, out_bhsd, lse, scale_f, causal_code, nth, variants)
-    res: Tuple[Any, ...] = (out,) + ((lse,) if return_lse else ())
+    parts: Tuple[Any, ...] = (out,) + ((lse,) if return_lse else ())
     if return_stats:
-        res += (_stats(variants.entropy, variants.max_weight, lse),)
-    return res[0] if len(res) == 1 else res
+        parts += (_stats(variants.entropy, variants.max_weight, lse),)
+    return parts[0] if len(parts) == 1 else parts
 
 
 def _run(q, k, v, out, lse, scale, causal, nth, variants=None):
