@@ -150,6 +150,7 @@ def pytest_terminal_summary(terminalreporter, config):
     _decode_summary(terminalreporter, session.benchmarks)
     _interleaved_summary(terminalreporter, session.benchmarks)
     _backward_summary(terminalreporter, session.benchmarks)
+    _stats_summary(terminalreporter, session.benchmarks)
     rows = _rows(session.benchmarks)
     sgemm = rows.pop("sgemm", {}).get("numpy sgemm")
     sgemm_np = sgemm[1]["flops"] / sgemm[0] / 1e9 if sgemm else None
@@ -265,3 +266,19 @@ def _backward_summary(terminalreporter, benchmarks):
             gf = info["bwd_flops"] / st.min / 1e9
             line += f"   {gf:6.1f} GFLOP/s" + (f" {100 * gf / sgemm_gf:4.0f}%" if sgemm_gf else "")
         w(line)
+
+
+def _stats_summary(terminalreporter, benchmarks):
+    """return_stats / key_mass time over the plain call's, interleaved (bench/test_stats.py)."""
+    rows = [(bm.extra_info, bm.stats) for bm in benchmarks
+            if "stats_case" in (getattr(bm, "extra_info", {}) or {}) and getattr(bm, "stats", None)]
+    if not rows:
+        return
+    w = terminalreporter.write_line
+    w("")
+    w(f"statistics vs the plain call, interleaved (threads={rows[0][0]['threads']}, "
+      f"kernel={rows[0][0]['kernel']}): time / plain time (best / median rounds); "
+      "need <= 1.05 (return_stats), <= 1.6 (key_mass)")
+    for info, st in rows:
+        w(f"  {info['stats_case']:<40} {st.min / info['baseline_min_s']:5.3f}x / "
+          f"{st.median / info['baseline_median_s']:5.3f}x")
