@@ -302,10 +302,25 @@ class _Problem:
         self.Lq, self.D, self.Lk = qs[-2], qs[-1], ks[-2]
         self.logits_shape = (self.B, self.Hq, self.Lq, self.Lk)[4 - nd:]
 
-    def variants(self, window, mask, bias, alibi_slopes, softcap, dropout=(0.0, 0)):
+    def seqlens(self, seqlens_k):
+        """seqlens_k checked: an int array (B,) with entries in [0, Lk], as int64."""
+        fn = self.fn
+        a = _as_array(seqlens_k, "seqlens_k", fn)
+        if a.dtype.kind not in "iu":
+            raise TypeError(f"fastattn.{fn}: seqlens_k must be an integer array, got dtype {a.dtype}")
+        if a.shape != (self.B,):
+            raise ValueError(f"fastattn.{fn}: seqlens_k must have shape (B,) = ({self.B},), one key "
+                             f"length per sequence, got {a.shape} ({self.user_shapes})")
+        if a.size and (a.min() < 0 or a.max() > self.Lk):
+            raise ValueError(f"fastattn.{fn}: seqlens_k must be in [0, Lk={self.Lk}], got "
+                             f"{a.tolist() if a.size <= 20 else str(a[:20].tolist()) + '...'}")
+        return _fresh(a, np.int64)
+
+    def variants(self, window, mask, bias, alibi_slopes, softcap, dropout=(0.0, 0), seqlens_k=None):
         """The optional arguments as a _kernels.Variants (None if all are off);
         dropout is _parse_dropout's (p, seed)."""
         fn, dt = self.fn, self.dtype
+        sl = None if seqlens_k is None else self.seqlens(seqlens_k)
         wl, wr = _parse_window(window, fn)
         cap = _parse_softcap(softcap, fn)
         m = b = al = None
@@ -332,10 +347,12 @@ class _Problem:
                                  f"{' or '.join(map(str, shapes))}, got {al.shape} ({self.user_shapes})")
             al = np.broadcast_to(_compact(al, dt), (self.B, self.Hq))
         if m is None and b is None and al is None and cap == 0 and wl < 0 and wr < 0 \
-                and dropout[0] == 0:
+                and dropout[0] == 0 and sl is None:
             return None
-        return _kernels.Variants(mask=m, bias=b, alibi=al, softcap=cap, window_left=wl,
-                                 window_right=wr, dropout_p=dropout[0], seed=dropout[1])
+        va = _kernels.Variants(mask=m, bias=b, alibi=al, softcap=cap, window_left=wl,
+                               window_right=wr, dropout_p=dropout[0], seed=dropout[1])
+        va.seqlens_k = sl
+        return va
 
 
 def _check_out(out, shape, dtype, inputs):
@@ -364,7 +381,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
               causal: Causal = ..., window: Window = ..., mask: ArrayLike | None = ...,
               bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
               softcap: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
-              layout: Layout = ..., return_lse: Literal[False] = ...,
+              seqlens_k: ArrayLike | None = ..., layout: Layout = ..., return_lse: Literal[False] = ...,
               return_stats: Literal[False] = ...,
               out: Array | None = ..., num_threads: int | None = ...) -> FloatArray: ...
 
@@ -374,7 +391,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
               causal: Causal = ..., window: Window = ..., mask: ArrayLike | None = ...,
               bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
               softcap: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
-              layout: Layout = ..., return_lse: Literal[True],
+              seqlens_k: ArrayLike | None = ..., layout: Layout = ..., return_lse: Literal[True],
               return_stats: Literal[False] = ...,
               out: Array | None = ..., num_threads: int | None = ...
               ) -> Tuple[FloatArray, FloatArray]: ...
@@ -385,7 +402,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
               causal: Causal = ..., window: Window = ..., mask: ArrayLike | None = ...,
               bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
               softcap: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
-              layout: Layout = ..., return_lse: bool = ..., return_stats: bool = ...,
+              seqlens_k: ArrayLike | None = ..., layout: Layout = ..., return_lse: bool = ...,
+              return_stats: bool = ...,
               out: Array | None = ..., num_threads: int | None = ...
               ) -> Union[FloatArray, Tuple[Any, ...]]: ...
 
@@ -394,7 +412,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
               causal: Causal = False, window: Window = None, mask: ArrayLike | None = None,
               bias: ArrayLike | None = None, alibi_slopes: ArrayLike | None = None,
               softcap: float | None = None, dropout_p: float = 0.0, seed: int | None = None,
-              layout: Layout = "bhsd", return_lse: bool = False, return_stats: bool = False,
+              seqlens_k: ArrayLike | None = None, layout: Layout = "bhsd", return_lse: bool = False,
+              return_stats: bool = False,
               out: Array | None = None, num_threads: int | None = None
               ) -> Union[FloatArray, Tuple[Any, ...]]:
     """Exact scaled dot-product attention, ``softmax(scale * q @ k^T + ...) @ v``.
@@ -454,6 +473,13 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
         the same seed sees the same mask without storing it.
     seed : int in [0, 2**64), optional
         Required when ``dropout_p > 0``.
+    seqlens_k : int array (B,), optional
+        Per-sequence key lengths (FlashAttention's ``cache_seqlens``): sequence ``b``
+        sees keys ``[0, seqlens_k[b])`` of its (preallocated) k and v, and causal,
+        window and ALiBi align to that length (bottom-right: its last query sees key
+        ``seqlens_k[b] - 1``).  Batched decoding of requests at different positions
+        then needs no mask and reads only each request's keys.  Entries in
+        ``[0, Lk]``; 0 gives zero rows with lse -inf.
     layout : {'bhsd', 'bshd'}, optional
         Axis order of q, k, v and the output: (batch, heads, sequence, features) or
         (batch, sequence, heads, features).  Any strides with a contiguous last axis
@@ -495,6 +521,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
             and window is None and mask is None and bias is None and alibi_slopes is None
             and softcap is None and layout == "bhsd"
             and type(dropout_p) in (float, int) and dropout_p == 0 and return_stats is False
+            and seqlens_k is None
             and (num_threads is None or type(num_threads) is int and num_threads >= 1)):
         res = _kernels.attention_common(q, k, v, causal, return_lse, num_threads or 0)
         if res is not None:
@@ -508,7 +535,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
     scale_f = _parse_scale(scale, pr.D)
     nth = _parse_threads(num_threads)
     variants = pr.variants(window, mask, bias, alibi_slopes, softcap,
-                           _parse_dropout(dropout_p, seed, fn))
+                           _parse_dropout(dropout_p, seed, fn), seqlens_k)
 
     out_shape = pr.q.shape[:-1] + (pr.v.shape[-1],)
     if layout == "bshd" and pr.nd > 2:
@@ -566,6 +593,7 @@ def attention_weights(q: ArrayLike, k: ArrayLike, *, scale: float | None = None,
                       mask: ArrayLike | None = None, bias: ArrayLike | None = None,
                       alibi_slopes: ArrayLike | None = None, softcap: float | None = None,
                       dropout_p: float = 0.0, seed: int | None = None,
+                      seqlens_k: ArrayLike | None = None,
                       layout: Layout = "bhsd", num_threads: int | None = None) -> FloatArray:
     """The exact attention weights ``softmax(logits)``, shape (..., Hq, Lq, Lk).
 
@@ -583,8 +611,9 @@ def attention_weights(q: ArrayLike, k: ArrayLike, *, scale: float | None = None,
     scale_f = _parse_scale(scale, pr.D, fn)
     nth = _parse_threads(num_threads, fn)
     va = pr.variants(window, mask, bias, alibi_slopes, softcap,
-                     _parse_dropout(dropout_p, seed, fn)) or _kernels.Variants()
-    weights = np.empty(pr.logits_shape, dtype=pr.dtype)
+                     _parse_dropout(dropout_p, seed, fn), seqlens_k) or _kernels.Variants()
+    # keys past a sequence's seqlens_k are never visited: their weights are the zeros here
+    weights = (np.zeros if seqlens_k is not None else np.empty)(pr.logits_shape, dtype=pr.dtype)
     if weights.size == 0:
         return weights
     va.weights = weights.reshape((1,) * (4 - pr.nd) + pr.logits_shape)
@@ -626,7 +655,7 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
                        window: Window = ..., mask: ArrayLike | None = ...,
                        bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
                        softcap: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
-                       layout: Layout = ..., return_dbias: Literal[False] = ...,
+                       seqlens_k: ArrayLike | None = ..., layout: Layout = ..., return_dbias: Literal[False] = ...,
                        num_threads: int | None = ...
                        ) -> Tuple[FloatArray, FloatArray, FloatArray]: ...
 
@@ -637,7 +666,7 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
                        window: Window = ..., mask: ArrayLike | None = ...,
                        bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
                        softcap: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
-                       layout: Layout = ..., return_dbias: Literal[True],
+                       seqlens_k: ArrayLike | None = ..., layout: Layout = ..., return_dbias: Literal[True],
                        num_threads: int | None = ...
                        ) -> Tuple[FloatArray, FloatArray, FloatArray, FloatArray]: ...
 
@@ -648,7 +677,7 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
                        window: Window = ..., mask: ArrayLike | None = ...,
                        bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
                        softcap: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
-                       layout: Layout = ..., return_dbias: bool = ...,
+                       seqlens_k: ArrayLike | None = ..., layout: Layout = ..., return_dbias: bool = ...,
                        num_threads: int | None = ...
                        ) -> Tuple[FloatArray, ...]: ...
 
@@ -658,7 +687,8 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
                        window: Window = None, mask: ArrayLike | None = None,
                        bias: ArrayLike | None = None, alibi_slopes: ArrayLike | None = None,
                        softcap: float | None = None, dropout_p: float = 0.0,
-                       seed: int | None = None, layout: Layout = "bhsd",
+                       seed: int | None = None, seqlens_k: ArrayLike | None = None,
+                       layout: Layout = "bhsd",
                        return_dbias: bool = False, num_threads: int | None = None
                        ) -> Tuple[FloatArray, ...]:
     """Gradients of :func:`attention`: given ``dout = dL/d(out)``, returns
@@ -694,7 +724,7 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
         grads = attention_backward(
             dout, qa_.astype(_F32), ka_.astype(_F32), va_.astype(_F32), out, lse, scale=scale,
             causal=causal, window=window, mask=mask, bias=bias, alibi_slopes=alibi_slopes,
-            softcap=softcap, dropout_p=dropout_p, seed=seed, layout=layout,
+            softcap=softcap, dropout_p=dropout_p, seed=seed, seqlens_k=seqlens_k, layout=layout,
             return_dbias=return_dbias, num_threads=num_threads)
         return tuple(g.astype(x.dtype) for g, x in zip(grads, (qa_, ka_, va_))) + grads[3:]
     if _F16 in (pr.q.dtype, pr.k.dtype, pr.v.dtype):
@@ -709,7 +739,7 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     scale_f = _parse_scale(scale, pr.D, fn)
     nth = _parse_threads(num_threads, fn)
     va = pr.variants(window, mask, bias, alibi_slopes, softcap,
-                     _parse_dropout(dropout_p, seed, fn)) or _kernels.Variants()
+                     _parse_dropout(dropout_p, seed, fn), seqlens_k) or _kernels.Variants()
     swap = layout == "bshd" and pr.nd > 2
 
     def user(shape):  # a (..., H, L, X) shape in the caller's layout
@@ -751,7 +781,8 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
 def key_mass(q: ArrayLike, k: ArrayLike, *, scale: float | None = None, causal: Causal = False,
              window: Window = None, mask: ArrayLike | None = None, bias: ArrayLike | None = None,
              alibi_slopes: ArrayLike | None = None, softcap: float | None = None,
-             layout: Layout = "bhsd", num_threads: int | None = None) -> FloatArray:
+             seqlens_k: ArrayLike | None = None, layout: Layout = "bhsd",
+             num_threads: int | None = None) -> FloatArray:
     """For each key, the total weight the queries of each head give it:
     ``mass[..., h, j] = sum_i p_hij``, shape ``(..., Hq, Lk)`` in either layout.
 
@@ -769,7 +800,8 @@ def key_mass(q: ArrayLike, k: ArrayLike, *, scale: float | None = None, causal: 
     causal_code = _parse_causal(causal, fn)
     scale_f = _parse_scale(scale, pr.D, fn)
     nth = _parse_threads(num_threads, fn)
-    va = pr.variants(window, mask, bias, alibi_slopes, softcap) or _kernels.Variants()
+    va = pr.variants(window, mask, bias, alibi_slopes, softcap, seqlens_k=seqlens_k) \
+        or _kernels.Variants()
     dt = pr.dtype
     qa, ka = (a if a.dtype == dt else a.astype(dt) for a in (pr.q, pr.k))
     if pr.D == 0:

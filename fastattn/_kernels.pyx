@@ -40,6 +40,7 @@ cdef extern from "fastattn.h" nogil:
         int64_t window_left, window_right
         const int64_t *cu_q
         const int64_t *cu_k
+        const int64_t *seqlens_k
         void *weights
         int64_t w_sb, w_sh, w_sq
         void *entropy
@@ -267,7 +268,7 @@ cdef class Variants:
     (1, H, total, D) views and the sequence count is len(cu_q) - 1), weights
     (B, Hq, Lq, Lk) output for attention_weights, dropout_p in [0, 1) and its seed
     (an int in [0, 2**64))."""
-    cdef public object mask, bias, alibi, cu_q, cu_k, weights, entropy, max_weight
+    cdef public object mask, bias, alibi, cu_q, cu_k, weights, entropy, max_weight, seqlens_k
     cdef public double softcap, dropout_p
     cdef public int64_t window_left, window_right
     cdef public uint64_t seed
@@ -278,6 +279,7 @@ cdef class Variants:
         self.seed = seed
         self.entropy = None
         self.max_weight = None
+        self.seqlens_k = None
         self.mask = mask
         self.bias = bias
         self.alibi = alibi
@@ -322,6 +324,8 @@ cdef void _set_variants(fa_params *p, Variants va, int64_t item) except *:
         p.cu_k = <const int64_t *>cnp.PyArray_DATA(a)
         # the sequences are offsets on the L axis: no batch axis to step along
         p.q_sb = p.k_sb = p.v_sb = p.o_sb = p.lse_sb = 0
+    if va.seqlens_k is not None:  # int64, (B,), contiguous, checked by fastattn._api
+        p.seqlens_k = <const int64_t *>cnp.PyArray_DATA(<cnp.ndarray>va.seqlens_k)
     if va.entropy is not None:  # laid out like lse (the kernel uses lse's strides)
         p.entropy = cnp.PyArray_DATA(<cnp.ndarray>va.entropy)
         p.max_weight = cnp.PyArray_DATA(<cnp.ndarray>va.max_weight)

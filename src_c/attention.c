@@ -134,6 +134,11 @@ static int fa_check(const fa_params *p)
     if (!isfinite(p->scale)) return FA_ERR_ARG;
     if (!(p->softcap >= 0) || !isfinite(p->softcap)) return FA_ERR_ARG;
     if ((p->cu_q == NULL) != (p->cu_k == NULL)) return FA_ERR_ARG;
+    if (p->seqlens_k) {
+        if (p->cu_k) return FA_ERR_ARG;
+        for (int64_t b = 0; b < p->B; b++)
+            if (p->seqlens_k[b] < 0 || p->seqlens_k[b] > p->Lk) return FA_ERR_ARG;
+    }
     if (p->kv_f16 && p->dtype != FA_F32) return FA_ERR_ARG;
     if ((p->q_f16 || p->out_f16 || p->bf16) && !p->kv_f16) return FA_ERR_ARG;
     if ((p->entropy == NULL) != (p->max_weight == NULL) || (p->entropy && !p->lse)) return FA_ERR_ARG;
@@ -168,6 +173,12 @@ typedef struct fa_plan {
 static int64_t fa_seq_len(const int64_t *cu, int64_t b, int64_t fixed)
 {
     return cu ? cu[b + 1] - cu[b] : fixed;
+}
+
+/* The keys sequence b sees: its varlen length, its seqlens_k entry, or Lk. */
+static int64_t fa_key_len(const fa_params *p, int64_t b)
+{
+    return p->cu_k ? p->cu_k[b + 1] - p->cu_k[b] : p->seqlens_k ? p->seqlens_k[b] : p->Lk;
 }
 
 static int64_t fa_max_seq_len(const int64_t *cu, int64_t B, int64_t fixed)
@@ -225,7 +236,7 @@ static int fa_make_plan(const fa_kernel *kern, const fa_params *p, fa_plan *pl)
 static void fa_item_make(const fa_params *p, const fa_plan *pl, int64_t b, int64_t g, int64_t hc,
                          int64_t qb, fa_item *it)
 {
-    const int64_t Lq = fa_seq_len(p->cu_q, b, p->Lq), Lk = fa_seq_len(p->cu_k, b, p->Lk);
+    const int64_t Lq = fa_seq_len(p->cu_q, b, p->Lq), Lk = fa_key_len(p, b);
     it->b = b;
     it->g = g;
     it->h0 = g * pl->G + hc * pl->nh;
@@ -332,7 +343,7 @@ static void fa_head_item(const fa_params *p, const fa_plan *pl, int64_t u, fa_it
 static void fa_copy_head(const fa_params *p, int64_t b, int64_t g, char *kvbuf, fa_params *local)
 {
     const size_t item = fa_kv_item(p);
-    const int64_t Lk = fa_seq_len(p->cu_k, b, p->Lk), koff = p->cu_k ? p->cu_k[b] : 0;
+    const int64_t Lk = fa_key_len(p, b), koff = p->cu_k ? p->cu_k[b] : 0;
     char *kc = kvbuf, *vc = kvbuf + (size_t)Lk * (size_t)p->D * item;
     const char *k = (const char *)p->k + (size_t)((b * p->k_sb + g * p->k_sh + koff * p->k_sl) * (int64_t)item);
     const char *v = (const char *)p->v + (size_t)((b * p->v_sb + g * p->v_sh + koff * p->v_sl) * (int64_t)item);
@@ -412,35 +423,27 @@ static void fa_merge_row_f64(int64_t parts, int64_t dv, const double *out, int64
 
 /*
  * Decoding (a few queries against a long KV cache): split-KV.  The keys are cut
- * into chunks whose number and boundaries depend only on Lk, never on the thread
- * count; every (sequence, kv head group, chunk) is a work item that writes a
- * partial (out, lse); the partials are merged in chunk order by the maths of
- * fastattn.merge.  So the threads spread over chunks too (a handful of heads can
- * use every core) and the bits do not depend on how many there are.
- * Used for fixed-length calls with Lq <= FA_DECODE_MAX_LQ (see fa_use_split).
+ * into the chunks of FA_CHUNK_KEYS from key 0 that every path reduces separately;
+ * every (sequence, kv head group, chunk) is a work item that writes that chunk's
+ * partial (out, lse), and the partials are merged in chunk order by fa_merge_step,
+ * exactly as a prefill block merges the same chunks of the same row.  So the
+ * threads spread over chunks too (a handful of heads can use every core), and the
+ * bits depend neither on how many threads there are nor on whether the row was
+ * decoded or part of a prefill.  Used for fixed-length calls with Lq <=
+ * FA_DECODE_MAX_LQ and more than one chunk (see fa_use_split).
  */
 #define FA_DECODE_MAX_LQ 8
-#define FA_DECODE_CHUNK 512  /* target keys per chunk */
-#define FA_DECODE_MAX_CHUNKS 64
-
-static int64_t fa_decode_chunk(int64_t Lk)
-{
-    int64_t n = (Lk + FA_DECODE_CHUNK - 1) / FA_DECODE_CHUNK;
-    if (n > FA_DECODE_MAX_CHUNKS) n = FA_DECODE_MAX_CHUNKS;
-    if (n < 1) n = 1;
-    return ((Lk + n - 1) / n + 63) / 64 * 64;
-}
 
 static int fa_use_split(const fa_params *p)
 {
     return !p->cu_q && !p->weights && !p->entropy && p->Lq <= FA_DECODE_MAX_LQ &&
-           p->Lk > fa_decode_chunk(p->Lk);
+           p->Lk > FA_CHUNK_KEYS;
 }
 
 static int fa_decode_split(const fa_params *p, const fa_plan *pl, fa_qblock_fn qblock,
                            size_t scratch_bytes, int nth_req)
 {
-    const int64_t chunk = fa_decode_chunk(p->Lk), nch = (p->Lk + chunk - 1) / chunk;
+    const int64_t chunk = FA_CHUNK_KEYS, nch = (p->Lk + chunk - 1) / chunk;
     const int64_t rows = p->B * p->Hq * p->Lq, Dv = p->Dv;
     const size_t item = p->dtype == FA_F64 ? 8 : 4;
     char *pout = (char *)fa_scratch_alloc((size_t)(nch * rows * Dv) * item);
@@ -590,42 +593,19 @@ int fa_exp_array(int isa, int dtype, const void *x, void *y, int64_t n)
     return FA_OK;
 }
 
-/* Merging partial attentions, one row at a time, parts in the given order (the
- * maths of fastattn.merge): m = max_p lse_p, w_p = exp(lse_p - m),
- * out = sum_p w_p out_p / sum_p w_p, lse = m + log sum_p w_p.  A part at -inf has
- * w_p = 0 and never touches the row (a non-finite out_p of an empty part cannot
- * leak); an all -inf row gives 0 and -inf; a NaN lse makes the row NaN.
- * Part q's row is at out + q*ostride, its lse at lse[q*lstride]. */
-#define FA_MERGE_ROW(NAME, T, EXP, LOG)                                                      \
+/* One merged row: parts in index order, part q's row at out + q*ostride, its lse at
+ * lse[q*lstride] (the online merge of fa_internal.h). */
+#define FA_MERGE_ROW(NAME, T, SUF)                                                           \
     static void NAME(int64_t parts, int64_t dv, const T *out, int64_t ostride, const T *lse,  \
                      int64_t lstride, T *dst, T *dst_lse)                                   \
     {                                                                                       \
-        T m = -(T)INFINITY;                                                                 \
-        for (int64_t q = 0; q < parts; q++) {                                               \
-            T x = lse[q * lstride];                                                         \
-            if (x > m || x != x) m = x;                                                     \
-            if (m != m) break;                                                              \
-        }                                                                                   \
-        for (int64_t c = 0; c < dv; c++) dst[c] = (T)0;                                     \
-        if (m == -(T)INFINITY) {                                                            \
-            *dst_lse = -(T)INFINITY;                                                        \
-            return;                                                                         \
-        }                                                                                   \
-        T total = 0;                                                                        \
-        for (int64_t q = 0; q < parts; q++) {                                               \
-            T x = lse[q * lstride];                                                         \
-            if (x == -(T)INFINITY) continue;                                                \
-            T w = EXP(x - m);                                                               \
-            total += w;                                                                     \
-            const T *src = out + q * ostride;                                               \
-            for (int64_t c = 0; c < dv; c++) dst[c] += w * src[c];                          \
-        }                                                                                   \
-        const T inv = (T)1 / total;                                                         \
-        for (int64_t c = 0; c < dv; c++) dst[c] *= inv;                                     \
-        *dst_lse = m + LOG(total);                                                          \
+        T M = -(T)INFINITY, tot = 0;                                                        \
+        for (int64_t q = 0; q < parts; q++)                                                 \
+            fa_merge_step_##SUF(&M, &tot, dst, lse[q * lstride], out + q * ostride, dv);    \
+        *dst_lse = fa_merge_finish_##SUF(M, tot, dst, dv);                                  \
     }
-FA_MERGE_ROW(fa_merge_row_f32, float, expf, logf)
-FA_MERGE_ROW(fa_merge_row_f64, double, exp, log)
+FA_MERGE_ROW(fa_merge_row_f32, float, f32)
+FA_MERGE_ROW(fa_merge_row_f64, double, f64)
 
 int fa_merge(int dtype, int64_t parts, int64_t rows, int64_t dv, const void *outs,
              const void *lses, void *out, void *lse)

@@ -137,6 +137,56 @@ static inline void fa_dropout_row(uint64_t seed, uint32_t thresh, int64_t b, int
     }
 }
 
+/*
+ * Merging partial attentions over disjoint key sets, online, one part at a time in
+ * order (fastattn.merge, split-KV decoding, and the key chunks of every row in the
+ * kernels: one code, so every path adds a row's chunks with the same arithmetic).
+ * State: M (the largest lse so far, -inf before the first part), tot (the sum of
+ * exp(lse_p - M)), dst (the sum of exp(lse_p - M) out_p).  A part with lse -inf has
+ * no visible key and is skipped; a NaN lse makes the row NaN.  fma and the libm
+ * exp/log: the same bits whatever instruction set the including file is compiled
+ * for (no contraction can differ).
+ */
+#include <math.h>
+#define FA_MERGE_FNS(SUF, T, EXP, LOG, FMA)                                                      \
+    static inline void fa_merge_step_##SUF(T *M, T *tot, T *dst, T x, const T *src, int64_t dv)    \
+    {                                                                                           \
+        if (x == -(T)INFINITY) return;                                                          \
+        if (*M == -(T)INFINITY) {                                                               \
+            *M = x;                                                                             \
+            *tot = (T)1;                                                                        \
+            for (int64_t c = 0; c < dv; c++) dst[c] = src[c];                                   \
+            return;                                                                             \
+        }                                                                                       \
+        const T m = (x > *M || x != x) ? x : *M, a = EXP(*M - m), b = EXP(x - m);               \
+        *tot = FMA(*tot, a, b);                                                                 \
+        for (int64_t c = 0; c < dv; c++) dst[c] = FMA(dst[c], a, b * src[c]);                   \
+        *M = m;                                                                                 \
+    }                                                                                           \
+    /* dst /= tot and the merged lse (0 and -inf when no part had a visible key) */            \
+    static inline T fa_merge_finish_##SUF(T M, T tot, T *dst, int64_t dv)                       \
+    {                                                                                           \
+        if (M == -(T)INFINITY) {                                                                \
+            for (int64_t c = 0; c < dv; c++) dst[c] = (T)0;                                     \
+            return -(T)INFINITY;                                                                \
+        }                                                                                       \
+        const T inv = (T)1 / tot;                                                               \
+        for (int64_t c = 0; c < dv; c++) dst[c] *= inv;                                         \
+        return M + LOG(tot);                                                                    \
+    }
+FA_MERGE_FNS(f32, float, expf, logf, fmaf)
+FA_MERGE_FNS(f64, double, exp, log, fma)
+#define fa_merge_step(M, tot, dst, x, src, dv)                                                  \
+    _Generic((dst), float *: fa_merge_step_f32, double *: fa_merge_step_f64)(M, tot, dst, x, src, dv)
+#define fa_merge_finish(M, tot, dst, dv)                                                        \
+    _Generic((dst), float *: fa_merge_finish_f32, double *: fa_merge_finish_f64)(M, tot, dst, dv)
+
+/* Keys are reduced in chunks of this many from key 0 (each by the online softmax over
+ * its tiles), and the chunks merged in order with fa_merge_step: in prefill, in
+ * split-KV decoding and in every block, so a row's bits do not depend on the call it
+ * is part of.  A multiple of every default key block. */
+#define FA_CHUNK_KEYS 512
+
 /* Alignment of every scratch piece: one cache line, enough for any vector load. */
 #define FA_ALIGN 64
 

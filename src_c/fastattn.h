@@ -84,6 +84,9 @@ typedef struct fa_params {
     const int64_t *cu_q, *cu_k; /* varlen: B+1 offsets on the L axis of q/out/lse and
                            of k/v (sequence b is rows cu[b] .. cu[b+1]-1; the batch
                            strides q_sb, k_sb, ... must be 0); NULL: fixed Lq, Lk */
+    const int64_t *seqlens_k; /* (B,): sequence b sees keys [0, seqlens_k[b]) of its
+                           k and v (each in [0, Lk]); causal, window and ALiBi align to
+                           that length; NULL: all Lk (not with cu_k)               */
     void *weights;      /* attention_weights: (B, Hq, Lq, Lk) output instead of out */
     int64_t w_sb, w_sh, w_sq;       /* element strides; the key axis is contiguous */
     void *entropy;      /* return_stats: (B, Hq, Lq) like lse (lse's strides; lse must

@@ -171,28 +171,6 @@ static inline void fa_transpose_pd(const double *const *rows, int64_t off, doubl
         _mm256_store_pd(dst + (2 + m) * ds, _mm256_permute2f128_pd(b[m], b[2 + m], 0x31));
     }
 }
-/* Lane i of the result = the sum of x[i]'s lanes, for 8 float or 4 double vectors
- * (pairwise unpacks and adds within 128-bit halves, then the halves folded). */
-#define FA_HAVE_HSUMS 1
-static inline __m256 fa_hsums_ps(const __m256 *x)
-{
-    __m256 y[4], z[2];
-    for (int k = 0; k < 4; k++)
-        y[k] = _mm256_add_ps(_mm256_unpacklo_ps(x[2 * k], x[2 * k + 1]),
-                             _mm256_unpackhi_ps(x[2 * k], x[2 * k + 1]));
-    for (int m = 0; m < 2; m++) {
-        const __m256d a = _mm256_castps_pd(y[2 * m]), b = _mm256_castps_pd(y[2 * m + 1]);
-        z[m] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)),
-                             _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
-    }
-    return _mm256_add_ps(_mm256_permute2f128_ps(z[0], z[1], 0x20), _mm256_permute2f128_ps(z[0], z[1], 0x31));
-}
-static inline __m256d fa_hsums_pd(const __m256d *x)
-{
-    const __m256d y0 = _mm256_add_pd(_mm256_unpacklo_pd(x[0], x[1]), _mm256_unpackhi_pd(x[0], x[1]));
-    const __m256d y1 = _mm256_add_pd(_mm256_unpacklo_pd(x[2], x[3]), _mm256_unpackhi_pd(x[2], x[3]));
-    return _mm256_add_pd(_mm256_permute2f128_pd(y0, y1, 0x20), _mm256_permute2f128_pd(y0, y1, 0x31));
-}
 static inline float fa_reduce_ps(__m256 x)
 {
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
@@ -236,7 +214,6 @@ static inline double fa_reduce_pd(__m256d x)
 #define FA_VIN_RANGE(x, j, lo, hi) fa_in_range_ps((x), (j), (lo), (hi))
 #define FA_VMASK_BYTES(x, p) fa_mask_bytes_ps((x), (p))
 #define FA_VTRANSPOSE(r, o, d, s) fa_transpose_ps((r), (o), (d), (s))
-#define FA_VHSUMS(x) fa_hsums_ps(x)
 #include "kernels_tmpl.h"
 
 /* ---------------- float32 with float16 K/V (decoding caches) ---------------- */
@@ -311,7 +288,6 @@ static inline __m256 fa_bf16_loadu_n(const uint16_t *p, int n)
 #define FA_VIN_RANGE(x, j, lo, hi) fa_in_range_pd((x), (j), (lo), (hi))
 #define FA_VMASK_BYTES(x, p) fa_mask_bytes_pd((x), (p))
 #define FA_VTRANSPOSE(r, o, d, s) fa_transpose_pd((r), (o), (d), (s))
-#define FA_VHSUMS(x) fa_hsums_pd(x)
 #include "kernels_tmpl.h"
 #include "kernels_undef.h"
 

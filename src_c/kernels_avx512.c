@@ -153,36 +153,6 @@ static inline void fa_transpose_pd(const double *const *rows, int64_t off, doubl
         _mm512_store_pd(dst + (6 + m) * ds, o3);
     }
 }
-/* Lane i of the result = the sum of x[i]'s lanes, for 16 float or 8 double
- * vectors (the dot products of one query with 16 or 8 keys at once): pairwise
- * unpacks and adds within 128-bit lanes, then the lanes folded across; 15 adds
- * where one reduction per vector would take 64 operations. */
-#define FA_HAVE_HSUMS 1
-static inline __m512 fa_hsums_ps(const __m512 *x)
-{
-    __m512 y[8], z[4];
-    for (int k = 0; k < 8; k++)
-        y[k] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * k], x[2 * k + 1]),
-                             _mm512_unpackhi_ps(x[2 * k], x[2 * k + 1]));
-    for (int m = 0; m < 4; m++) {
-        const __m512d a = _mm512_castps_pd(y[2 * m]), b = _mm512_castps_pd(y[2 * m + 1]);
-        z[m] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
-    const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x44), _mm512_shuffle_f32x4(z[0], z[1], 0xEE));
-    const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(z[2], z[3], 0x44), _mm512_shuffle_f32x4(z[2], z[3], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
-}
-static inline __m512d fa_hsums_pd(const __m512d *x)
-{
-    __m512d y[4];
-    for (int k = 0; k < 4; k++)
-        y[k] = _mm512_add_pd(_mm512_unpacklo_pd(x[2 * k], x[2 * k + 1]),
-                             _mm512_unpackhi_pd(x[2 * k], x[2 * k + 1]));
-    const __m512d w0 = _mm512_add_pd(_mm512_shuffle_f64x2(y[0], y[1], 0x44), _mm512_shuffle_f64x2(y[0], y[1], 0xEE));
-    const __m512d w1 = _mm512_add_pd(_mm512_shuffle_f64x2(y[2], y[3], 0x44), _mm512_shuffle_f64x2(y[2], y[3], 0xEE));
-    return _mm512_add_pd(_mm512_shuffle_f64x2(w0, w1, 0x88), _mm512_shuffle_f64x2(w0, w1, 0xDD));
-}
 
 /* ---------------- float32 ---------------- */
 #define FA_T float
@@ -214,7 +184,6 @@ static inline __m512d fa_hsums_pd(const __m512d *x)
 #define FA_VIN_RANGE(x, j, lo, hi) fa_in_range_ps((x), (j), (lo), (hi))
 #define FA_VMASK_BYTES(x, p) fa_mask_bytes_ps((x), (p))
 #define FA_VTRANSPOSE(r, o, d, s) fa_transpose_ps((r), (o), (d), (s))
-#define FA_VHSUMS(x) fa_hsums_ps(x)
 #include "kernels_tmpl.h"
 
 /* ---------------- float32 with float16 K/V (decoding caches) ---------------- */
@@ -289,7 +258,6 @@ static inline __m512 fa_bf16_loadu_n(const uint16_t *p, int n)
 #define FA_VIN_RANGE(x, j, lo, hi) fa_in_range_pd((x), (j), (lo), (hi))
 #define FA_VMASK_BYTES(x, p) fa_mask_bytes_pd((x), (p))
 #define FA_VTRANSPOSE(r, o, d, s) fa_transpose_pd((r), (o), (d), (s))
-#define FA_VHSUMS(x) fa_hsums_pd(x)
 #include "kernels_tmpl.h"
 #include "kernels_undef.h"
 

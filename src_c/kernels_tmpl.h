@@ -27,8 +27,6 @@
  * and, optionally (FA_HAVE_TRANSPOSE), a register transpose for bias tiles:
  *   FA_VTRANSPOSE(rows, off, dst, ds)  dst[t * ds + i] = rows[i][off + t] for
  *                               i, t < FA_VL (dst aligned; rows: FA_VL pointers)
- * and, optionally (FA_HAVE_HSUMS), the lane sums of FA_VL vectors at once:
- *   FA_VHSUMS(x)                lane i = the sum of x[i]'s lanes (x: FA_VL vectors)
  *
  * Layout: the query axis is the SIMD axis.  A query block is packed transposed
  * (qt[d][i], pre-multiplied by scale), so S^T = K qt is computed with one key
@@ -65,15 +63,15 @@ static inline int64_t FA_NAME(fa_round_up)(int64_t x, int64_t m) { return (x + m
 #define FA_DOT_PREFETCH 16 /* key rows ahead */
 #endif
 #ifndef FA_DOT_ROWS
-#define FA_DOT_ROWS 8 /* blocks of up to this many rows take the dot-product QK^T */
+#define FA_DOT_ROWS 8 /* blocks of up to this many rows take fa_qk_keys for QK^T */
 #endif
 
 /* The scratch of one thread, carved from one allocation into FA_ALIGN-aligned
  * pieces (brp = the block's query rows, a multiple of FA_VL; dvp = Dv rounded up
  * to FA_VL; bc = keys per block):
  *   qt      D  x brp   Q block, transposed, times scale (or scale/softcap)
- *   qn      rows x dp  the same, untransposed (dp = D rounded up to FA_VL), for
- *                      blocks of at most FA_DOT_ROWS rows (decoding)
+ *   kt      dp x FA_VL a group of keys transposed (fa_qk_keys; dp = D rounded up
+ *                      to FA_VL)
  *   s       bc x brp   logits of one key block, then its probabilities (key-major:
  *                      key j of query row i at s[j * brp + i]; for blocks of at
  *                      most FA_DOT_ROWS rows, row-major s[i * bcp + j] when no
@@ -90,13 +88,15 @@ static inline int64_t FA_NAME(fa_round_up)(int64_t x, int64_t m) { return (x + m
  *   mt      bc x brp   mask tile as bytes, transposed (with a mask only)
  *   mrow brow orow     brp pointers: a row's mask, bias and output rows */
 typedef struct FA_NAME(fa_scratch) {
-    FA_T *qt, *qn, *s, *s2, *o, *m, *l, *alpha, *rlo, *rhi, *slope, *apos, *bt;
+    FA_T *qt, *kt, *s, *s2, *o, *m, *l, *alpha, *rlo, *rhi, *slope, *apos, *bt;
     FA_T *u; /* return_stats: sum_j p_j (s_j - m), rescaled with l; NULL otherwise */
+    /* the running merge of a row's key chunks (fa_merge_step): out, M, tot, and for
+     * return_stats the entropy sum G and the largest logit X */
+    FA_T *mo, *mM, *mtot, *mG, *mX;
     int64_t *lo, *hi;
     int mask_state, need_range; /* of the current key tile (fa_scores) */
     int key_major;              /* the tile's logits are s[r * bcp + j] (fa_scores) */
-    int force_tile;             /* the backward: QK^T always by fa_qk_tile, so a logit's
-                                   bits do not depend on how many rows its block has */
+    int query_major;            /* never key-major (the backward's tiles) */
     int64_t bcp;                /* bc rounded up to FA_VL */
     FA_T *o2;
     uint8_t *mt;
@@ -122,11 +122,10 @@ static size_t FA_NAME(fa_layout)(const fa_params *p, const fa_blocks *bl, void *
     if (!sc) sc = &dummy;
     char *cur = base ? (char *)base : (char *)0 + FA_ALIGN;
     char *first = cur;
-    sc->force_tile = 0;
     sc->qt = (FA_T *)FA_NAME(fa_carve)(&cur, (size_t)p->D * brp * t);
-    sc->qn = (FA_T *)FA_NAME(fa_carve)(
-        &cur, (size_t)FA_DOT_ROWS * (size_t)FA_NAME(fa_round_up)(p->D, FA_VL) * t);
+    sc->kt = (FA_T *)FA_NAME(fa_carve)(&cur, (size_t)FA_NAME(fa_round_up)(p->D, FA_VL) * FA_VL * t);
     sc->bcp = FA_NAME(fa_round_up)((int64_t)bc, FA_VL);
+    sc->query_major = 0;
     {
         const size_t km = (size_t)FA_DOT_ROWS * (size_t)sc->bcp; /* key-major use */
         sc->s = (FA_T *)FA_NAME(fa_carve)(&cur, (bc * brp > km ? bc * brp : km) * t);
@@ -137,6 +136,11 @@ static size_t FA_NAME(fa_layout)(const fa_params *p, const fa_blocks *bl, void *
     sc->l = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
     sc->alpha = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
     sc->u = p->entropy ? (FA_T *)FA_NAME(fa_carve)(&cur, brp * t) : NULL;
+    sc->mo = (FA_T *)FA_NAME(fa_carve)(&cur, brp * dvp * t);
+    sc->mM = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
+    sc->mtot = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
+    sc->mG = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
+    sc->mX = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
     sc->rlo = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
     sc->rhi = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
     sc->slope = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
@@ -206,84 +210,84 @@ static void FA_NAME(fa_qk_tile)(const FA_T *FA_RESTRICT qt, int nv, const FA_KV 
 }
 #undef FA_QK_CASE
 
-/* For blocks of at most FA_DOT_ROWS rows (decoding, where the rows are a GQA group's
- * heads at one position): s[j][r] = q_r . k_j with the feature axis on the SIMD
- * lanes, so each key row is read as whole vectors once for all the rows, instead of
- * one broadcast per element (the transposed tile is built for full vectors of
- * queries and would waste most lanes here). */
-FA_ALWAYS_INLINE void FA_NAME(fa_qk_dot_micro)(const int R, const FA_T *FA_RESTRICT qn, int64_t dp,
-                                               const FA_KV *FA_RESTRICT k, int64_t k_sl, int64_t nk,
-                                               int64_t D, FA_T *FA_RESTRICT s, int64_t ks, int64_t rs)
+/* The logits of a block of at most FA_DOT_ROWS rows (decoding: one position, or a
+ * GQA group's heads at one position) with the keys on the lanes: each group of
+ * FA_VL keys is transposed (kt[d][lane] = k[j0 + lane][d]) and s[j][r] accumulates
+ * k[j][d] * qt[d][r] over d in order, starting from 0 -- exactly the chain of
+ * fa_qk_micro, so a logit has the same bits whether its row was decoded or part of
+ * a prefill block (fa_qk_tile on few rows would leave most lanes empty: 4-5x
+ * slower decoding, measured).  The K stream is the cost here: rows a few groups
+ * ahead are prefetched. */
+/* R rows (a constant after inlining) of one transposed key group: lane i of acc[r]
+ * accumulates kt[d][i] * qt[d][r] over d in order; each kt vector is loaded once
+ * for all the rows. */
+FA_ALWAYS_INLINE void FA_NAME(fa_qk_keys_micro)(const int R, const FA_T *FA_RESTRICT qt, int64_t brp,
+                                                const FA_T *FA_RESTRICT kt, int64_t D,
+                                                FA_T *FA_RESTRICT s, int64_t nj, int64_t ks,
+                                                int64_t rs)
 {
-    const int64_t full = D / FA_VL * FA_VL;
-    const int tail = (int)(D - full);
-    for (int64_t j = 0; j < nk; j++) {
-        const FA_KV *kj = k + j * k_sl;
-        /* the K stream is the whole cost here: ask for rows a few ahead */
-        for (int64_t c = 0; c < D; c += 64 / (int64_t)sizeof(FA_KV))
-            __builtin_prefetch((const void *)((uintptr_t)(kj + c) +
-                                              (uintptr_t)(FA_DOT_PREFETCH * k_sl) * sizeof(FA_KV)));
-        FA_V acc[FA_DOT_ROWS];
-        for (int r = 0; r < R; r++) acc[r] = FA_VZERO();
-        for (int64_t c = 0; c < full; c += FA_VL) {
-            const FA_V kv = FA_KV_LOADU(kj + c);
-            for (int r = 0; r < R; r++) acc[r] = FA_VFMA(FA_VLOAD(qn + r * dp + c), kv, acc[r]);
+    FA_V acc[FA_DOT_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = FA_VZERO();
+    for (int64_t d = 0; d < D; d++) {
+        const FA_V kv = FA_VLOAD(kt + d * FA_VL);
+        for (int r = 0; r < R; r++) acc[r] = FA_VFMA(kv, FA_VSET1(qt[d * brp + r]), acc[r]);
+    }
+    for (int r = 0; r < R; r++) {
+        if (ks == 1 && nj == FA_VL) { /* key-major: the lanes are the row's next keys */
+            FA_VSTOREU(s + r * rs, acc[r]);
+            continue;
         }
-        if (tail) {
-            const FA_V kv = FA_KV_LOADU_N(kj + full, tail);
-            for (int r = 0; r < R; r++) acc[r] = FA_VFMA(FA_VLOAD(qn + r * dp + full), kv, acc[r]);
-        }
-        for (int r = 0; r < R; r++) s[j * ks + r * rs] = FA_VREDUCE(acc[r]);
+        FA_T lanes[FA_VL];
+        FA_VSTOREU(lanes, acc[r]);
+        for (int64_t i = 0; i < nj; i++) s[i * ks + r * rs] = lanes[i];
     }
 }
 
-/* One row, key-major (s[j]): FA_VL keys at a time, each with its own accumulator
- * (independent FMA chains), their sums gathered into one vector by FA_VHSUMS. */
-static void FA_NAME(fa_qk_dot_row)(const FA_T *FA_RESTRICT q, const FA_KV *FA_RESTRICT k,
-                                   int64_t k_sl, int64_t nk, int64_t D, FA_T *FA_RESTRICT s)
+/* ... logit (row r, key j) stored at s[j * ks + r * rs]: query-major (ks = brp, rs =
+ * 1) or key-major (ks = 1, rs = the row stride). */
+static void FA_NAME(fa_qk_keys)(const FA_T *FA_RESTRICT qt, int64_t brp, int64_t nr,
+                                const FA_KV *FA_RESTRICT k, int64_t k_sl, int64_t nk, int64_t D,
+                                FA_T *FA_RESTRICT s, FA_T *FA_RESTRICT kt, int64_t ks, int64_t rs)
 {
-    const int64_t full = D / FA_VL * FA_VL;
-    const int tail = (int)(D - full);
-    int64_t j = 0;
-    for (; j + FA_VL <= nk; j += FA_VL) {
-        const FA_KV *kj = k + j * k_sl;
-        FA_V acc[FA_VL];
-        for (int i = 0; i < FA_VL; i++) { /* rows in memory order */
-            const FA_KV *ki = kj + i * k_sl;
-            /* the K stream is the whole cost here: ask for rows a few ahead */
+    for (int64_t j0 = 0; j0 < nk; j0 += FA_VL) {
+        const int64_t nj = nk - j0 < FA_VL ? nk - j0 : FA_VL;
+        for (int64_t i = 0; i < nj; i++)
             for (int64_t c = 0; c < D; c += 64 / (int64_t)sizeof(FA_KV))
-                __builtin_prefetch((const void *)((uintptr_t)(ki + c) +
-                                                  (uintptr_t)(FA_DOT_PREFETCH * k_sl) * sizeof(FA_KV)));
-            FA_V a = FA_VZERO();
-            for (int64_t c = 0; c < full; c += FA_VL) a = FA_VFMA(FA_VLOAD(q + c), FA_KV_LOADU(ki + c), a);
-            if (tail) a = FA_VFMA(FA_VLOAD(q + full), FA_KV_LOADU_N(ki + full, tail), a);
-            acc[i] = a;
-        }
-#ifdef FA_HAVE_HSUMS
-        FA_VSTOREU(s + j, FA_VHSUMS(acc));
-#else
-        for (int i = 0; i < FA_VL; i++) s[j + i] = FA_VREDUCE(acc[i]);
+                __builtin_prefetch((const void *)(k + (j0 + i + FA_DOT_PREFETCH) * k_sl + c));
+#ifdef FA_HAVE_TRANSPOSE
+        for (int64_t d0 = 0; d0 < D; d0 += FA_VL) {
+            const int nd = (int)(D - d0 < FA_VL ? D - d0 : FA_VL);
+            const FA_T *rows[FA_VL];
+#ifndef FA_KV_HALF
+            if (nj == FA_VL && nd == FA_VL) { /* whole float rows: transposed in place */
+                for (int64_t i = 0; i < FA_VL; i++) rows[i] = k + (j0 + i) * k_sl;
+                FA_VTRANSPOSE(rows, d0, kt + d0 * FA_VL, FA_VL);
+                continue;
+            }
 #endif
-    }
-    if (j < nk) FA_NAME(fa_qk_dot_micro)(1, q, 0, k + j * k_sl, k_sl, nk - j, D, s + j, 1, 0);
-}
-
-static void FA_NAME(fa_qk_dots)(const FA_T *FA_RESTRICT qn, int64_t nr, const FA_KV *FA_RESTRICT k,
-                                int64_t k_sl, int64_t nk, int64_t D, FA_T *FA_RESTRICT s, int64_t ks,
-                                int64_t rs)
-{
-    const int64_t dp = FA_NAME(fa_round_up)(D, FA_VL);
-    if (nr == 1 && ks == 1) {
-        FA_NAME(fa_qk_dot_row)(qn, k, k_sl, nk, D, s);
-        return;
-    }
-    switch (nr) {
-#define FA_DOT_CASE(R) \
-    case R: FA_NAME(fa_qk_dot_micro)(R, qn, dp, k, k_sl, nk, D, s, ks, rs); break;
-        FA_DOT_CASE(1) FA_DOT_CASE(2) FA_DOT_CASE(3) FA_DOT_CASE(4)
-        FA_DOT_CASE(5) FA_DOT_CASE(6) FA_DOT_CASE(7) FA_DOT_CASE(8)
-#undef FA_DOT_CASE
-        default: break;
+            FA_T tmp[FA_VL * FA_VL];
+            for (int64_t i = 0; i < FA_VL; i++) {
+                const FA_KV *kr = k + (j0 + i) * k_sl + d0;
+                const FA_V x = i >= nj ? FA_VZERO() : nd == FA_VL ? FA_KV_LOADU(kr) : FA_KV_LOADU_N(kr, nd);
+                FA_VSTOREU(tmp + i * FA_VL, x);
+                rows[i] = tmp + i * FA_VL;
+            }
+            FA_VTRANSPOSE(rows, 0, kt + d0 * FA_VL, FA_VL);
+        }
+#else
+        for (int64_t d = 0; d < D; d++)
+            for (int64_t i = 0; i < FA_VL; i++)
+                kt[d * FA_VL + i] = i < nj ? (FA_T)FA_KV_SCALAR(k[(j0 + i) * k_sl + d]) : (FA_T)0;
+#endif
+        FA_T *sj = s + j0 * ks;
+        switch (nr) {
+#define FA_KEYS_CASE(R) \
+    case R: FA_NAME(fa_qk_keys_micro)(R, qt, brp, kt, D, sj, nj, ks, rs); break;
+            FA_KEYS_CASE(1) FA_KEYS_CASE(2) FA_KEYS_CASE(3) FA_KEYS_CASE(4)
+            FA_KEYS_CASE(5) FA_KEYS_CASE(6) FA_KEYS_CASE(7) FA_KEYS_CASE(8)
+#undef FA_KEYS_CASE
+            default: break;
+        }
     }
 }
 
@@ -376,41 +380,38 @@ static void FA_NAME(fa_softmax_tile)(FA_T *FA_RESTRICT s, int64_t nk, int c0, in
 }
 
 /* fa_softmax_tile for one row whose logits are contiguous, s[j] (s has room for nk
- * rounded up to FA_VL): vectors over keys, so the exp of FA_VL keys costs one
- * vector exp, not FA_VL exps of which few lanes are used (a block of few rows).
- * A NaN logit gives a NaN probability (so a NaN sum), as in fa_softmax_tile. */
+ * rounded up to FA_VL), with vectors over keys, so the exp of FA_VL keys costs one
+ * vector exp, not FA_VL exps of which one lane is used (decoding).  The same bits
+ * as fa_softmax_tile gives the row in a query-major tile: the same max, the same
+ * exp of each logit (lane-wise), the even and odd keys' sums added one by one in
+ * key order, and alpha and the new sum by the same vector operations. */
 static void FA_NAME(fa_softmax_row)(FA_T *FA_RESTRICT s, int64_t nk, FA_T *FA_RESTRICT m,
                                     FA_T *FA_RESTRICT l, FA_T *FA_RESTRICT alpha)
 {
     const int64_t nkv = FA_NAME(fa_round_up)(nk, FA_VL);
     for (int64_t j = nk; j < nkv; j++) s[j] = -(FA_T)INFINITY; /* padding: p = 0 */
-    FA_V mx = FA_VSET1(-(FA_T)INFINITY);
-    for (int64_t j = 0; j < nkv; j += FA_VL) mx = FA_VMAX(mx, FA_VLOAD(s + j));
+    FA_V mx = FA_VLOAD(s);
+    for (int64_t j = FA_VL; j < nkv; j += FA_VL) mx = FA_VMAX(mx, FA_VLOAD(s + j));
     FA_T lanes[FA_VL], m_new = m[0];
     FA_VSTOREU(lanes, mx);
-    for (int i = 0; i < FA_VL; i++) m_new = m_new > lanes[i] ? m_new : lanes[i];
+    for (int i = 0; i < FA_VL; i++)
+        if (lanes[i] > m_new || lanes[i] != lanes[i]) m_new = lanes[i];
     const FA_T m_use = m_new == -(FA_T)INFINITY ? (FA_T)0 : m_new;
     const FA_V mu = FA_VSET1(m_use);
-    FA_V sum0 = FA_VZERO(), sum1 = FA_VZERO();
+    for (int64_t j = 0; j < nkv; j += FA_VL) FA_VSTORE(s + j, FA_VEXP(FA_VSUB(FA_VLOAD(s + j), mu)));
+    FA_T sum0 = 0, sum1 = 0;
     int64_t j = 0;
-    for (; j + 2 * FA_VL <= nkv; j += 2 * FA_VL) {
-        const FA_V e0 = FA_VEXP(FA_VSUB(FA_VLOAD(s + j), mu));
-        const FA_V e1 = FA_VEXP(FA_VSUB(FA_VLOAD(s + j + FA_VL), mu));
-        FA_VSTORE(s + j, e0);
-        FA_VSTORE(s + j + FA_VL, e1);
-        sum0 = FA_VADD(sum0, e0);
-        sum1 = FA_VADD(sum1, e1);
+    for (; j + 1 < nk; j += 2) {
+        sum0 += s[j];
+        sum1 += s[j + 1];
     }
-    if (j < nkv) {
-        const FA_V e0 = FA_VEXP(FA_VSUB(FA_VLOAD(s + j), mu));
-        FA_VSTORE(s + j, e0);
-        sum0 = FA_VADD(sum0, e0);
-    }
-    FA_VSTOREU(lanes, FA_VEXP(FA_VSET1(m[0] - m_use)));
-    const FA_T a = lanes[0];
-    l[0] = l[0] * a + FA_VREDUCE(FA_VADD(sum0, sum1));
+    if (j < nk) sum0 += s[j];
+    const FA_V a = FA_VEXP(FA_VSUB(FA_VSET1(m[0]), mu));
+    FA_VSTOREU(lanes, FA_VFMA(FA_VSET1(l[0]), a, FA_VSET1(sum0 + sum1)));
+    l[0] = lanes[0];
+    FA_VSTOREU(lanes, a);
+    alpha[0] = lanes[0];
     m[0] = m_new;
-    alpha[0] = a;
 }
 
 /* o[i][c0 ...] = alpha[i] * o[i][c0 ...] + sum_j p[j][i] * v[j][c0 ...] for R query
@@ -525,8 +526,7 @@ static void FA_NAME(fa_setup_rows)(const fa_params *p, const fa_item *it, int64_
     const int64_t left = p->window_left, right = p->window_right;
     const int causal = p->causal != FA_CAUSAL_NONE;
     for (int64_t r = nr; r < nvl; r++) {
-        if (nr > FA_DOT_ROWS || sc->force_tile) /* the dot-product path never reads qt */
-            for (int64_t d = 0; d < D; d++) sc->qt[d * brp + r] = (FA_T)0;
+        for (int64_t d = 0; d < D; d++) sc->qt[d * brp + r] = (FA_T)0;
         sc->lo[r] = 0;
         sc->hi[r] = -1;
         sc->slope[r] = sc->apos[r] = (FA_T)0;
@@ -547,10 +547,6 @@ static void FA_NAME(fa_setup_rows)(const fa_params *p, const fa_item *it, int64_
         {
             const FA_T *qi = (const FA_T *)p->q + qoff;
             for (int64_t d = 0; d < D; d++) sc->qt[d * brp + r] = qscale * qi[d];
-        }
-        if (nr <= FA_DOT_ROWS) {
-            const int64_t dp = FA_NAME(fa_round_up)(D, FA_VL);
-            for (int64_t d = 0; d < dp; d++) sc->qn[r * dp + d] = d < D ? sc->qt[d * brp + r] : (FA_T)0;
         }
         const int64_t a = i + diag; /* the aligned diagonal of this row */
         int64_t lo = 0, hi = Lk - 1;
@@ -714,12 +710,12 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
     if (sc->mask_state == 0) return 0;
     sc->need_range = lo_max > j0 || hi_min < j0 + nk - 1;
     /* A few rows (decoding) and no logit step on this tile: the logits are stored
-     * key-major, row r at s + r * bcp, for fa_softmax_row. */
-    const int dots = nr <= FA_DOT_ROWS && !sc->force_tile;
-    sc->key_major = dots && !logits && !p->weights && !p->entropy && sc->mask_state == 2 &&
-                    !sc->need_range && !(p->softcap > 0) && !p->alibi && !p->bias;
-    if (dots)
-        FA_NAME(fa_qk_dots)(sc->qn, nr, k + j0 * p->k_sl, p->k_sl, nk, p->D, sc->s,
+     * key-major, row r at s + r * bcp, for fa_softmax_row (the same bits). */
+    sc->key_major = nr <= FA_DOT_ROWS && !logits && !sc->query_major && !p->weights && !p->entropy &&
+                    sc->mask_state == 2 && !sc->need_range && !(p->softcap > 0) && !p->alibi &&
+                    !p->bias;
+    if (nr <= FA_DOT_ROWS) /* a few rows (decoding): keys on the lanes, the same bits */
+        FA_NAME(fa_qk_keys)(sc->qt, brp, nr, k + j0 * p->k_sl, p->k_sl, nk, p->D, sc->s, sc->kt,
                             sc->key_major ? 1 : brp, sc->key_major ? sc->bcp : 1);
     else
         FA_NAME(fa_qk_tile)(sc->qt, nv, k + j0 * p->k_sl, p->k_sl, nk, p->D, sc->s, brp);
@@ -818,6 +814,35 @@ static void FA_NAME(fa_dropout_apply)(const fa_params *p, const fa_item *it, int
     }
 }
 
+/* The end of a key chunk: each row's chunk result, normalized (out_c = o / l,
+ * lse_c = m + log l, exactly what a split-KV decode item writes for that chunk), is
+ * merged into the row's running merge; with return_stats the entropy too, by the
+ * chain rule H = sum_c pi_c (h_c - log pi_c), kept relative to the running M. */
+static void FA_NAME(fa_fold_chunk)(FA_NAME(fa_scratch) *sc, int64_t nr, int64_t Dv, int64_t dvp)
+{
+    for (int64_t r = 0; r < nr; r++) {
+        const FA_T l = sc->l[r];
+        FA_T *o = sc->o + r * dvp;
+        if (l == (FA_T)0) continue; /* no visible key in this chunk: lse_c = -inf, skipped */
+        const FA_T x = sc->m[r] + (FA_T)log((double)l);
+        const FA_T inv = (FA_T)1 / l;
+        for (int64_t c = 0; c < Dv; c++) o[c] *= inv;
+        if (sc->u) {
+            const FA_T hc = (FA_T)(log((double)l) - (double)sc->u[r] / (double)l);
+            if (sc->mM[r] == -(FA_T)INFINITY) {
+                sc->mG[r] = hc;
+                sc->mX[r] = sc->m[r];
+            } else {
+                const FA_T M = sc->mM[r], mn = (x > M || x != x) ? x : M;
+                const FA_T a = (FA_T)exp((double)(M - mn)), b = (FA_T)exp((double)(x - mn));
+                sc->mG[r] = a * (sc->mG[r] + (mn - M) * sc->mtot[r]) + b * (hc - (x - mn));
+                if (sc->m[r] > sc->mX[r]) sc->mX[r] = sc->m[r];
+            }
+        }
+        fa_merge_step(&sc->mM[r], &sc->mtot[r], sc->mo + r * dvp, x, o, Dv);
+    }
+}
+
 /* One work item: nr = nh * nq rows against the keys [kv0, kv1) of one kv head. */
 static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa_item *it,
                                void *scratch)
@@ -837,17 +862,27 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
         if (sc.lo[r] > lo_max) lo_max = sc.lo[r];
         if (sc.hi[r] < hi_min) hi_min = sc.hi[r];
     }
+    for (int64_t i = 0; i < nvl; i++) {
+        sc.mM[i] = sc.mX[i] = -(FA_T)INFINITY;
+        sc.mtot[i] = sc.mG[i] = (FA_T)0;
+    }
+
+    /* The visible keys in chunks of FA_CHUNK_KEYS from key 0, each by the online
+     * softmax over its tiles (and P.V unless only the weights are wanted), then
+     * merged into the running result.  Tiles start at multiples of bc from key 0
+     * (not at this block's first visible key), so a row meets the same tiles and
+     * chunks in every call it is part of. */
+    const int64_t kv0 = it->kv0 / bc * bc;
+    for (int64_t c0 = kv0 / FA_CHUNK_KEYS * FA_CHUNK_KEYS; c0 < it->kv1; c0 += FA_CHUNK_KEYS) {
+    const int64_t lo = kv0 > c0 ? kv0 : c0, hi = it->kv1 - c0 < FA_CHUNK_KEYS ? it->kv1 : c0 + FA_CHUNK_KEYS;
     for (int64_t i = 0; i < nr * dvp; i++) sc.o[i] = (FA_T)0;
     for (int64_t i = 0; i < nvl; i++) {
         sc.m[i] = -(FA_T)INFINITY;
         sc.l[i] = (FA_T)0;
         if (sc.u) sc.u[i] = (FA_T)0;
     }
-
-    /* Pass over the visible key blocks: online softmax (and P.V unless only the
-     * weights are wanted). */
-    for (int64_t j0 = it->kv0; j0 < it->kv1; j0 += bc) {
-        const int64_t nk = it->kv1 - j0 < bc ? it->kv1 - j0 : bc;
+    for (int64_t j0 = lo; j0 < hi; j0 += bc) {
+        const int64_t nk = hi - j0 < bc ? hi - j0 : bc;
 #ifdef FA_KV_HALF
         /* float16 decoding: ask for this tile's V rows now, so that they arrive while
          * QK^T and the softmax run (measured: 3-7% faster; for float32 V, twice the
@@ -894,30 +929,24 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
         else
             FA_NAME(fa_pv_tile_nonfinite)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, vt, dvp);
     }
+    FA_NAME(fa_fold_chunk)(&sc, nr, Dv, dvp);
+    }
 
-    /* Normalize once.  A row that saw no visible key (l == 0) gives 0 and lse -inf;
-     * a NaN row keeps its NaN in both. */
+    /* The merged rows.  A row that saw no visible key gives 0 and lse -inf; a NaN
+     * row keeps its NaN in both.  mM is left holding each row's lse. */
     for (int64_t r = 0; r < nr; r++) {
         const int64_t h = it->h0 + r / it->nq, row = it->qoff + it->q0 + r % it->nq;
-        FA_T *lse = p->lse ? (FA_T *)p->lse + it->b * p->lse_sb + h * p->lse_sh + row * p->lse_sl
-                           : NULL;
-        if (lse) lse[0] = sc.l[r] == (FA_T)0 ? -(FA_T)INFINITY
-                                             : sc.m[r] + (FA_T)log((double)sc.l[r]);
-        if (p->entropy) { /* H = log l - u / l; the largest weight is e^0 / l */
-            const int64_t o = it->b * p->lse_sb + h * p->lse_sh + row * p->lse_sl;
-            const int none = sc.l[r] == (FA_T)0;
-            ((FA_T *)p->entropy)[o] = none ? (FA_T)0 : (FA_T)(log((double)sc.l[r]) - (double)sc.u[r] / (double)sc.l[r]);
-            ((FA_T *)p->max_weight)[o] = none ? (FA_T)0 : (FA_T)1 / sc.l[r];
+        const int64_t lo_ = it->b * p->lse_sb + h * p->lse_sh + row * p->lse_sl;
+        FA_T *acc = sc.mo + r * dvp;
+        const FA_T tot = sc.mtot[r], lse_r = fa_merge_finish(sc.mM[r], tot, acc, Dv);
+        if (p->lse) ((FA_T *)p->lse)[lo_] = lse_r;
+        if (p->entropy) { /* H = G / tot + log tot; the largest weight exp(X - lse) */
+            const int none = lse_r == -(FA_T)INFINITY;
+            ((FA_T *)p->entropy)[lo_] = none ? (FA_T)0 : sc.mG[r] / tot + (FA_T)log((double)tot);
+            ((FA_T *)p->max_weight)[lo_] = none ? (FA_T)0 : (FA_T)exp((double)(sc.mX[r] - lse_r));
         }
+        sc.mM[r] = lse_r;
         if (p->weights) continue;
-        FA_T *acc = sc.o + r * dvp;
-        if (sc.l[r] == (FA_T)0) {
-            for (int64_t c = 0; c < Dv; c++) acc[c] = (FA_T)0;
-        } else {
-            /* one division per row, then multiplies (a vector divide costs ~10x) */
-            const FA_T inv = (FA_T)1 / sc.l[r];
-            for (int64_t c = 0; c < Dv; c++) acc[c] *= inv;
-        }
 #ifdef FA_KV_HALF
         if (p->out_f16) {
             uint16_t *orow = (uint16_t *)sc.orow[r];
@@ -932,9 +961,10 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
     /* attention_weights: a second pass recomputes each tile's logits with the same
      * code and writes exp(s - m) / l, transposed into the (Lq, Lk) rows; keys no
      * row can see are written as 0. */
-    for (int64_t i = 0; i < nvl; i++) {
-        sc.alpha[i] = sc.l[i] == (FA_T)0 ? (FA_T)0 : (FA_T)1 / sc.l[i];
-        sc.m[i] = sc.m[i] == -(FA_T)INFINITY ? (FA_T)0 : sc.m[i];
+    for (int64_t i = 0; i < nvl; i++) { /* weights = exp(s - lse) */
+        const int none = i >= nr || sc.mM[i] == -(FA_T)INFINITY;
+        sc.alpha[i] = none ? (FA_T)0 : (FA_T)1;
+        sc.m[i] = none ? (FA_T)0 : sc.mM[i];
     }
     for (int64_t r = 0; r < nr; r++) {
         const int64_t h = it->h0 + r / it->nq, row = it->qoff + it->q0 + r % it->nq;
@@ -996,8 +1026,9 @@ static void FA_NAME(fa_exp_array)(const void *xv, void *yv, int64_t n)
  * Determinism: each output row is one chain of fused multiply-adds over the
  * reduction index in ascending order (keys for dQ; item by item, row by row for
  * dK and dV), so neither the thread count nor the tiling of the other axis
- * changes a bit; S is always computed by fa_qk_tile (force_tile) for the same
- * reason. */
+ * changes a bit; S and dP are the forward's logits, the same bits for any block
+ * (fa_qk_tile, or fa_qk_keys for a few rows, add the same products in the same
+ * order). */
 
 /* The scratch of the backward: the forward's (fa_layout), then
  *   dot  Dv x brp  dO block, transposed         don  brp x dvp  dO block, rows
@@ -1024,7 +1055,7 @@ static size_t FA_NAME(fa_blayout)(const fa_bwd_ctx *cx, void *base, FA_NAME(fa_b
     if (!sc) sc = &dummy;
     char *first = base ? (char *)base : (char *)0 + FA_ALIGN;
     char *cur = first + FA_NAME(fa_layout)(p, &cx->bl, base, &sc->f);
-    sc->f.force_tile = 1;
+    sc->f.query_major = 1;
     sc->dot = (FA_T *)FA_NAME(fa_carve)(&cur, (size_t)p->Dv * brp * t);
     sc->don = (FA_T *)FA_NAME(fa_carve)(&cur, brp * dvp * t);
     sc->qr = (FA_T *)FA_NAME(fa_carve)(&cur, brp * dkp * t);
@@ -1266,7 +1297,9 @@ static void FA_NAME(fa_bwd_q)(const fa_bwd_ctx *cx, const fa_item *it, void *scr
     FA_NAME(fa_bscratch) sc;
     FA_NAME(fa_blayout)(cx, scratch, &sc);
     if (it->nh * it->nq <= 0) return;
-    FA_NAME(fa_bwd_chunks)(cx, it, 0, it->Lk, cx->kc, 1, NULL, NULL, &sc, NULL, 0);
+    /* all of the call's key chunks (zeros past this sequence's keys), as the other
+     * schedules add them */
+    FA_NAME(fa_bwd_chunks)(cx, it, 0, cx->bp->f.Lk, cx->kc, 1, NULL, NULL, &sc, NULL, 0);
     FA_NAME(fa_bwd_store_dq)(cx, it, sc.qs);
 }
 

@@ -28,7 +28,6 @@
 #undef FA_VIN_RANGE
 #undef FA_VMASK_BYTES
 #undef FA_VTRANSPOSE
-#undef FA_VHSUMS
 #undef FA_VREDUCE
 #undef FA_KV
 #undef FA_KV_BCAST
