@@ -151,6 +151,7 @@ def pytest_terminal_summary(terminalreporter, config):
     _interleaved_summary(terminalreporter, session.benchmarks)
     _backward_summary(terminalreporter, session.benchmarks)
     _stats_summary(terminalreporter, session.benchmarks)
+    _bf16_summary(terminalreporter, session.benchmarks)
     rows = _rows(session.benchmarks)
     sgemm = rows.pop("sgemm", {}).get("numpy sgemm")
     sgemm_np = sgemm[1]["flops"] / sgemm[0] / 1e9 if sgemm else None
@@ -282,3 +283,26 @@ def _stats_summary(terminalreporter, benchmarks):
     for info, st in rows:
         w(f"  {info['stats_case']:<40} {st.min / info['baseline_min_s']:5.3f}x / "
           f"{st.median / info['baseline_median_s']:5.3f}x")
+
+
+def _bf16_summary(terminalreporter, benchmarks):
+    """bfloat16 and seqlens_k cases (bench/test_bf16.py): baseline time / fastattn time."""
+    rows = [(bm.extra_info, bm.stats) for bm in benchmarks
+            if "bf16_case" in (getattr(bm, "extra_info", {}) or {}) and getattr(bm, "stats", None)]
+    if not rows:
+        return
+    w = terminalreporter.write_line
+    w("")
+    w(f"bfloat16 and seqlens_k, interleaved (threads={rows[0][0]['threads']}, "
+      f"kernel={rows[0][0]['kernel']}): baseline time / fastattn time (best / median rounds)")
+    for info, st in rows:
+        extra = ""
+        if info.get("gflops"):
+            extra = f"   {info['gflops']:.1f} GFLOP/s"
+        if info.get("gbps"):
+            extra = (f"   {info['gbps']:.1f} GB/s, {100 * info['gbps'] / info['read_bandwidth_gbps']:.0f}% "
+                     "of the read bandwidth")
+        if info.get("bytes_ratio"):
+            extra = f"   (time ratio {st.min / info['baseline_min_s']:.2f}, bytes ratio {info['bytes_ratio']:.2f})"
+        w(f"  {info['bf16_case']:<52} {info['baseline_min_s'] / st.min:5.2f}x / "
+          f"{info['baseline_median_s'] / st.median:5.2f}x{extra}")

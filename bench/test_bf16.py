@@ -1,0 +1,151 @@
+"""bfloat16 and per-sequence cache lengths, interleaved with their baselines in one
+process (each baseline call just before every timed round, 0.1 s idle around it).
+
+- prefill bf16 (ml_dtypes.bfloat16 q/k/v) against PyTorch's bf16 SDPA and against
+  fastattn float32, and its GFLOP/s;
+- decode against a bf16 K/V cache against the float32 cache, and the bytes read per
+  second against the machine's read bandwidth;
+- fwd+bwd bf16 against PyTorch's bf16 autograd;
+- seqlens_k: a batch of 4 decode rows at cache lengths [8192, 512, 512, 512] against
+  4 x 8192 (the bytes read are ~0.31x).
+Every case checks its result against the float64 oracle (sampled rows for big ones).
+"""
+import time
+
+import numpy as np
+import pytest
+
+import fastattn
+from fastattn import reference
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _torch_bf16(torch, x):
+    return torch.from_numpy(x.view(np.uint16).astype(np.int16)).view(torch.bfloat16)
+
+
+def _interleaved(benchmark, ours, base, rounds):
+    times = []
+
+    def run_base():
+        time.sleep(0.1)
+        t = time.perf_counter()
+        base()
+        times.append(time.perf_counter() - t)
+        time.sleep(0.1)
+    res = benchmark.pedantic(ours, setup=run_base, rounds=rounds, iterations=1, warmup_rounds=1)
+    times = times[-rounds:]
+    return res, min(times), float(np.median(times))
+
+
+PREFILL = {"B1 H8 L4096 D64": (1, 8, 4096, 64), "B1 H8 L2048 D128": (1, 8, 2048, 128)}
+CASES = [(n, b) for n in PREFILL for b in ("torch bf16", "fastattn float32")]
+
+
+@pytest.mark.parametrize("name,baseline", CASES, ids=[f"{n.replace(' ', '-')}-vs-{b.replace(' ', '-')}"
+                                                      for n, b in CASES])
+def test_prefill_bf16(benchmark, bench_threads, name, baseline):
+    B, H, L, D = PREFILL[name]
+    if benchmark.disabled:
+        L = 256
+    rng = np.random.default_rng(0)
+    q32, k32, v32 = (rng.standard_normal((B, H, L, D), dtype=np.float32) for _ in range(3))
+    q, k, v = (x.astype(BF16) for x in (q32, k32, v32))
+    if baseline == "torch bf16":
+        torch = pytest.importorskip("torch")
+        torch.set_num_threads(bench_threads)
+        tq, tk, tv = (_torch_bf16(torch, x) for x in (q, k, v))
+
+        def base():
+            with torch.no_grad():
+                return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv)
+    else:
+        def base():
+            return fastattn.attention(q32, k32, v32, num_threads=bench_threads)
+    out, bmin, bmed = _interleaved(benchmark, lambda: fastattn.attention(q, k, v, num_threads=bench_threads),
+                                   base, 3)
+    rows = np.linspace(0, L - 1, 6).astype(int)
+    ref = reference.attention(q32.astype(BF16).astype(np.float64)[0, 0, rows],
+                              k.astype(np.float64)[0, 0], v.astype(np.float64)[0, 0])
+    err = float(np.max(np.abs(out[0, 0, rows].astype(np.float64) - ref)) / np.max(np.abs(ref)))
+    assert err <= 5e-3
+    st = benchmark.stats.stats if benchmark.stats else None
+    benchmark.group = f"bf16 {name}"
+    benchmark.extra_info.update(bf16_case=f"prefill {name} vs {baseline}", baseline_min_s=bmin,
+                                baseline_median_s=bmed, threads=bench_threads,
+                                kernel=fastattn._kernels.current_kernel(),
+                                gflops=4.0 * B * H * L * L * D / st.min / 1e9 if st else None)
+
+
+def test_decode_bf16_cache(benchmark, bench_threads, read_bandwidth):
+    H, Lk, D = 32, 8192, 128
+    if benchmark.disabled:
+        Lk = 1024
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, H, 1, D), dtype=np.float32)
+    k32, v32 = (rng.standard_normal((1, H, Lk, D), dtype=np.float32) for _ in range(2))
+    k, v = k32.astype(BF16), v32.astype(BF16)
+    out, bmin, bmed = _interleaved(benchmark, lambda: fastattn.attention(q, k, v, num_threads=bench_threads),
+                                   lambda: fastattn.attention(q, k32, v32, num_threads=bench_threads), 7)
+    ref = reference.attention(q[0].astype(np.float64), k[0].astype(np.float64), v[0].astype(np.float64))
+    assert np.max(np.abs(out[0] - ref)) <= 1e-5 * np.max(np.abs(ref))
+    st = benchmark.stats.stats if benchmark.stats else None
+    nbytes = k.nbytes + v.nbytes
+    benchmark.group = "bf16 decode"
+    benchmark.extra_info.update(bf16_case=f"decode H{H} Lk{Lk} D{D} bf16 K/V vs float32 K/V",
+                                baseline_min_s=bmin, baseline_median_s=bmed, threads=bench_threads,
+                                kernel=fastattn._kernels.current_kernel(),
+                                gbps=nbytes / st.min / 1e9 if st else None,
+                                read_bandwidth_gbps=read_bandwidth(nbytes) / 1e9 if st else None)
+
+
+def test_fwd_bwd_bf16(benchmark, bench_threads):
+    torch = pytest.importorskip("torch")
+    torch.set_num_threads(bench_threads)
+    B, H, L, D = 1, 8, 2048, 64
+    if benchmark.disabled:
+        L = 256
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal((B, H, L, D), dtype=np.float32).astype(BF16) for _ in range(4))
+    tq, tk, tv = (_torch_bf16(torch, x).requires_grad_() for x in (q, k, v))
+    tdo = _torch_bf16(torch, dout)
+
+    def base():
+        for x in (tq, tk, tv):
+            x.grad = None
+        torch.nn.functional.scaled_dot_product_attention(tq, tk, tv).backward(tdo)
+
+    def ours():
+        out, lse = fastattn.attention(q, k, v, return_lse=True, num_threads=bench_threads)
+        return fastattn.attention_backward(dout, q, k, v, out, lse, num_threads=bench_threads)
+    grads, bmin, bmed = _interleaved(benchmark, ours, base, 3)
+    for g, t in zip(grads, (tq.grad, tk.grad, tv.grad)):
+        t = t.float().numpy()
+        assert np.max(np.abs(g.astype(np.float32) - t)) <= 3e-2 * np.max(np.abs(t))
+    benchmark.group = "bf16 fwd+bwd"
+    benchmark.extra_info.update(bf16_case=f"fwd+bwd B{B} H{H} L{L} D{D} bf16 vs torch bf16",
+                                baseline_min_s=bmin, baseline_median_s=bmed, threads=bench_threads,
+                                kernel=fastattn._kernels.current_kernel())
+
+
+def test_seqlens_k_decode(benchmark, bench_threads):
+    B, H, Lk, D = 4, 8, 8192, 128
+    if benchmark.disabled:
+        Lk = 2048
+    lens = np.array([Lk, Lk // 16, Lk // 16, Lk // 16])
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((B, H, 1, D), dtype=np.float32)
+    k, v = (rng.standard_normal((B, H, Lk, D), dtype=np.float32) for _ in range(2))
+    out, bmin, bmed = _interleaved(
+        benchmark, lambda: fastattn.attention(q, k, v, seqlens_k=lens, num_threads=bench_threads),
+        lambda: fastattn.attention(q, k, v, num_threads=bench_threads), 7)
+    for b in (0, 1):
+        ref = reference.attention(q[b], k[b, :, :lens[b]], v[b, :, :lens[b]])
+        assert np.max(np.abs(out[b] - ref)) <= 3e-5 * np.max(np.abs(ref))
+    benchmark.group = "seqlens_k decode"
+    benchmark.extra_info.update(bf16_case=f"decode B{B} H{H} seqlens_k {lens.tolist()} vs all {Lk}",
+                                baseline_min_s=bmin, baseline_median_s=bmed, threads=bench_threads,
+                                kernel=fastattn._kernels.current_kernel(),
+                                bytes_ratio=float(lens.sum() / (B * Lk)))
