@@ -874,62 +874,62 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
      * chunks in every call it is part of. */
     const int64_t kv0 = it->kv0 / bc * bc;
     for (int64_t c0 = kv0 / FA_CHUNK_KEYS * FA_CHUNK_KEYS; c0 < it->kv1; c0 += FA_CHUNK_KEYS) {
-    const int64_t lo = kv0 > c0 ? kv0 : c0, hi = it->kv1 - c0 < FA_CHUNK_KEYS ? it->kv1 : c0 + FA_CHUNK_KEYS;
-    for (int64_t i = 0; i < nr * dvp; i++) sc.o[i] = (FA_T)0;
-    for (int64_t i = 0; i < nvl; i++) {
-        sc.m[i] = -(FA_T)INFINITY;
-        sc.l[i] = (FA_T)0;
-        if (sc.u) sc.u[i] = (FA_T)0;
-    }
-    for (int64_t j0 = lo; j0 < hi; j0 += bc) {
-        const int64_t nk = hi - j0 < bc ? hi - j0 : bc;
+        const int64_t lo = kv0 > c0 ? kv0 : c0, hi = it->kv1 - c0 < FA_CHUNK_KEYS ? it->kv1 : c0 + FA_CHUNK_KEYS;
+        for (int64_t i = 0; i < nr * dvp; i++) sc.o[i] = (FA_T)0;
+        for (int64_t i = 0; i < nvl; i++) {
+            sc.m[i] = -(FA_T)INFINITY;
+            sc.l[i] = (FA_T)0;
+            if (sc.u) sc.u[i] = (FA_T)0;
+        }
+        for (int64_t j0 = lo; j0 < hi; j0 += bc) {
+            const int64_t nk = hi - j0 < bc ? hi - j0 : bc;
 #ifdef FA_KV_HALF
-        /* float16 decoding: ask for this tile's V rows now, so that they arrive while
-         * QK^T and the softmax run (measured: 3-7% faster; for float32 V, twice the
-         * bytes, the same prefetches were 9% slower than the hardware's) */
-        if (nr <= FA_DOT_ROWS)
-            for (int64_t j = 0; j < nk; j++)
-                for (int64_t c = 0; c < Dv; c += 64 / (int64_t)sizeof(FA_KV))
-                    __builtin_prefetch(v + (j0 + j) * p->v_sl + c);
+            /* float16 decoding: ask for this tile's V rows now, so that they arrive while
+             * QK^T and the softmax run (measured: 3-7% faster; for float32 V, twice the
+             * bytes, the same prefetches were 9% slower than the hardware's) */
+            if (nr <= FA_DOT_ROWS)
+                for (int64_t j = 0; j < nk; j++)
+                    for (int64_t c = 0; c < Dv; c += 64 / (int64_t)sizeof(FA_KV))
+                        __builtin_prefetch(v + (j0 + j) * p->v_sl + c);
 #endif
-        if (!FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, 0)) continue;
-        if (sc.key_major)
-            for (int64_t r = 0; r < nr; r++)
-                FA_NAME(fa_softmax_row)(sc.s + r * sc.bcp, nk, sc.m + r, sc.l + r, sc.alpha + r);
-        else if (!FA_NAME(fa_has_logit_steps)(p, &sc))
-            FA_NAME(fa_softmax_tile)(sc.s, nk, 0, nv, sc.m, sc.l, sc.alpha, brp, NULL, sc.u);
-        else /* column by column, each column's logits in L1 for its softmax */
-            for (int c = 0; c < nv; c++) {
-                FA_V colmax;
-                const int known = FA_NAME(fa_logit_tile)(p, sc.s, nk, c, c + 1, nr, j0, brp, &sc, &colmax);
-                FA_NAME(fa_softmax_tile)(sc.s, nk, c, c + 1, sc.m, sc.l, sc.alpha, brp,
-                                         known ? &colmax : NULL, sc.u);
-            }
-        if (p->weights) continue;
-        if (p->dropout_p > 0) /* after the softmax's sums: lse is that of the undropped weights */
-            FA_NAME(fa_dropout_apply)(p, it, nr, j0, nk, sc.s, sc.key_major ? 1 : brp,
-                                      sc.key_major ? sc.bcp : 1);
-        const FA_KV *vt = v + j0 * p->v_sl;
-        if (nr <= FA_DOT_ROWS) {
-            /* Few rows: a check of V before P.V would cost as much as P.V itself.  So
-             * P.V runs first, and if the rows it produced are not all finite (an inf
-             * or NaN in V, or rows that were not finite already) they are restored
-             * and the tile goes through the careful path. */
-            memcpy(sc.o2, sc.o, (size_t)(nr * dvp) * sizeof(FA_T));
+            if (!FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, 0)) continue;
             if (sc.key_major)
-                FA_NAME(fa_pv_tile_rows)(sc.s, nr, nk, vt, p->v_sl, Dv, sc.o, dvp, sc.alpha, sc.bcp);
-            else
+                for (int64_t r = 0; r < nr; r++)
+                    FA_NAME(fa_softmax_row)(sc.s + r * sc.bcp, nk, sc.m + r, sc.l + r, sc.alpha + r);
+            else if (!FA_NAME(fa_has_logit_steps)(p, &sc))
+                FA_NAME(fa_softmax_tile)(sc.s, nk, 0, nv, sc.m, sc.l, sc.alpha, brp, NULL, sc.u);
+            else /* column by column, each column's logits in L1 for its softmax */
+                for (int c = 0; c < nv; c++) {
+                    FA_V colmax;
+                    const int known = FA_NAME(fa_logit_tile)(p, sc.s, nk, c, c + 1, nr, j0, brp, &sc, &colmax);
+                    FA_NAME(fa_softmax_tile)(sc.s, nk, c, c + 1, sc.m, sc.l, sc.alpha, brp,
+                                             known ? &colmax : NULL, sc.u);
+                }
+            if (p->weights) continue;
+            if (p->dropout_p > 0) /* after the softmax's sums: lse is that of the undropped weights */
+                FA_NAME(fa_dropout_apply)(p, it, nr, j0, nk, sc.s, sc.key_major ? 1 : brp,
+                                          sc.key_major ? sc.bcp : 1);
+            const FA_KV *vt = v + j0 * p->v_sl;
+            if (nr <= FA_DOT_ROWS) {
+                /* Few rows: a check of V before P.V would cost as much as P.V itself.  So
+                 * P.V runs first, and if the rows it produced are not all finite (an inf
+                 * or NaN in V, or rows that were not finite already) they are restored
+                 * and the tile goes through the careful path. */
+                memcpy(sc.o2, sc.o, (size_t)(nr * dvp) * sizeof(FA_T));
+                if (sc.key_major)
+                    FA_NAME(fa_pv_tile_rows)(sc.s, nr, nk, vt, p->v_sl, Dv, sc.o, dvp, sc.alpha, sc.bcp);
+                else
+                    FA_NAME(fa_pv_tile)(sc.s, nr, nk, vt, p->v_sl, Dv, sc.o, dvp, sc.alpha, brp);
+                if (!FA_NAME(fa_all_finite)(sc.o, nr * dvp)) {
+                    memcpy(sc.o, sc.o2, (size_t)(nr * dvp) * sizeof(FA_T));
+                    FA_NAME(fa_pv_tile_nonfinite)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, vt, dvp);
+                }
+            } else if (FA_NAME(fa_v_finite)(vt, p->v_sl, nk, Dv))
                 FA_NAME(fa_pv_tile)(sc.s, nr, nk, vt, p->v_sl, Dv, sc.o, dvp, sc.alpha, brp);
-            if (!FA_NAME(fa_all_finite)(sc.o, nr * dvp)) {
-                memcpy(sc.o, sc.o2, (size_t)(nr * dvp) * sizeof(FA_T));
+            else
                 FA_NAME(fa_pv_tile_nonfinite)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, vt, dvp);
-            }
-        } else if (FA_NAME(fa_v_finite)(vt, p->v_sl, nk, Dv))
-            FA_NAME(fa_pv_tile)(sc.s, nr, nk, vt, p->v_sl, Dv, sc.o, dvp, sc.alpha, brp);
-        else
-            FA_NAME(fa_pv_tile_nonfinite)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, vt, dvp);
-    }
-    FA_NAME(fa_fold_chunk)(&sc, nr, Dv, dvp);
+        }
+        FA_NAME(fa_fold_chunk)(&sc, nr, Dv, dvp);
     }
 
     /* The merged rows.  A row that saw no visible key gives 0 and lse -inf; a NaN
