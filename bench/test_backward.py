@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 import fastattn
+from fastattn.bench import RSS_CHILD_PRELUDE
 
 F32 = np.float32
 # name: (B, H, L, D, causal, what): "fwd+bwd" times forward + backward of both,
@@ -143,7 +144,7 @@ def test_backward_interleaved(benchmark, bench_threads, name):
         ours_min_s=st.min if st else None)
 
 
-CHILD = r"""
+CHILD = RSS_CHILD_PRELUDE + r"""
 import json, sys, time
 import numpy as np
 import fastattn
@@ -154,17 +155,8 @@ for x in (q, k, v, dout):
     rng.standard_normal(out=x, dtype=np.float32)
 out, lse = fastattn.attention(q, k, v, return_lse=True, num_threads=threads)
 
-def status_kib(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1])
 
-try:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-except OSError:
-    pass
+reset_peak()  # the peak RSS of this process from now on (see RSS_CHILD_PRELUDE)
 before = status_kib("VmHWM:")
 t0 = time.perf_counter()
 dq, dk, dv = fastattn.attention_backward(dout, q, k, v, out, lse, num_threads=threads)

@@ -15,11 +15,12 @@ import sys
 import pytest
 
 import fastattn
+from fastattn.bench import RSS_CHILD_PRELUDE
 
 B, H, D = 1, 1, 64
 LIMIT_MB = 64
 
-CHILD = r"""
+CHILD = RSS_CHILD_PRELUDE + r"""
 import json, sys, time
 import numpy as np
 impl = sys.argv[1]
@@ -37,19 +38,8 @@ out = np.empty_like(q)
 out.fill(0.0)                                      # np.empty pages are lazy: touch them
 scale = 1.0 / np.sqrt(D)
 
-def status_kib(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1])
 
-# The peak RSS of this process from now on: ru_maxrss would carry the forking parent's
-# peak across exec, so read VmHWM, first reset to the current RSS (clear_refs 5).
-try:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-except OSError:
-    pass
+reset_peak()  # the peak RSS of this process from now on (see RSS_CHILD_PRELUDE)
 before = status_kib("VmHWM:")
 t0 = time.perf_counter()
 if impl == "fastattn":

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import fastattn
+from fastattn.bench import RSS_CHILD_PRELUDE
 from fastattn import reference
 
 SHAPES = {
@@ -86,7 +87,7 @@ def test_stats_cost(benchmark, bench_threads, shape, what):
                                 ratio_min=(st.min / min(base_times)) if st else None)
 
 
-CHILD = r"""
+CHILD = RSS_CHILD_PRELUDE + r"""
 import json, sys, time
 import numpy as np
 import fastattn
@@ -97,17 +98,8 @@ for x in (q, k, v):
     rng.standard_normal(out=x, dtype=np.float32)
 out = np.zeros_like(q)
 
-def status_kib(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1])
 
-try:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-except OSError:
-    pass
+reset_peak()  # the peak RSS of this process from now on (see RSS_CHILD_PRELUDE)
 before = status_kib("VmHWM:")
 t0 = time.perf_counter()
 _, stats = fastattn.attention(q, k, v, out=out, return_stats=True, num_threads=threads)

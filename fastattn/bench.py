@@ -245,6 +245,26 @@ def read_gbps(threads, mib=256, repeats=5):
 
 
 # ---------------------------------------------------------------- implementations
+# The start of a child script that measures a call's peak RSS (bench/test_memory.py,
+# test_backward.py, test_stats.py): status_kib(field) reads /proc/self/status, and
+# reset_peak() makes VmHWM the current RSS (clear_refs 5), since ru_maxrss would carry
+# the forking parent's peak across exec.
+RSS_CHILD_PRELUDE = r"""
+def status_kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1])
+
+def reset_peak():
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+"""
+
+
 def naive(q, k, v, scale, causal):
     """softmax(q k^T * scale) v in plain NumPy, max-subtracted, in q's dtype."""
     s = q @ k.swapaxes(-1, -2)

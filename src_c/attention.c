@@ -624,6 +624,17 @@ int fa_merge(int dtype, int64_t parts, int64_t rows, int64_t dv, const void *out
     return FA_OK;
 }
 
+/* All the query items of kv head g of sequence b, in order (head chunks, then query
+ * blocks): the rows a backward or key_mass item of that head goes through. */
+static void fa_head_query_items(const fa_params *p, const fa_plan *pl, int64_t b, int64_t g,
+                                fa_item *items)
+{
+    int64_t n = 0;
+    for (int64_t hc = 0; hc < pl->nhc; hc++)
+        for (int64_t qb = 0; qb < (p->Lq + pl->nqp - 1) / pl->nqp; qb++)
+            fa_item_make(p, pl, b, g, hc, qb, &items[n++]);
+}
+
 /* ---- dropout (the generator is fa_dropout_row in fa_internal.h) ---- */
 uint32_t fa_dropout_threshold(double p)
 {
@@ -822,10 +833,7 @@ int fa_attention_backward(const fa_bwd_params *bp_in)
                 continue;
             }
             if (b != have_b || g != have_g) {
-                int64_t n = 0;
-                for (int64_t hc = 0; hc < pl.nhc; hc++)
-                    for (int64_t qb = 0; qb < (p->Lq + pl.nqp - 1) / pl.nqp; qb++)
-                        fa_item_make(p, &pl, b, g, hc, qb, &items[n++]);
+                fa_head_query_items(p, &pl, b, g, items);
                 have_b = b;
                 have_g = g;
             }
@@ -902,10 +910,7 @@ int fa_key_mass(const fa_params *p_in, void *mass, int64_t m_sb, int64_t m_sh)
             if (!scratch || !acc || !items) continue;
             const int64_t b = t / (p->Hkv * nch), g = (t / nch) % p->Hkv, c = t % nch;
             if (b != have_b || g != have_g) {
-                int64_t n = 0;
-                for (int64_t hc = 0; hc < pl.nhc; hc++)
-                    for (int64_t qb = 0; qb < (p->Lq + pl.nqp - 1) / pl.nqp; qb++)
-                        fa_item_make(p, &pl, b, g, hc, qb, &items[n++]);
+                fa_head_query_items(p, &pl, b, g, items);
                 have_b = b;
                 have_g = g;
             }
