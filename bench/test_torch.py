@@ -17,6 +17,7 @@ batch and head), the training step's loss and gradients against PyTorch's step. 
 ``--benchmark-disable`` each runs once (the training step: one step each way).
 A table of the ratios is printed at the end when the benchmarks run.
 """
+import contextlib
 import time
 
 import numpy as np
@@ -36,16 +37,17 @@ def summary(request):
     """Rows for the table printed when this module's benchmarks ran."""
     rows = []
     yield rows
-    tr = request.config.pluginmanager.get_plugin("terminalreporter")
+    plugins = request.config.pluginmanager
+    tr, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
     if not rows or tr is None:
         return
-    w = tr.write_line
-    w("")
-    w(f"fastattn.torch vs PyTorch SDPA (torch {torch.__version__}, "
-      f"threads={torch.get_num_threads()}, kernel={fastattn._kernels.current_kernel()}), "
-      "interleaved, best / median rounds:")
-    for line in rows:
-        w("  " + line)
+    lines = ["", f"fastattn.torch vs PyTorch SDPA (torch {torch.__version__}, "
+                 f"threads={torch.get_num_threads()}, kernel={fastattn._kernels.current_kernel()}), "
+                 "interleaved, best / median rounds:"] + ["  " + line for line in rows]
+    # a fixture's teardown runs under output capture: write past it
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        for line in lines:
+            tr.write_line(line)
 
 
 def _idle_timed(f, times):
