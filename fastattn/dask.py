@@ -1,0 +1,616 @@
+"""fastattn.dask: exact attention over dask arrays, on one machine or a cluster.
+
+``fastattn.dask.attention(q, k, v, ...)`` takes the arguments of
+:func:`fastattn.attention` as ``dask.array`` arrays (NumPy arrays are wrapped as one
+chunk) and returns dask arrays.  Attention splits exactly:
+
+- chunks along the batch and head axes are independent problems (one-to-one);
+- chunks along the query axis are independent (each query row sees all keys);
+- chunks along the key axis give partial ``(out, lse)`` pairs over disjoint key
+  sets, combined by their log-sum-exp with :func:`fastattn.merge` in a fixed tree
+  (``split_every`` parts per merge, in key order), so the bits do not depend on the
+  number of workers, threads or the order in which tasks ran.
+
+Each (query chunk, key chunk) block is one :func:`fastattn.attention` call whose
+``causal``, ``window`` and ALiBi are re-expressed in the block's own coordinates
+(:func:`_plan_block`), so every logit is the one the whole problem defines.  Blocks
+that causal/window hide entirely are never put in the graph.
+
+Requires the extra ``pip install "fastattn[dask]"`` (``dask[array]``,
+``distributed`` for a cluster).
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+try:
+    import dask.array as da
+    from dask.base import tokenize
+    from dask.highlevelgraph import HighLevelGraph
+except ImportError as _exc:  # pragma: no cover - exercised only without dask
+    raise ImportError(
+        "fastattn.dask needs dask with its array extra (and distributed to run on a "
+        "cluster): pip install \"fastattn[dask]\" (that is: pip install \"dask[array]\" "
+        f"distributed); original error: {_exc}") from None
+
+import fastattn
+from . import _api
+
+__all__ = ["attention"]
+
+_FN = "dask.attention"
+_F32 = np.dtype(np.float32)
+_F64 = np.dtype(np.float64)
+
+
+# ---------------------------------------------------------------------------------
+# Chunk arithmetic (pure Python, no dask): which blocks exist and how each is called
+# ---------------------------------------------------------------------------------
+
+def _starts(chunks: Sequence[int]) -> List[int]:
+    """The offset of each chunk along its axis, and the axis length last."""
+    out = [0]
+    for c in chunks:
+        out.append(out[-1] + int(c))
+    return out
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How one block (query rows q0..q1-1, keys k0..k1-1 of the whole problem) is
+    computed by one fastattn.attention call on the block's arrays.
+
+    keys: how many of the block's keys to pass (a trailing part that every row of
+        the block is denied by causal/window is cut off: this changes no bit);
+    causal, window: the arguments of that call, in the block's coordinates;
+    band: None, or (d, left, right) when the band cannot be written as a causal /
+        window argument: key u is visible to row t iff d - left <= u - t <= d + right
+        (None = unbounded), applied as a mask (a strided view, O(lq + lk) bytes);
+    alibi_shift: None when the slopes go to the kernel as they are (the block's own
+        bottom-right distance is the global one), else d_a: the distance of (t, u)
+        is |t - u + d_a|, applied as a bias (a strided view, O(lq + lk) per head).
+    """
+    keys: int
+    causal: Union[bool, str]
+    window: Optional[Tuple[Optional[int], Optional[int]]]
+    band: Optional[Tuple[int, Optional[int], Optional[int]]]
+    alibi_shift: Optional[int]
+
+
+def _band(causal: int, wl: int, wr: int) -> Tuple[Optional[int], Optional[int]]:
+    """The (left, right) extent of the visible band around a row's diagonal from
+    causal (0 none, 1 bottom-right, 2 top-left) and the window (-1 = unbounded);
+    None = unbounded."""
+    left = wl if wl >= 0 else None
+    right = wr if wr >= 0 else None
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return left, right
+
+
+def _plan_block(q0: int, q1: int, k0: int, k1: int, Lq: int, Lk: int, causal: int,
+                wl: int, wr: int, alibi: bool) -> Optional[_Plan]:
+    """The call for query rows [q0, q1) against keys [k0, k1) of a problem of Lq
+    queries and Lk keys, or None when causal/window hide every key of the block from
+    every row (such a block is never scheduled; a block with no keys is None too).
+
+    In the block's coordinates (row t = i - q0, key u = j - k0) the diagonal of row t
+    is key t + d with d = q0 + off - k0, off = Lk - Lq (bottom-right, also the
+    alignment of a window without causal) or 0 (top-left).  A call on arrays of lq
+    rows and kk keys aligns its own bottom-right diagonal at t + (kk - lq): when that
+    equals t + d the user's causal/window pass unchanged; otherwise the band is
+    written as a window around the call's diagonal, or a mask.
+    """
+    lq, lk = q1 - q0, k1 - k0
+    off = 0 if causal == 2 else Lk - Lq
+    d = q0 + off - k0
+    left, right = _band(causal, wl, wr)
+    if lk <= 0:
+        return None
+    if lq > 0:
+        if right is not None and lq - 1 + d + right < 0:
+            return None          # every key is right of every row's band
+        if left is not None and d - left > lk - 1:
+            return None          # every key is left of every row's band
+    d_a = q0 + (Lk - Lq) - k0    # ALiBi measures from the bottom-right diagonal always
+    window = (None if wl < 0 else wl, None if wr < 0 else wr)
+    if (q0, q1, k0, k1) == (0, Lq, 0, Lk):  # the whole problem: the user's own call
+        return _Plan(lk, {0: False, 1: True, 2: "top-left"}[causal], window, None, None)
+    kk = lk if right is None else max(1, min(lk, lq + d + right))  # cut keys no row sees
+    c = kk - lq                  # the call's own bottom-right diagonal offset
+    alibi_shift = None if not alibi or c == d_a else d_a
+    if c == d:                   # the call aligns as the whole problem: pass them as given
+        return _Plan(kk, bool(causal), window, None, alibi_shift)
+    full = lq == 0 or ((left is None or lq - 1 + d - left <= 0)
+                       and (right is None or d + right >= kk - 1))
+    if full:                     # every row sees every key: no band to pass
+        return _Plan(kk, False, None, None, alibi_shift)
+    if causal and d == 0:        # the call's top-left diagonal is the block's
+        return _Plan(kk, "top-left", window, None, alibi_shift)
+    sl = None if left is None else left + c - d
+    sr = None if right is None else right + d - c
+    if (sl is None or sl >= 0) and (sr is None or sr >= 0):
+        return _Plan(kk, False, (sl, sr), None, alibi_shift)
+    return _Plan(kk, False, None, (d, left, right), alibi_shift)
+
+
+def _kv_partition(q_head_chunks: Sequence[int], Hkv: int, G: int) -> Tuple[int, ...]:
+    """Chunks of the kv head axis such that the kv heads each q head chunk reads
+    (h // G for its heads h) are whole kv chunks: one-to-one when every q head chunk
+    boundary is a multiple of G, finer otherwise."""
+    bounds = {0, Hkv}
+    for h0, h1 in zip(_starts(q_head_chunks)[:-1], _starts(q_head_chunks)[1:]):
+        if h1 > h0:
+            bounds.add(h0 // G)
+            bounds.add(-(-h1 // G))
+    b = sorted(bounds)
+    return tuple(y - x for x, y in zip(b[:-1], b[1:])) or (Hkv,)
+
+
+def _tree(keys: List[Any], split_every: int) -> List[List[List[Any]]]:
+    """The merge tree over `keys` in order: a list of levels, each a list of groups of
+    consecutive items of the level below (a lone last item is passed up unmerged)."""
+    levels = []
+    cur = list(keys)
+    while len(cur) > 1:
+        groups = [cur[i:i + split_every] for i in range(0, len(cur), split_every)]
+        levels.append(groups)
+        cur = groups
+    return levels
+
+
+# ---------------------------------------------------------------------------------
+# Tasks (run on the workers)
+# ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Call:
+    """What a block task needs besides its arrays (static, pickled into the graph)."""
+    plan: _Plan
+    layout: str
+    nd: int
+    scale: Optional[float]
+    softcap: Optional[float]
+    slopes: Optional[np.ndarray]   # this block's (Hb,) or (Bb, Hb) slopes, compute dtype
+    groups: Optional[Tuple[Tuple[int, int, int], ...]]  # (qh0, qh1, g) per kernel call
+    upcast: bool                   # 16-bit q: run on float32 q (a float32 partial)
+    num_threads: int
+    cdt: np.dtype                  # compute dtype (bias dtype)
+
+
+def _heads_axis(layout: str, nd: int) -> int:
+    return (nd - 2 if layout == "bshd" else nd - 3) if nd > 2 else -1
+
+
+def _toeplitz(w: np.ndarray, lq: int, lk: int) -> np.ndarray:
+    """The (..., lq, lk) view a[..., t, u] = w[..., lq - 1 - t + u] of w (..., lq + lk - 1):
+    strides -1, +1 element on the last two axes, so nothing is materialized and the
+    key axis stays contiguous (what the kernel reads fast)."""
+    item = w.strides[-1]
+    base = w[..., lq - 1:] if lq > 0 else w
+    return np.lib.stride_tricks.as_strided(
+        base, shape=w.shape[:-1] + (lq, lk), strides=w.strides[:-1] + (-item, item),
+        writeable=False)
+
+
+def _band_mask(band, lq, lk):
+    d, left, right = band
+    m = np.arange(lq + lk - 1, dtype=np.int64) - (lq - 1)   # m = u - t
+    w = np.ones(m.shape, bool)
+    if left is not None:
+        w &= m >= d - left
+    if right is not None:
+        w &= m <= d + right
+    return _toeplitz(w, lq, lk)
+
+
+def _alibi_bias(slopes, d_a, lq, lk, nd, cdt):
+    """-slope * |t - u + d_a| as a strided (…, lq, lk) view, computed as the kernel
+    does: the distance exactly, then one product in the compute dtype."""
+    dist = np.abs((lq - 1) - np.arange(lq + lk - 1, dtype=np.int64) + d_a).astype(cdt)
+    s = np.asarray(slopes, cdt)
+    w = -(s[..., None] * dist)
+    view = _toeplitz(np.ascontiguousarray(w), lq, lk)
+    return view[0] if nd == 2 else view
+
+
+def _one_call(q, k, v, mask, bias, slopes, call: _Call):
+    p = call.plan
+    kk = p.keys
+    lq = q.shape[-2] if (call.layout == "bhsd" or call.nd == 2) else q.shape[-3]
+    if kk != k.shape[-2 if (call.layout == "bhsd" or call.nd == 2) else -3]:
+        sl = (Ellipsis, slice(0, kk), slice(None)) if (call.layout == "bhsd" or call.nd == 2) \
+            else (Ellipsis, slice(0, kk), slice(None), slice(None))
+        k, v = k[sl], v[sl]
+        if mask is not None and mask.shape[-1] != 1:
+            mask = mask[..., :kk]
+        if bias is not None and bias.shape[-1] != 1:
+            bias = bias[..., :kk]
+    if p.band is not None:
+        band = _band_mask(p.band, lq, kk)
+        mask = band if mask is None else np.logical_and(mask, band)
+    alibi = slopes
+    if slopes is not None and p.alibi_shift is not None:
+        ab = _alibi_bias(slopes, p.alibi_shift, lq, kk, call.nd, call.cdt)
+        bias = ab if bias is None else np.asarray(bias, call.cdt) + ab
+        alibi = None
+    if call.upcast:
+        q = q.astype(np.float32)
+    return fastattn.attention(q, k, v, scale=call.scale, causal=p.causal, window=p.window,
+                              mask=mask, bias=bias, alibi_slopes=alibi, softcap=call.softcap,
+                              layout=call.layout, return_lse=True, num_threads=call.num_threads)
+
+
+def _block_task(q, ks, vs, mask, bias, call: _Call):
+    """One (query chunk, key chunk) block: (out, lse) over the block's keys."""
+    hax = _heads_axis(call.layout, call.nd)
+    k = ks[0] if len(ks) == 1 else np.concatenate(ks, axis=hax)
+    v = vs[0] if len(vs) == 1 else np.concatenate(vs, axis=hax)
+    if call.groups is None:
+        return _one_call(q, k, v, mask, bias, call.slopes, call)
+    # q heads that do not start or end on a kv-group boundary: one call per kv head
+    outs, lses = [], []
+    lhax = call.nd - 3  # heads axis of mask/bias/lse (logits order)
+
+    def heads(a, h0, h1, axis):
+        if a is None or a.ndim + axis < 0 or a.shape[axis] == 1:
+            return a
+        idx = [slice(None)] * a.ndim
+        idx[axis] = slice(h0, h1)
+        return a[tuple(idx)]
+
+    for qh0, qh1, g in call.groups:
+        qs = heads(q, qh0, qh1, hax)
+        kg, vg = heads(k, g, g + 1, hax), heads(v, g, g + 1, hax)
+        m = heads(mask, qh0, qh1, lhax - call.nd)
+        b = heads(bias, qh0, qh1, lhax - call.nd)
+        s = None if call.slopes is None else call.slopes[..., qh0:qh1]
+        o, l_ = _one_call(qs, kg, vg, m, b, s, call)
+        outs.append(o)
+        lses.append(l_)
+    return np.concatenate(outs, axis=hax), np.concatenate(lses, axis=lhax)
+
+
+def _merge_task(parts, layout, final_dtype):
+    out, lse = fastattn.merge([p[0] for p in parts], [p[1] for p in parts], layout=layout)
+    if final_dtype is not None:
+        out = out.astype(final_dtype)
+    return out, lse
+
+
+def _identity(part):
+    return part
+
+
+def _cast_task(part, dtype):
+    return part[0].astype(dtype), part[1]
+
+
+def _fill_task(out_shape, out_dtype, lse_shape, lse_dtype):
+    """A block whose rows see no key: output 0, lse -inf (semantics 7)."""
+    return np.zeros(out_shape, out_dtype), np.full(lse_shape, -np.inf, lse_dtype)
+
+
+# ---------------------------------------------------------------------------------
+# The public function
+# ---------------------------------------------------------------------------------
+
+def _as_dask(x, name):
+    if isinstance(x, da.Array):
+        return x
+    if hasattr(x, "__dask_graph__"):
+        raise TypeError(f"fastattn.{_FN}: {name} is a {type(x).__name__}; pass a dask.array "
+                        "Array (or a NumPy array)")
+    a = _api._as_array(x, name, _FN)
+    return da.from_array(a, chunks=a.shape if a.ndim else (), name=False)
+
+
+def _check_chunks(x, name):
+    for ax, c in enumerate(x.chunks):
+        if any(isinstance(n, float) and math.isnan(n) for n in c):
+            raise ValueError(f"fastattn.{_FN}: {name} has unknown chunk sizes along axis {ax} "
+                             f"(chunks {x.chunks}); call {name}.compute_chunk_sizes() first")
+
+
+def _dummy(shape, dtype):
+    """A zero-memory stand-in with this shape and dtype, for the argument checks."""
+    return np.broadcast_to(np.zeros((), dtype), tuple(int(n) for n in shape))
+
+
+def _small(x, name):
+    """alibi_slopes: a small array, brought to the client if it is a dask array."""
+    if x is None:
+        return None
+    if isinstance(x, da.Array):
+        x = x.compute()
+    return _api._as_array(x, name, _FN)
+
+
+def attention(q, k, v, *, scale: float | None = None, causal=False, window=None, mask=None,
+              bias=None, alibi_slopes=None, softcap: float | None = None,
+              dropout_p: float = 0.0, seed: int | None = None, layout: str = "bhsd",
+              return_lse: bool = False, out=None, num_threads: int | None = None,
+              split_every: int = 4):
+    """Exact attention over dask arrays: :func:`fastattn.attention`, split into blocks.
+
+    Parameters
+    ----------
+    q, k, v : dask.array.Array (or NumPy arrays, wrapped as one chunk each)
+        Shapes, dtypes and layouts as for :func:`fastattn.attention`.  Chunks:
+
+        - the feature axes (D, Dv) must be one chunk each (a ValueError otherwise);
+        - q's chunks along batch, heads and queries define the output's chunks;
+        - k's chunks along the key axis define the key split; v is rechunked to k's
+          key chunks;
+        - k and v are rechunked to q's batch chunks, and along heads so that the kv
+          heads each q head chunk reads (``h // (Hq // Hkv)``) form whole chunks:
+          one-to-one when q's head chunk boundaries are multiples of ``Hq // Hkv``.
+    mask, bias : dask or NumPy arrays, optional
+        As for :func:`fastattn.attention` (broadcastable to ``(B, Hq, Lq, Lk)`` of
+        the inputs' ndim); rechunked to the logits' blocks along their full-size axes
+        (q's batch, head and query chunks, k's key chunks); broadcast axes stay
+        size 1 and are never expanded.
+    alibi_slopes : array, shape (Hq,) or (B, Hq), optional
+        Small; a dask array is computed when the graph is built.
+    scale, causal, window, softcap, layout : as for :func:`fastattn.attention`
+        Causal, window and ALiBi align on the whole problem's ``Lq`` and ``Lk``.
+    dropout_p : must be 0
+        Dropout's keep decisions are keyed by positions within one call; the blocks'
+        calls have no way to key them by global positions, so ``dropout_p > 0``
+        raises NotImplementedError.
+    return_lse : bool, optional
+        Also return the lse as a dask array ``(..., Hq, Lq)`` (chunked like q's
+        batch, head and query axes).
+    out : must be None
+        Dask arrays are immutable; store results with ``dask.array.store``.
+    num_threads : int, optional
+        OpenMP threads of each block's call; default 1 (run one worker thread per core
+        and let dask spread the blocks).  The bits do not depend on it.
+    split_every : int, optional
+        Partial results merged per task of the key reduction tree (default 4).
+
+    Returns
+    -------
+    out : dask.array.Array, q's shape with the last axis Dv, q's dtype
+    lse : dask.array.Array, only with ``return_lse=True``
+
+    Notes
+    -----
+    Deterministic: for given chunks the bits are the same whatever the scheduler,
+    workers, threads or task order (the blocks' calls are deterministic and the
+    merge tree is fixed).  With k and v in one chunk along the key axis the result
+    equals :func:`fastattn.attention` bitwise when q is one chunk along the query
+    axis, or when every query chunk has more than 8 rows and there is no window and no
+    ALiBi without causal (a call of at most 8 rows takes the kernel's decode path, a
+    windowed call starts its key tiles at the band's edge, and such ALiBi goes in as a
+    bias); otherwise, and with key chunks, it agrees within rounding (float32: ~1e-7
+    relative).  Blocks that causal/window hide entirely are not in the graph.
+
+    Each block task holds its q chunk, its K and V chunks and one output chunk (plus
+    a mask or bias chunk); a band that no causal/window argument can express, and
+    ALiBi whose distances the block's call would measure from another diagonal, are
+    passed as strided views of O(lq + lk) elements (a mask, a bias), never as
+    lq x lk arrays (unless combined with a mask or bias of the user's).
+    """
+    if out is not None:
+        raise TypeError(f"fastattn.{_FN}: out= is not supported (dask arrays are immutable); "
+                        "store the result with dask.array.store(result, target)")
+    q, k, v = _as_dask(q, "q"), _as_dask(k, "k"), _as_dask(v, "v")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_chunks(x, name)
+    pr = _api._Problem(_FN, _dummy(q.shape, q.dtype), _dummy(k.shape, k.dtype),
+                       _dummy(v.shape, v.dtype), layout)
+    return_lse = _api._parse_flag(return_lse, "return_lse", _FN)
+    causal_code = _api._parse_causal(causal, _FN)
+    _api._parse_scale(scale, pr.D, _FN)
+    nth = _api._parse_threads(num_threads, _FN) or 1
+    if isinstance(split_every, (bool, np.bool_)) or not isinstance(split_every, (int, np.integer)) \
+            or split_every < 2:
+        raise ValueError(f"fastattn.{_FN}: split_every must be an int >= 2, got {split_every!r}")
+    p_drop, _ = _api._parse_dropout(dropout_p, seed, _FN)
+    if p_drop > 0:
+        raise NotImplementedError(
+            f"fastattn.{_FN}: dropout_p > 0 is not supported: the keep decision of weight "
+            "(b, h, i, j) is keyed by positions within one fastattn.attention call, and a "
+            "block's call cannot be told its global offsets; apply dropout with "
+            "fastattn.attention on whole sequences")
+    maskd = biasd = None
+    if mask is not None:
+        maskd = _as_dask(mask, "mask")
+        _check_chunks(maskd, "mask")
+    if bias is not None:
+        biasd = _as_dask(bias, "bias")
+        _check_chunks(biasd, "bias")
+    slopes = _small(alibi_slopes, "alibi_slopes")
+    wl, wr = _api._parse_window(window, _FN)
+    # the checks of fastattn.attention, on zero-memory stand-ins of the same shapes
+    mdummy = None if maskd is None else _dummy(maskd.shape, maskd.dtype)
+    bdummy = None
+    if biasd is not None:
+        if biasd.dtype != pr.dtype:  # the dtype check on a tiny array (no conversion copy)
+            pr.variants(None, None, _dummy((1,) * biasd.ndim, biasd.dtype), None, None)
+        bdummy = _dummy(biasd.shape, pr.dtype)
+    pr.variants(window, mdummy, bdummy, slopes, softcap)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if len(x.chunks[-1]) > 1:
+            raise ValueError(f"fastattn.{_FN}: {name} is chunked along its feature axis (chunks "
+                             f"{x.chunks[-1]}); each row's features must be one chunk: pass "
+                             f"{name}.rechunk({{{x.ndim - 1}: -1}})")
+
+    nd, swap = pr.nd, layout == "bshd" and pr.nd > 2
+    # axes in the user's layout
+    ax_l = nd - 3 if swap else nd - 2
+    ax_h = (nd - 2 if swap else nd - 3) if nd > 2 else None
+    ax_b = 0 if nd == 4 else None
+    Hq, Hkv, Lq, Lk = pr.Hq, pr.Hkv, pr.Lq, pr.Lk
+    G = Hq // Hkv if Hkv else 1
+    b_chunks = q.chunks[ax_b] if ax_b is not None else (1,)
+    h_chunks = q.chunks[ax_h] if ax_h is not None else (1,)
+    lq_chunks = q.chunks[ax_l]
+    lk_chunks = k.chunks[ax_l]
+
+    # k and v: q's batch chunks, kv heads grouped by q's head chunks, v like k on keys
+    kv_h_chunks = _kv_partition(h_chunks, Hkv, G) if ax_h is not None and Hkv else None
+    k_target, v_target = dict(), dict()
+    if ax_b is not None:
+        k_target[ax_b] = v_target[ax_b] = b_chunks
+    if kv_h_chunks is not None:
+        k_target[ax_h] = v_target[ax_h] = kv_h_chunks
+    v_target[ax_l] = lk_chunks
+    k = k.rechunk({**{a: c for a, c in k_target.items()}, nd - 1: -1})
+    v = v.rechunk({**{a: c for a, c in v_target.items()}, nd - 1: -1})
+
+    # mask / bias: logits order (B, Hq, Lq, Lk)[4 - nd:]; full axes chunked like the logits
+    logit_chunks = ([b_chunks] if nd == 4 else []) + ([h_chunks] if nd >= 3 else []) \
+        + [lq_chunks, lk_chunks]
+
+    def align(x):
+        """x with the logits' ndim, chunked like the logits on its full-size axes."""
+        if x is None:
+            return None
+        if x.ndim < nd:
+            x = x[(None,) * (nd - x.ndim)]
+        return x.rechunk({a: (c if x.shape[a] == sum(c) else (x.shape[a],))
+                          for a, c in enumerate(logit_chunks)})
+
+    maskd, biasd = align(maskd), align(biasd)
+
+    lse_dtype = pr.lse_dtype
+    out_dtype = pr.out_dtype
+    cdt = np.dtype(pr.dtype)
+    sixteen = np.dtype(out_dtype).itemsize == 2   # float16 / bfloat16 q
+    scale_arg = None if scale is None else float(scale)
+    softcap_arg = None if softcap is None else float(softcap)
+    slopes_c = None if slopes is None else np.asarray(slopes).astype(cdt)
+
+    token = tokenize(q.name, k.name, v.name, None if maskd is None else maskd.name,
+                     None if biasd is None else biasd.name, slopes_c, scale_arg, softcap_arg,
+                     causal_code, wl, wr, layout, nth, split_every, "fastattn.dask-1")
+    blk_name = "fastattn-block-" + token
+    mrg_name = "fastattn-merge-" + token
+    out_name = "fastattn-out-" + token
+    lse_name = "fastattn-lse-" + token
+    blocks, merges, outl, lsel = {}, {}, {}, {}
+
+    qs_b, qs_h, qs_l, ks_l = _starts(b_chunks), _starts(h_chunks), _starts(lq_chunks), \
+        _starts(lk_chunks)
+    kvs_h = _starts(kv_h_chunks) if kv_h_chunks is not None else [0, 1]
+    Dv = v.shape[-1]
+
+    def user_index(bi, hi, li, last):
+        """A block index in the user's layout and ndim."""
+        idx = {}
+        if ax_b is not None:
+            idx[ax_b] = bi
+        if ax_h is not None:
+            idx[ax_h] = hi
+        idx[ax_l] = li
+        idx[nd - 1] = last
+        return tuple(idx[a] for a in range(nd))
+
+    def logits_index(x, bi, hi, li, ki):
+        full = ([bi] if nd == 4 else []) + ([hi] if nd >= 3 else []) + [li, ki]
+        return (x.name,) + tuple(0 if len(c) == 1 else i for c, i in zip(x.chunks, full))
+
+    for bi, bsz in enumerate(b_chunks):
+        for hi, hsz in enumerate(h_chunks):
+            h0, h1 = qs_h[hi], qs_h[hi + 1]
+            # kv chunks this q head chunk reads, and the kernel calls if not aligned
+            if ax_h is not None and hsz > 0 and Hkv:
+                g0, g1 = h0 // G, -(-h1 // G)
+                kv_idx = [i for i in range(len(kvs_h) - 1) if kvs_h[i] >= g0 and kvs_h[i + 1] <= g1]
+                aligned = h0 % G == 0 and h1 % G == 0
+                groups = None if aligned else tuple(
+                    (max(h0, g * G) - h0, min(h1, (g + 1) * G) - h0, g - g0) for g in range(g0, g1))
+            else:
+                kv_idx, groups = [0], None
+            for li, lsz in enumerate(lq_chunks):
+                q0, q1 = qs_l[li], qs_l[li + 1]
+                qkey = (q.name,) + user_index(bi, hi, li, 0)
+                oshape = [0] * nd
+                if ax_b is not None:
+                    oshape[ax_b] = bsz
+                if ax_h is not None:
+                    oshape[ax_h] = hsz
+                oshape[ax_l] = lsz
+                oshape[nd - 1] = Dv
+                lshape = tuple(([bsz] if nd == 4 else []) + ([hsz] if nd >= 3 else []) + [lsz])
+                empty = bsz == 0 or hsz == 0 or lsz == 0
+                plans = []
+                if not empty:
+                    for ki in range(len(lk_chunks)):
+                        pl = _plan_block(q0, q1, ks_l[ki], ks_l[ki + 1], Lq, Lk, causal_code,
+                                         wl, wr, slopes is not None)
+                        if pl is not None:
+                            plans.append((ki, pl))
+                final = (mrg_name, bi, hi, li)
+                if not plans:
+                    blocks[(blk_name, bi, hi, li, 0)] = (_fill_task, tuple(oshape), out_dtype,
+                                                         lshape, lse_dtype)
+                    merges[final] = (_identity, (blk_name, bi, hi, li, 0))
+                else:
+                    upcast = sixteen and len(plans) > 1
+                    sl = None
+                    if slopes_c is not None:
+                        sl = slopes_c[..., h0:h1] if slopes_c.ndim == 1 else \
+                            slopes_c[qs_b[bi]:qs_b[bi + 1], h0:h1]
+                    keys = []
+                    for ki, pl in plans:
+                        call = _Call(pl, layout, nd, scale_arg, softcap_arg, sl, groups, upcast,
+                                     nth, cdt)
+                        kk = [(k.name,) + user_index(bi, g, ki, 0) for g in kv_idx]
+                        vk = [(v.name,) + user_index(bi, g, ki, 0) for g in kv_idx]
+                        mk = None if maskd is None else logits_index(maskd, bi, hi, li, ki)
+                        bk = None if biasd is None else logits_index(biasd, bi, hi, li, ki)
+                        key = (blk_name, bi, hi, li, ki)
+                        blocks[key] = (_block_task, qkey, kk, vk, mk, bk, call)
+                        keys.append(key)
+                    levels = _tree(keys, split_every)
+                    if not levels:
+                        if upcast:  # pragma: no cover - one part is never upcast
+                            merges[final] = (_cast_task, keys[0], out_dtype)
+                        else:
+                            merges[final] = (_identity, keys[0])
+                    else:
+                        below = keys
+                        for lev, groups_ in enumerate(levels):
+                            top = lev == len(levels) - 1
+                            names = []
+                            pos = 0
+                            for gi, grp in enumerate(groups_):
+                                members = below[pos:pos + len(grp)]
+                                pos += len(grp)
+                                mkey = final if top else (mrg_name, bi, hi, li, lev, gi)
+                                if len(members) == 1:
+                                    names.append(members[0])
+                                    continue
+                                merges[mkey] = (_merge_task, members, layout,
+                                                out_dtype if (top and upcast) else None)
+                                names.append(mkey)
+                            below = names
+                outl[(out_name,) + user_index(bi, hi, li, 0)] = (operator.getitem, final, 0)
+                lidx = ([bi] if nd == 4 else []) + ([hi] if nd >= 3 else []) + [li]
+                lsel[(lse_name,) + tuple(lidx)] = (operator.getitem, final, 1)
+
+    deps = [q, k, v] + [x for x in (maskd, biasd) if x is not None]
+    g = HighLevelGraph.from_collections(blk_name, blocks, dependencies=deps)
+    layers, dependencies = dict(g.layers), dict(g.dependencies)
+    layers[mrg_name], dependencies[mrg_name] = merges, {blk_name}
+    layers[out_name], dependencies[out_name] = outl, {mrg_name}
+    layers[lse_name], dependencies[lse_name] = lsel, {mrg_name}
+    graph = HighLevelGraph(layers, dependencies)
+    out_chunks = list(q.chunks)
+    out_chunks[-1] = (Dv,)
+    result = da.Array(graph, out_name, chunks=tuple(out_chunks),
+                      meta=np.empty((0,) * nd, out_dtype))
+    if not return_lse:
+        return result
+    lse_chunks = tuple(([b_chunks] if nd == 4 else []) + ([h_chunks] if nd >= 3 else [])
+                       + [lq_chunks])
+    lse = da.Array(graph, lse_name, chunks=lse_chunks, meta=np.empty((0,) * (nd - 1), lse_dtype))
+    return result, lse
