@@ -16,11 +16,12 @@ rounds; the summary lines are printed at the end of the module and kept in
 - **1 -> 2 workers**: the same compute-bound graph (head and query chunks, keys whole:
   no merge) on a 1-worker and a 2-worker cluster.
 
-The issue's large case, B=1 H=8 L=131072 D=64 float32, is 3.5e13 flop: about 6 minutes
+The large target case, B=1 H=8 L=131072 D=64 float32, is 3.5e13 flop: about 6 minutes
 per run on 2 cores, so a few interleaved rounds of it take most of an hour.  The default
 here is L=16384 (5.5e11 flop, ~5 s per run on the 2-core benchmark machine); set
-FASTATTN_BENCH_DASK_L=131072 (and a long timeout) for the issue's size.  Key chunks are
-L/4 (4 chunks, 16 blocks) at any L.  With ``--benchmark-disable`` (CI's correctness run)
+FASTATTN_BENCH_DASK_L=131072 (and a long timeout) for that size (measured once, with
+other jobs on the machine: 594 s against 501 s, +18%).  Key chunks are L/4 (4 chunks,
+16 blocks) at any L.  With ``--benchmark-disable`` (CI's correctness run)
 every case runs once at L=1024, H=2, and checks its result.
 """
 import os

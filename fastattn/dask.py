@@ -11,10 +11,11 @@ chunk) and returns dask arrays.  Attention splits exactly:
   (``split_every`` parts per merge, in key order), so the bits do not depend on the
   number of workers, threads or the order in which tasks ran.
 
-Each (query chunk, key chunk) block is one :func:`fastattn.attention` call whose
-``causal``, ``window`` and ALiBi are re-expressed in the block's own coordinates
-(:func:`_plan_block`), so every logit is the one the whole problem defines.  Blocks
-that causal/window hide entirely are never put in the graph.
+Each (query chunk, key chunk) block is a task of one :func:`fastattn.attention` call
+(one per kv head when q's head chunks split a GQA group, one per stretch of sequences
+with ``seqlens_k``) whose ``causal``, ``window`` and ALiBi are re-expressed in the
+block's own coordinates (:func:`_plan_block`), so every logit is the one the whole
+problem defines.  Blocks that causal/window hide entirely are never put in the graph.
 
 Requires the extra ``pip install "fastattn[dask]"`` (``dask[array]``,
 ``distributed`` for a cluster).
@@ -170,8 +171,13 @@ def _tree(keys: List[Any], split_every: int) -> List[List[List[Any]]]:
 
 @dataclass(frozen=True)
 class _Call:
-    """What a block task needs besides its arrays (static, pickled into the graph)."""
-    plan: _Plan
+    """What a block task needs besides its arrays (static, pickled into the graph).
+
+    runs: (b0, b1, plan) over the block's batch entries: one run for the whole batch
+    chunk, or, with seqlens_k, one per stretch of sequences that share a plan (None:
+    those sequences see no key of this block)."""
+    runs: Tuple[Tuple[int, int, Optional[_Plan]], ...]
+    stats: bool
     layout: str
     nd: int
     scale: Optional[float]
@@ -181,6 +187,7 @@ class _Call:
     upcast: bool                   # 16-bit q: run on float32 q (a float32 partial)
     num_threads: int
     cdt: np.dtype                  # compute dtype (bias dtype)
+    ldt: np.dtype                  # lse dtype
 
 
 def _heads_axis(layout: str, nd: int) -> int:
@@ -219,8 +226,7 @@ def _alibi_bias(slopes, d_a, lq, lk, nd, cdt):
     return view[0] if nd == 2 else view
 
 
-def _one_call(q, k, v, mask, bias, slopes, call: _Call):
-    p = call.plan
+def _one_call(q, k, v, mask, bias, slopes, p: _Plan, call: _Call):
     kk = p.keys
     lq = q.shape[-2] if (call.layout == "bhsd" or call.nd == 2) else q.shape[-3]
     if kk != k.shape[-2 if (call.layout == "bhsd" or call.nd == 2) else -3]:
@@ -241,46 +247,120 @@ def _one_call(q, k, v, mask, bias, slopes, call: _Call):
         alibi = None
     if call.upcast:
         q = q.astype(np.float32)
-    return fastattn.attention(q, k, v, scale=call.scale, causal=p.causal, window=p.window,
-                              mask=mask, bias=bias, alibi_slopes=alibi, softcap=call.softcap,
-                              layout=call.layout, return_lse=True, num_threads=call.num_threads)
+    kw = dict(return_stats=True) if call.stats else {}
+    res = fastattn.attention(q, k, v, scale=call.scale, causal=p.causal, window=p.window,
+                             mask=mask, bias=bias, alibi_slopes=alibi, softcap=call.softcap,
+                             layout=call.layout, return_lse=True, num_threads=call.num_threads,
+                             **kw)
+    if call.stats:
+        out, lse, st = res
+        return out, lse, st.entropy, st.max_weight
+    return res
+
+
+def _take(a, axis, start, stop):
+    """a[start:stop] along `axis` (negative: from the end); a itself when a is None,
+    has no such axis, or is broadcast (size 1) along it."""
+    if a is None:
+        return None
+    ax = axis if axis >= 0 else a.ndim + axis
+    if ax < 0 or ax >= a.ndim or a.shape[ax] == 1:
+        return a
+    idx = [slice(None)] * a.ndim
+    idx[ax] = slice(start, stop)
+    return a[tuple(idx)]
+
+
+def _empty_part(q, k, v, call: _Call):
+    """The (out, lse[, entropy, max_weight]) of rows that see no key of this block."""
+    shape = q.shape[:-1] + (v.shape[-1],)
+    swap = call.nd > 2 and call.layout == "bshd"
+    lshape = q.shape[:-3] + (q.shape[-2], q.shape[-3]) if swap else q.shape[:-1]
+    return _fill_task(shape, np.float32 if call.upcast else q.dtype, lshape, call.ldt,
+                      call.stats)
+
+
+def _concat(parts, axes):
+    return tuple(np.concatenate([p[i] for p in parts], axis=ax) if len(parts) > 1
+                 else parts[0][i] for i, ax in enumerate(axes))
+
+
+def _heads_calls(q, k, v, mask, bias, slopes, plan, call: _Call):
+    """One call, or with q heads that do not start and end on kv-group boundaries one
+    call per kv head."""
+    if call.groups is None:
+        return _one_call(q, k, v, mask, bias, slopes, plan, call)
+    hax = _heads_axis(call.layout, call.nd)
+    lhax = -3  # heads axis of mask/bias in logits order (they have the inputs' ndim)
+    parts = []
+    for qh0, qh1, g in call.groups:
+        parts.append(_one_call(
+            _take(q, hax, qh0, qh1), _take(k, hax, g, g + 1), _take(v, hax, g, g + 1),
+            _take(mask, lhax, qh0, qh1), _take(bias, lhax, qh0, qh1),
+            None if slopes is None else slopes[..., qh0:qh1], plan, call))
+    return _concat(parts, (hax,) + (call.nd - 3,) * (len(parts[0]) - 1))
 
 
 def _block_task(q, ks, vs, mask, bias, call: _Call):
-    """One (query chunk, key chunk) block: (out, lse) over the block's keys."""
+    """One (query chunk, key chunk) block: (out, lse[, entropy, max_weight]) over the
+    block's keys."""
     hax = _heads_axis(call.layout, call.nd)
     k = ks[0] if len(ks) == 1 else np.concatenate(ks, axis=hax)
     v = vs[0] if len(vs) == 1 else np.concatenate(vs, axis=hax)
-    if call.groups is None:
-        return _one_call(q, k, v, mask, bias, call.slopes, call)
-    # q heads that do not start or end on a kv-group boundary: one call per kv head
-    outs, lses = [], []
-    lhax = call.nd - 3  # heads axis of mask/bias/lse (logits order)
-
-    def heads(a, h0, h1, axis):
-        if a is None or a.ndim + axis < 0 or a.shape[axis] == 1:
-            return a
-        idx = [slice(None)] * a.ndim
-        idx[axis] = slice(h0, h1)
-        return a[tuple(idx)]
-
-    for qh0, qh1, g in call.groups:
-        qs = heads(q, qh0, qh1, hax)
-        kg, vg = heads(k, g, g + 1, hax), heads(v, g, g + 1, hax)
-        m = heads(mask, qh0, qh1, lhax - call.nd)
-        b = heads(bias, qh0, qh1, lhax - call.nd)
-        s = None if call.slopes is None else call.slopes[..., qh0:qh1]
-        o, l_ = _one_call(qs, kg, vg, m, b, s, call)
-        outs.append(o)
-        lses.append(l_)
-    return np.concatenate(outs, axis=hax), np.concatenate(lses, axis=lhax)
+    if len(call.runs) == 1:
+        b0, b1, plan = call.runs[0]
+        if plan is None:  # pragma: no cover - such blocks are not scheduled
+            return _empty_part(q, k, v, call)
+        return _heads_calls(q, k, v, mask, bias, call.slopes, plan, call)
+    parts = []  # seqlens_k: stretches of sequences (batch axis 0 of 4-D inputs)
+    for b0, b1, plan in call.runs:
+        qb, kb, vb = (_take(x, 0, b0, b1) for x in (q, k, v))
+        if plan is None:
+            parts.append(_empty_part(qb, kb, vb, call))
+            continue
+        sl = call.slopes
+        if sl is not None and sl.ndim == 2:
+            sl = sl[b0:b1]
+        parts.append(_heads_calls(qb, kb, vb, _take(mask, 0, b0, b1), _take(bias, 0, b0, b1),
+                                  sl, plan, call))
+    return _concat(parts, (0,) * len(parts[0]))
 
 
 def _merge_task(parts, layout, final_dtype):
     out, lse = fastattn.merge([p[0] for p in parts], [p[1] for p in parts], layout=layout)
     if final_dtype is not None:
         out = out.astype(final_dtype)
-    return out, lse
+    if len(parts[0]) == 2:
+        return out, lse
+    return (out, lse) + _merge_stats(parts, lse)
+
+
+def _merge_stats(parts, lse):
+    """Entropy and largest weight of the merged rows from the parts' (lse, entropy,
+    max_weight), in float64: with a_p = exp(lse_p - lse) the share of part p,
+    H = lse - sum_p a_p (lse_p - H_p) (each part's sum_j w_j s_j is lse_p - H_p) and
+    max_weight = max_p a_p max_weight_p.  Rows that see no key: 0 and 0."""
+    L = np.stack([np.asarray(p[1], np.float64) for p in parts])
+    H = np.stack([np.asarray(p[2], np.float64) for p in parts])
+    M = np.stack([np.asarray(p[3], np.float64) for p in parts])
+    total = np.asarray(lse, np.float64)
+    seen = np.isfinite(L)
+    with np.errstate(invalid="ignore", over="ignore"):
+        a = np.where(seen, np.exp(np.where(seen, L, 0.0) - total), 0.0)
+        ent = total - np.sum(np.where(seen, a * (np.where(seen, L, 0.0) - H), 0.0), axis=0)
+        mw = np.max(a * M, axis=0)
+    none = ~np.isfinite(total)
+    ent[none] = 0.0
+    mw[none] = 0.0
+    return ent.astype(lse.dtype), mw.astype(lse.dtype)
+
+
+def _support_task(part):
+    """effective_support = exp(entropy), 0 for rows that see no key."""
+    lse, ent = part[1], part[2]
+    sup = np.exp(ent)
+    sup[np.isneginf(lse)] = 0
+    return sup
 
 
 def _identity(part):
@@ -288,12 +368,15 @@ def _identity(part):
 
 
 def _cast_task(part, dtype):
-    return part[0].astype(dtype), part[1]
+    return (part[0].astype(dtype),) + tuple(part[1:])
 
 
-def _fill_task(out_shape, out_dtype, lse_shape, lse_dtype):
-    """A block whose rows see no key: output 0, lse -inf (semantics 7)."""
-    return np.zeros(out_shape, out_dtype), np.full(lse_shape, -np.inf, lse_dtype)
+def _fill_task(out_shape, out_dtype, lse_shape, lse_dtype, stats):
+    """A block whose rows see no key: output 0, lse -inf (semantics 7), stats 0."""
+    part = (np.zeros(out_shape, out_dtype), np.full(lse_shape, -np.inf, lse_dtype))
+    if stats:
+        part += (np.zeros(lse_shape, lse_dtype), np.zeros(lse_shape, lse_dtype))
+    return part
 
 
 # ---------------------------------------------------------------------------------
@@ -333,9 +416,9 @@ def _small(x, name):
 
 def attention(q, k, v, *, scale: float | None = None, causal=False, window=None, mask=None,
               bias=None, alibi_slopes=None, softcap: float | None = None,
-              dropout_p: float = 0.0, seed: int | None = None, layout: str = "bhsd",
-              return_lse: bool = False, out=None, num_threads: int | None = None,
-              split_every: int = 4):
+              dropout_p: float = 0.0, seed: int | None = None, seqlens_k=None,
+              layout: str = "bhsd", return_lse: bool = False, return_stats: bool = False,
+              out=None, num_threads: int | None = None, split_every: int = 4):
     """Exact attention over dask arrays: :func:`fastattn.attention`, split into blocks.
 
     Parameters
@@ -357,6 +440,11 @@ def attention(q, k, v, *, scale: float | None = None, causal=False, window=None,
         size 1 and are never expanded.
     alibi_slopes : array, shape (Hq,) or (B, Hq), optional
         Small; a dask array is computed when the graph is built.
+    seqlens_k : int array (B,), optional
+        As for :func:`fastattn.attention` (sequence b sees keys [0, seqlens_k[b]),
+        causal/window/ALiBi aligned to that length); known when the graph is built
+        (a dask array is computed), so key chunks past a sequence's length are not
+        scheduled for it.
     scale, causal, window, softcap, layout : as for :func:`fastattn.attention`
         Causal, window and ALiBi align on the whole problem's ``Lq`` and ``Lk``.
     dropout_p : must be 0
@@ -366,6 +454,11 @@ def attention(q, k, v, *, scale: float | None = None, causal=False, window=None,
     return_lse : bool, optional
         Also return the lse as a dask array ``(..., Hq, Lq)`` (chunked like q's
         batch, head and query axes).
+    return_stats : bool, optional
+        Also return a :class:`fastattn.AttentionStats` of dask arrays shaped like the
+        lse: the blocks' entropies and largest weights are merged across key chunks
+        exactly (``H = lse - sum_p a_p (lse_p - H_p)``, ``a_p = exp(lse_p - lse)``),
+        in float64.
     out : must be None
         Dask arrays are immutable; store results with ``dask.array.store``.
     num_threads : int, optional
@@ -378,18 +471,19 @@ def attention(q, k, v, *, scale: float | None = None, causal=False, window=None,
     -------
     out : dask.array.Array, q's shape with the last axis Dv, q's dtype
     lse : dask.array.Array, only with ``return_lse=True``
+    stats : fastattn.AttentionStats of dask arrays, only with ``return_stats=True``
 
     Notes
     -----
     Deterministic: for given chunks the bits are the same whatever the scheduler,
     workers, threads or task order (the blocks' calls are deterministic and the
-    merge tree is fixed).  With k and v in one chunk along the key axis the result
-    equals :func:`fastattn.attention` bitwise when q is one chunk along the query
-    axis, or when every query chunk has more than 8 rows and there is no window and no
-    ALiBi without causal (a call of at most 8 rows takes the kernel's decode path, a
-    windowed call starts its key tiles at the band's edge, and such ALiBi goes in as a
-    bias); otherwise, and with key chunks, it agrees within rounding (float32: ~1e-7
-    relative).  Blocks that causal/window hide entirely are not in the graph.
+    merge tree is fixed).  With k and v in one chunk along the key axis the output
+    and lse equal :func:`fastattn.attention`'s bitwise (fastattn's batch invariance:
+    a row's bits do not depend on which rows share its call), whatever the batch,
+    head and query chunks, except for ALiBi without causal when q has several query
+    chunks (the slopes then go in as a bias); otherwise, and with key chunks, they
+    agree within rounding (float32: ~1e-7 relative).  Blocks that causal/window hide
+    entirely are not in the graph.
 
     Each block task holds its q chunk, its K and V chunks and one output chunk (plus
     a mask or bias chunk); a band that no causal/window argument can express, and
@@ -406,6 +500,7 @@ def attention(q, k, v, *, scale: float | None = None, causal=False, window=None,
     pr = _api._Problem(_FN, _dummy(q.shape, q.dtype), _dummy(k.shape, k.dtype),
                        _dummy(v.shape, v.dtype), layout)
     return_lse = _api._parse_flag(return_lse, "return_lse", _FN)
+    return_stats = _api._parse_flag(return_stats, "return_stats", _FN)
     causal_code = _api._parse_causal(causal, _FN)
     _api._parse_scale(scale, pr.D, _FN)
     nth = _api._parse_threads(num_threads, _FN) or 1
@@ -427,6 +522,7 @@ def attention(q, k, v, *, scale: float | None = None, causal=False, window=None,
         biasd = _as_dask(bias, "bias")
         _check_chunks(biasd, "bias")
     slopes = _small(alibi_slopes, "alibi_slopes")
+    seqlens = _small(seqlens_k, "seqlens_k")
     wl, wr = _api._parse_window(window, _FN)
     # the checks of fastattn.attention, on zero-memory stand-ins of the same shapes
     mdummy = None if maskd is None else _dummy(maskd.shape, maskd.dtype)
@@ -435,7 +531,11 @@ def attention(q, k, v, *, scale: float | None = None, causal=False, window=None,
         if biasd.dtype != pr.dtype:  # the dtype check on a tiny array (no conversion copy)
             pr.variants(None, None, _dummy((1,) * biasd.ndim, biasd.dtype), None, None)
         bdummy = _dummy(biasd.shape, pr.dtype)
-    pr.variants(window, mdummy, bdummy, slopes, softcap)
+    if seqlens is None:
+        pr.variants(window, mdummy, bdummy, slopes, softcap)
+    else:
+        pr.variants(window, mdummy, bdummy, slopes, softcap, seqlens_k=seqlens)
+        seqlens = np.asarray(seqlens, np.int64).reshape(-1)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if len(x.chunks[-1]) > 1:
             raise ValueError(f"fastattn.{_FN}: {name} is chunked along its feature axis (chunks "
@@ -480,7 +580,7 @@ def attention(q, k, v, *, scale: float | None = None, causal=False, window=None,
 
     maskd, biasd = align(maskd), align(biasd)
 
-    lse_dtype = pr.lse_dtype
+    lse_dtype = np.dtype(pr.lse_dtype)
     out_dtype = pr.out_dtype
     cdt = np.dtype(pr.dtype)
     sixteen = np.dtype(out_dtype).itemsize == 2   # float16 / bfloat16 q
@@ -490,12 +590,35 @@ def attention(q, k, v, *, scale: float | None = None, causal=False, window=None,
 
     token = tokenize(q.name, k.name, v.name, None if maskd is None else maskd.name,
                      None if biasd is None else biasd.name, slopes_c, scale_arg, softcap_arg,
-                     causal_code, wl, wr, layout, nth, split_every, "fastattn.dask-1")
+                     causal_code, wl, wr, layout, nth, split_every, seqlens, return_stats,
+                     "fastattn.dask-1")
     blk_name = "fastattn-block-" + token
     mrg_name = "fastattn-merge-" + token
     out_name = "fastattn-out-" + token
     lse_name = "fastattn-lse-" + token
-    blocks, merges, outl, lsel = {}, {}, {}, {}
+    ent_name, sup_name, mw_name = ("fastattn-" + n + "-" + token
+                                   for n in ("entropy", "support", "maxweight"))
+    blocks, merges, outl, lsel, statl = {}, {}, {}, {}, {}
+    alibi = slopes is not None
+
+    def runs_for(q0, q1, k0, k1, b0, b1):
+        """The block's runs of batch entries b0..b1-1 with one plan each (see _Call),
+        or None when no entry sees any key of it."""
+        if seqlens is None:
+            pl = _plan_block(q0, q1, k0, k1, Lq, Lk, causal_code, wl, wr, alibi)
+            return None if pl is None else ((0, b1 - b0, pl),)
+        runs: List[List[Any]] = []
+        for b in range(b0, b1):
+            S = int(seqlens[b if nd == 4 else 0])   # sequence b is its first S keys
+            pl = None if k0 >= S else _plan_block(q0, q1, k0, min(k1, S), Lq, S,
+                                                   causal_code, wl, wr, alibi)
+            if runs and runs[-1][2] == pl:
+                runs[-1][1] += 1
+            else:
+                runs.append([b - b0, b - b0 + 1, pl])
+        if all(r[2] is None for r in runs):
+            return None
+        return tuple((r[0], r[1], r[2]) for r in runs)
 
     qs_b, qs_h, qs_l, ks_l = _starts(b_chunks), _starts(h_chunks), _starts(lq_chunks), \
         _starts(lk_chunks)
@@ -544,14 +667,13 @@ def attention(q, k, v, *, scale: float | None = None, causal=False, window=None,
                 plans = []
                 if not empty:
                     for ki in range(len(lk_chunks)):
-                        pl = _plan_block(q0, q1, ks_l[ki], ks_l[ki + 1], Lq, Lk, causal_code,
-                                         wl, wr, slopes is not None)
-                        if pl is not None:
-                            plans.append((ki, pl))
+                        runs = runs_for(q0, q1, ks_l[ki], ks_l[ki + 1], qs_b[bi], qs_b[bi + 1])
+                        if runs is not None:
+                            plans.append((ki, runs))
                 final = (mrg_name, bi, hi, li)
                 if not plans:
                     blocks[(blk_name, bi, hi, li, 0)] = (_fill_task, tuple(oshape), out_dtype,
-                                                         lshape, lse_dtype)
+                                                         lshape, lse_dtype, return_stats)
                     merges[final] = (_identity, (blk_name, bi, hi, li, 0))
                 else:
                     upcast = sixteen and len(plans) > 1
@@ -560,9 +682,9 @@ def attention(q, k, v, *, scale: float | None = None, causal=False, window=None,
                         sl = slopes_c[..., h0:h1] if slopes_c.ndim == 1 else \
                             slopes_c[qs_b[bi]:qs_b[bi + 1], h0:h1]
                     keys = []
-                    for ki, pl in plans:
-                        call = _Call(pl, layout, nd, scale_arg, softcap_arg, sl, groups, upcast,
-                                     nth, cdt)
+                    for ki, runs in plans:
+                        call = _Call(runs, return_stats, layout, nd, scale_arg, softcap_arg, sl,
+                                     groups, upcast, nth, cdt, lse_dtype)
                         kk = [(k.name,) + user_index(bi, g, ki, 0) for g in kv_idx]
                         vk = [(v.name,) + user_index(bi, g, ki, 0) for g in kv_idx]
                         mk = None if maskd is None else logits_index(maskd, bi, hi, li, ki)
@@ -594,8 +716,12 @@ def attention(q, k, v, *, scale: float | None = None, causal=False, window=None,
                                 names.append(mkey)
                             below = names
                 outl[(out_name,) + user_index(bi, hi, li, 0)] = (operator.getitem, final, 0)
-                lidx = ([bi] if nd == 4 else []) + ([hi] if nd >= 3 else []) + [li]
-                lsel[(lse_name,) + tuple(lidx)] = (operator.getitem, final, 1)
+                lidx = tuple(([bi] if nd == 4 else []) + ([hi] if nd >= 3 else []) + [li])
+                lsel[(lse_name,) + lidx] = (operator.getitem, final, 1)
+                if return_stats:
+                    statl[(ent_name,) + lidx] = (operator.getitem, final, 2)
+                    statl[(sup_name,) + lidx] = (_support_task, final)
+                    statl[(mw_name,) + lidx] = (operator.getitem, final, 3)
 
     deps = [q, k, v] + [x for x in (maskd, biasd) if x is not None]
     g = HighLevelGraph.from_collections(blk_name, blocks, dependencies=deps)
@@ -603,14 +729,24 @@ def attention(q, k, v, *, scale: float | None = None, causal=False, window=None,
     layers[mrg_name], dependencies[mrg_name] = merges, {blk_name}
     layers[out_name], dependencies[out_name] = outl, {mrg_name}
     layers[lse_name], dependencies[lse_name] = lsel, {mrg_name}
+    for name in (ent_name, sup_name, mw_name) if return_stats else ():
+        layers[name] = {key: t for key, t in statl.items() if key[0] == name}
+        dependencies[name] = {mrg_name}
     graph = HighLevelGraph(layers, dependencies)
     out_chunks = list(q.chunks)
     out_chunks[-1] = (Dv,)
     result = da.Array(graph, out_name, chunks=tuple(out_chunks),
                       meta=np.empty((0,) * nd, out_dtype))
-    if not return_lse:
-        return result
     lse_chunks = tuple(([b_chunks] if nd == 4 else []) + ([h_chunks] if nd >= 3 else [])
                        + [lq_chunks])
-    lse = da.Array(graph, lse_name, chunks=lse_chunks, meta=np.empty((0,) * (nd - 1), lse_dtype))
-    return result, lse
+
+    def row_array(name):
+        return da.Array(graph, name, chunks=lse_chunks, meta=np.empty((0,) * (nd - 1), lse_dtype))
+
+    parts: Tuple[Any, ...] = (result,)
+    if return_lse:
+        parts += (row_array(lse_name),)
+    if return_stats:
+        parts += (fastattn.AttentionStats(row_array(ent_name), row_array(sup_name),
+                                          row_array(mw_name)),)
+    return parts[0] if len(parts) == 1 else parts

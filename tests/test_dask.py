@@ -35,6 +35,15 @@ def client():
         yield c
 
 
+@pytest.fixture(autouse=True)
+def _task_rechunks():
+    """Graphs that the synchronous scheduler can run too: with a distributed Client
+    alive, dask may choose its peer-to-peer rechunk (which only runs on workers) for
+    the rechunks fastattn.dask asks for."""
+    with dask.config.set({"array.rechunk.method": "tasks"}):
+        yield
+
+
 def compute(client, *xs):
     return client.compute(list(xs), sync=True)
 
@@ -190,11 +199,12 @@ def _variant(name, Lq, Lk, rng):
 VARIANTS = ["plain", "causal", "top-left", "window", "causal+window", "top-left+window",
             "left-window", "narrow-window", "alibi", "alibi+causal", "alibi(B,H)+top-left",
             "mask", "key-padding", "bias", "softcap+scale", "everything"]
-# (Lq, Lk), then (q chunk, k chunk, q head chunk): one chunk; query chunks only (more
-# than 8 rows each, so the bits are fastattn.attention's); key chunks; both with GQA
-# head chunks that split a kv group
+# (Lq, Lk), then (q chunk, k chunk, q head chunk): one chunk; query chunks only (the
+# bits are fastattn.attention's); key chunks; both, with GQA head chunks that split a
+# kv group
 SHAPES = [(48, 48), (20, 57), (57, 20)]
-CHUNKS = [(None, None, HQ), (12, None, 2), (None, 11, 4), (9, 13, 1), (10, 7, 3)]
+CHUNKS = [(None, None, HQ), (12, None, 2), (5, None, 4), (None, 11, 4), (9, 13, 1),
+          (10, 7, 3)]
 
 
 def promised_bitwise(kw, Lq, qc, Lk, kc):
@@ -203,10 +213,6 @@ def promised_bitwise(kw, Lq, qc, Lk, kc):
         return False
     if qc is None or qc >= Lq:
         return True
-    if Lq % qc and Lq % qc <= 8 or qc <= 8:
-        return False
-    if kw.get("window") is not None:
-        return False
     return not (kw.get("alibi_slopes") is not None and not kw.get("causal"))
 
 
@@ -373,6 +379,82 @@ def test_empty_inputs(client):
     assert compute(client, o)[0].shape == (B, HQ, 0, D)
 
 
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(window=(6, 2)),
+                                dict(alibi_slopes=SLOPES, causal="top-left")],
+                         ids=["plain", "causal", "window", "alibi+top-left"])
+def test_seqlens_k(client, kw):
+    """Per-sequence key lengths: each sequence against its first seqlens_k[b] keys, with
+    causal/window/ALiBi aligned to that length; key chunks past a sequence's length are
+    not computed for it (a whole block is left out when no sequence of its batch chunk
+    reaches it)."""
+    Lq, Lk = 12, 60
+    rng = np.random.default_rng(8)
+    q = rng.standard_normal((4, HQ, Lq, D)).astype(np.float32)
+    k = rng.standard_normal((4, HKV, Lk, D)).astype(np.float32)
+    v = rng.standard_normal((4, HKV, Lk, D)).astype(np.float32)
+    seqlens = np.array([60, 23, 0, 13])
+    want_o, want_l = fastattn.attention(q, k, v, seqlens_k=seqlens, return_lse=True, **kw)
+    lazies = []
+    chunkings = [(Lq, Lk, 4), (5, Lk, 2), (Lq, 13, 2), (5, 16, 1)]
+    for qc, kc, bc in chunkings:
+        lazies += list(fdask.attention(da.from_array(q, chunks=(bc, HQ, qc, D)),
+                                       da.from_array(k, chunks=(bc, HKV, kc, D)),
+                                       da.from_array(v, chunks=(bc, HKV, kc, D)),
+                                       seqlens_k=seqlens, return_lse=True, **kw))
+    res = compute_both(client, lazies, [len(lazies) - 2, len(lazies) - 1])
+    for n, (qc, kc, bc) in enumerate(chunkings):
+        o, l_ = res[2 * n], res[2 * n + 1]
+        for b, S in enumerate(seqlens):
+            ref_o, ref_l = reference.attention(q[b], k[b, :, :S], v[b, :, :S], return_lse=True,
+                                               **{a: (x[b] if a == "bias" else x)
+                                                  for a, x in kw.items()})
+            assert rel_err(o[b], ref_o) <= TOL[np.dtype(np.float32)]
+            assert_lse_close(l_[b], ref_l, np.float32)
+        if kc == Lk:  # keys in one chunk: fastattn.attention's bits
+            np.testing.assert_array_equal(o, want_o)
+            np.testing.assert_array_equal(l_, want_l)
+    # key chunks past every sequence of a batch chunk are not in the graph
+    o = fdask.attention(da.from_array(q[2:], chunks=(1, HQ, Lq, D)),
+                        da.from_array(k[2:], chunks=(1, HKV, 13, D)), k[2:], seqlens_k=seqlens[2:])
+    assert len(_block_tasks(o)) == 1 + 1   # sequence 2 (S=0): one filled block; 3: 1 chunk
+
+
+@pytest.mark.parametrize("kc", [None, 13])
+def test_return_stats(client, kc):
+    """Entropy, effective support and largest weight merged across key chunks by the
+    chain rule, against the oracle; with keys in one chunk, fastattn.attention's bits."""
+    Lq, Lk = 30, 52
+    q, k, v = _inputs(Lq, Lk, seed=12)
+    m = np.ones((Lq, Lk), bool)
+    m[3] = False   # a row that sees no key: stats 0
+    lazies, cases = [], [dict(), dict(causal=True, window=(20, 0)),
+                         dict(mask=m, alibi_slopes=SLOPES, softcap=2.0)]
+    for kw in cases:
+        lazies += list(fdask.attention(da.from_array(q, chunks=(1, 2, 10, D)),
+                                       da.from_array(k, chunks=(1, 1, kc or Lk, D)),
+                                       da.from_array(v, chunks=(1, 1, kc or Lk, D)),
+                                       return_lse=True, return_stats=True, **kw))
+    flat = [lazies[i] for i in range(len(lazies)) if i % 3 != 2]
+    stats = [x for i in range(2, len(lazies), 3) for x in lazies[i]]
+    res = compute_both(client, flat + stats, [len(flat) + 0, len(flat) + 1, len(flat) + 2])
+    for n, kw in enumerate(cases):
+        o, l_ = res[2 * n], res[2 * n + 1]
+        ent, sup, mw = res[len(flat) + 3 * n: len(flat) + 3 * n + 3]
+        assert isinstance(lazies[3 * n + 2], fastattn.AttentionStats)
+        ref_o, ref_l = reference.attention(q, k, v, return_lse=True, **kw)
+        r_ent, r_sup, r_mw = reference.attention_stats(q, k, **kw)
+        assert rel_err(o, ref_o) <= TOL[np.dtype(np.float32)]
+        assert_lse_close(l_, ref_l, np.float32)
+        tol = TOL[np.dtype(np.float32)] * np.log(Lk)
+        assert ent.dtype == mw.dtype == sup.dtype == np.float32
+        assert np.max(np.abs(ent - r_ent)) <= tol and np.max(np.abs(mw - r_mw)) <= tol
+        assert rel_err(sup, r_sup) <= 10 * TOL[np.dtype(np.float32)]
+        if kc is None:
+            _, _, st = fastattn.attention(q, k, v, return_lse=True, return_stats=True, **kw)
+            for got, want in zip((ent, sup, mw), st):
+                np.testing.assert_allclose(got, want, rtol=0, atol=tol)
+
+
 # ---------------------------------------------------------------------------------
 # The graph, determinism, the sharded KV cache
 # ---------------------------------------------------------------------------------
@@ -436,6 +518,25 @@ def test_deterministic_bits(client):
         np.testing.assert_array_equal(a[0], other[0])
         np.testing.assert_array_equal(a[1], other[1])
     assert rel_err(a[0], reference.attention(q, k, v, **kw)) <= TOL[np.dtype(np.float32)]
+
+
+def test_p2p_rechunks_on_the_cluster(client):
+    """The rechunks of k, v and a bias through dask's peer-to-peer method (which it may
+    choose on a cluster) give the same bits as task rechunks."""
+    q, k, v = _inputs(40, 48, seed=6)
+    bias = np.random.default_rng(6).standard_normal((B, HQ, 40, 48)).astype(np.float32)
+
+    def make():
+        return fdask.attention(da.from_array(q, chunks=(1, 2, 10, D)),
+                               da.from_array(k, chunks=(2, 1, 7, D)),
+                               da.from_array(v, chunks=(1, 2, 11, D)),
+                               bias=da.from_array(bias, chunks=(2, 1, 9, 5)), causal=True)
+    with dask.config.set({"array.rechunk.method": "p2p"}):
+        p2p = make()
+    tasks = make()
+    a, b = compute(client, p2p, tasks)
+    np.testing.assert_array_equal(a, b)
+    assert rel_err(a, reference.attention(q, k, v, bias=bias, causal=True)) <= 3e-5
 
 
 def _sharded(client, x, chunk, axis):
