@@ -10,13 +10,12 @@ process (each baseline call just before every timed round, 0.1 s idle around it)
   4 x 8192 (the bytes read are ~0.31x).
 Every case checks its result against the float64 oracle (sampled rows for big ones).
 """
-import time
-
 import numpy as np
 import pytest
 
 import fastattn
 from fastattn import reference
+from fastattn.bench import interleaved
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -24,20 +23,6 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 
 def _torch_bf16(torch, x):
     return torch.from_numpy(x.view(np.uint16).astype(np.int16)).view(torch.bfloat16)
-
-
-def _interleaved(benchmark, ours, base, rounds):
-    times = []
-
-    def run_base():
-        time.sleep(0.1)
-        t = time.perf_counter()
-        base()
-        times.append(time.perf_counter() - t)
-        time.sleep(0.1)
-    res = benchmark.pedantic(ours, setup=run_base, rounds=rounds, iterations=1, warmup_rounds=1)
-    times = times[-rounds:]
-    return res, min(times), float(np.median(times))
 
 
 PREFILL = {"B1 H8 L4096 D64": (1, 8, 4096, 64), "B1 H8 L2048 D128": (1, 8, 2048, 128)}
@@ -64,7 +49,7 @@ def test_prefill_bf16(benchmark, bench_threads, name, baseline):
     else:
         def base():
             return fastattn.attention(q32, k32, v32, num_threads=bench_threads)
-    out, bmin, bmed = _interleaved(benchmark, lambda: fastattn.attention(q, k, v, num_threads=bench_threads),
+    out, bmin, bmed = interleaved(benchmark, lambda: fastattn.attention(q, k, v, num_threads=bench_threads),
                                    base, 3)
     rows = np.linspace(0, L - 1, 6).astype(int)
     ref = reference.attention(q32.astype(BF16).astype(np.float64)[0, 0, rows],
@@ -87,7 +72,7 @@ def test_decode_bf16_cache(benchmark, bench_threads, read_bandwidth):
     q = rng.standard_normal((1, H, 1, D), dtype=np.float32)
     k32, v32 = (rng.standard_normal((1, H, Lk, D), dtype=np.float32) for _ in range(2))
     k, v = k32.astype(BF16), v32.astype(BF16)
-    out, bmin, bmed = _interleaved(benchmark, lambda: fastattn.attention(q, k, v, num_threads=bench_threads),
+    out, bmin, bmed = interleaved(benchmark, lambda: fastattn.attention(q, k, v, num_threads=bench_threads),
                                    lambda: fastattn.attention(q, k32, v32, num_threads=bench_threads), 7)
     ref = reference.attention(q[0].astype(np.float64), k[0].astype(np.float64), v[0].astype(np.float64))
     assert np.max(np.abs(out[0] - ref)) <= 1e-5 * np.max(np.abs(ref))
@@ -120,7 +105,7 @@ def test_fwd_bwd_bf16(benchmark, bench_threads):
     def ours():
         out, lse = fastattn.attention(q, k, v, return_lse=True, num_threads=bench_threads)
         return fastattn.attention_backward(dout, q, k, v, out, lse, num_threads=bench_threads)
-    grads, bmin, bmed = _interleaved(benchmark, ours, base, 3)
+    grads, bmin, bmed = interleaved(benchmark, ours, base, 3)
     for g, t in zip(grads, (tq.grad, tk.grad, tv.grad)):
         t = t.float().numpy()
         assert np.max(np.abs(g.astype(np.float32) - t)) <= 3e-2 * np.max(np.abs(t))
@@ -138,7 +123,7 @@ def test_seqlens_k_decode(benchmark, bench_threads):
     rng = np.random.default_rng(0)
     q = rng.standard_normal((B, H, 1, D), dtype=np.float32)
     k, v = (rng.standard_normal((B, H, Lk, D), dtype=np.float32) for _ in range(2))
-    out, bmin, bmed = _interleaved(
+    out, bmin, bmed = interleaved(
         benchmark, lambda: fastattn.attention(q, k, v, seqlens_k=lens, num_threads=bench_threads),
         lambda: fastattn.attention(q, k, v, num_threads=bench_threads), 7)
     for b in (0, 1):

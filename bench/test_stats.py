@@ -9,13 +9,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 
 import fastattn
-from fastattn.bench import RSS_CHILD_PRELUDE
+from fastattn.bench import RSS_CHILD_PRELUDE, interleaved
 from fastattn import reference
 
 SHAPES = {
@@ -56,14 +55,6 @@ def test_stats_cost(benchmark, bench_threads, shape, what):
 
     def base():
         return fastattn.attention(q, k, v, causal=causal, num_threads=nth)
-    base_times = []
-
-    def run_baseline():
-        time.sleep(0.1)
-        t = time.perf_counter()
-        base()
-        base_times.append(time.perf_counter() - t)
-        time.sleep(0.1)
 
     if what == "return_stats":
         def ours():
@@ -73,18 +64,17 @@ def test_stats_cost(benchmark, bench_threads, shape, what):
             return fastattn.key_mass(q, k, causal=causal, num_threads=nth)
     rounds = 5
     benchmark.group = f"stats {shape}"
-    res = benchmark.pedantic(ours, setup=run_baseline, rounds=rounds, iterations=1, warmup_rounds=1)
+    res, base_min, base_median = interleaved(benchmark, ours, base, rounds)
     if what == "return_stats":
         _sample_check(q, k, causal, stats=res[1])
     else:
         _sample_check(q, k, causal, mass=res)
-    base_times = base_times[-rounds:]
     st = benchmark.stats.stats if benchmark.stats else None
     benchmark.extra_info.update(stats_case=f"{shape} {what}", threads=nth,
                                 kernel=fastattn._kernels.current_kernel(),
-                                baseline_min_s=min(base_times),
-                                baseline_median_s=float(np.median(base_times)),
-                                ratio_min=(st.min / min(base_times)) if st else None)
+                                baseline_min_s=base_min,
+                                baseline_median_s=base_median,
+                                ratio_min=(st.min / base_min) if st else None)
 
 
 CHILD = RSS_CHILD_PRELUDE + r"""

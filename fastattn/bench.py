@@ -245,6 +245,24 @@ def read_gbps(threads, mib=256, repeats=5):
 
 
 # ---------------------------------------------------------------- implementations
+def interleaved(benchmark, ours, base, rounds):
+    """Time `ours` with pytest-benchmark, running `base` (untimed by the benchmark,
+    timed here) just before every round with 0.1 s idle around it, so both see the
+    same machine.  Returns (ours' last result, base's best, base's median seconds)."""
+    import time
+    times = []
+
+    def run_base():
+        time.sleep(0.1)
+        t = time.perf_counter()
+        base()
+        times.append(time.perf_counter() - t)
+        time.sleep(0.1)  # its worker threads go idle before the timed call
+    res = benchmark.pedantic(ours, setup=run_base, rounds=rounds, iterations=1, warmup_rounds=1)
+    times = times[-rounds:]
+    return res, min(times), float(np.median(times))
+
+
 # The start of a child script that measures a call's peak RSS (bench/test_memory.py,
 # test_backward.py, test_stats.py): status_kib(field) reads /proc/self/status, and
 # reset_peak() makes VmHWM the current RSS (clear_refs 5), since ru_maxrss would carry
