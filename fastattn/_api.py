@@ -232,6 +232,15 @@ def _compact(a, dt):
     return a
 
 
+def _in_place(a, dt):
+    """`a` as the kernel reads it in place: dtype dt, aligned, whole-element strides and
+    a contiguous last axis (the rule of _kernels' readable check); else a fresh copy."""
+    a = _compact(a, dt)
+    if a.size and a.shape[-1] > 1 and a.strides[-1] != dt.itemsize:
+        return _fresh(a)
+    return a
+
+
 def _broadcast4(a, name, full, fn):
     """A (B, Hq, Lq, Lk) view of `a` broadcast (right-aligned, stride 0) against the
     logits shape `full` of the user's ndim; nothing is materialized."""
@@ -635,10 +644,7 @@ def _grad_input(x, name, shape, what, dt, fn):
         raise ValueError(f"fastattn.{fn}: {name} has shape {a.shape}, expected {shape} ({what})")
     if not _is_float(a.dtype):
         raise TypeError(f"fastattn.{fn}: {name} must be a float array, got dtype {a.dtype}")
-    a = _compact(a, dt)
-    if a.ndim and a.shape[-1] > 1 and a.strides[-1] != dt.itemsize:
-        a = _fresh(a)
-    return a
+    return _in_place(a, dt)
 
 
 def _sum_to(g, shape):
@@ -766,9 +772,7 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     if pr.v.shape[-1] == 0:  # nothing flows back through an empty value
         vv, dout_a, out_a = (np.zeros(a.shape[:-1] + (1,), dt) for a in (vv, dout_a, out_a))
         dva = np.empty(vv.shape, dt)
-    qa, ka, vv = (a if a.size == 0 or (a.flags.aligned and a.strides[-1] == dt.itemsize
-                                        and not any(s % dt.itemsize for s in a.strides))
-                  else _fresh(a) for a in (qa, ka, vv))
+    qa, ka, vv = (_in_place(a, dt) for a in (qa, ka, vv))
     if dq.size + dk.size + dv.size or ds is not None:
         _kernels.backward(qa, ka, vv, out_a, lse_a, dout_a, dqa, dka, dva,
                           None if ds is None else ds.reshape((1,) * (4 - pr.nd) + pr.logits_shape),
@@ -803,12 +807,10 @@ def key_mass(q: ArrayLike, k: ArrayLike, *, scale: float | None = None, causal: 
     va = pr.variants(window, mask, bias, alibi_slopes, softcap, seqlens_k=seqlens_k) \
         or _kernels.Variants()
     dt = pr.dtype
-    qa, ka = (a if a.dtype == dt else a.astype(dt) for a in (pr.q, pr.k))
+    qa, ka = pr.q, pr.k
     if pr.D == 0:
         qa, ka = (np.zeros(a.shape[:-1] + (1,), dt) for a in (qa, ka))
-    qa, ka = (a if a.size == 0 or (a.flags.aligned and a.strides[-1] == dt.itemsize
-                                   and not any(s % dt.itemsize for s in a.strides))
-              else _fresh(a) for a in (qa, ka))
+    qa, ka = (_in_place(a, dt) for a in (qa, ka))  # 16-bit inputs: float32 copies
     mass = np.empty(pr.logits_shape[:-2] + (pr.Lk,), dt)
     if mass.size == 0:
         return mass
