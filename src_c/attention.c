@@ -250,13 +250,8 @@ static void fa_item_make(const fa_params *p, const fa_plan *pl, int64_t b, int64
     /* keys visible to some row: row i sees a-left <= j <= a+right, a = i + diag */
     const int64_t diag = p->causal == FA_CAUSAL_TOP_LEFT ? 0 : Lk - Lq;
     const int64_t right = p->causal != FA_CAUSAL_NONE ? 0 : p->window_right; /* min(right, 0) */
-    int64_t kv0 = p->window_left >= 0 ? it->q0 + diag - p->window_left : 0;
-    int64_t kv1 = right >= 0 ? it->q0 + it->nq - 1 + diag + right + 1 : Lk;
-    if (kv0 < 0) kv0 = 0;
-    if (kv1 > Lk) kv1 = Lk;
-    if (kv1 < kv0) kv1 = kv0;
-    it->kv0 = kv0;
-    it->kv1 = kv1;
+    fa_key_range(p->window_left >= 0 ? it->q0 + diag - p->window_left : 0,
+                 right >= 0 ? it->q0 + it->nq - 1 + diag + right + 1 : Lk, Lk, &it->kv0, &it->kv1);
 }
 
 static int64_t fa_qblocks(const fa_params *p, const fa_plan *pl, int64_t b)
@@ -482,9 +477,8 @@ static int fa_decode_split(const fa_params *p, const fa_plan *pl, fa_qblock_fn q
             const int64_t b = h / (p->Hkv * pl->nhc), g = (h / pl->nhc) % p->Hkv, hc = h % pl->nhc;
             fa_item it;
             fa_item_make(p, pl, b, g, hc, 0, &it);
-            if (it.kv0 < c * chunk) it.kv0 = c * chunk;
-            if (it.kv1 > (c + 1) * chunk) it.kv1 = (c + 1) * chunk;
-            if (it.kv1 < it.kv0) it.kv1 = it.kv0;
+            fa_key_range(it.kv0 > c * chunk ? it.kv0 : c * chunk,
+                         it.kv1 < (c + 1) * chunk ? it.kv1 : (c + 1) * chunk, p->Lk, &it.kv0, &it.kv1);
             local.out = pout + (size_t)(c * rows * Dv) * item;
             local.lse = plse + (size_t)(c * rows) * item;
             qblock(&local, &pl->bl, &it, scratch);

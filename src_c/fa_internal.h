@@ -196,6 +196,20 @@ typedef struct fa_blocks {
     int64_t q, k;
 } fa_blocks;
 
+/* The key range [lo, hi) that some row may see, made safe to index: within [0, Lk],
+ * and an empty range (nothing visible: windows past the keys, more queries than keys
+ * with a top-left diagonal, Lk = 0) always [0, 0), so that no rounding of lo down to
+ * a tile start, and no tile loop "from lo", can reach a key outside K, V, the mask or
+ * the bias.  Every item's [kv0, kv1) is made by this. */
+static inline void fa_key_range(int64_t lo, int64_t hi, int64_t Lk, int64_t *kv0, int64_t *kv1)
+{
+    if (lo < 0) lo = 0;
+    if (hi > Lk) hi = Lk;
+    if (hi <= lo) lo = hi = 0;
+    *kv0 = lo;
+    *kv1 = hi;
+}
+
 /* One work item: the query rows of nh heads that share one key/value head, all
  * against the same key tiles (so a K/V tile is loaded once for the group). */
 typedef struct fa_item {
@@ -204,7 +218,8 @@ typedef struct fa_item {
     int64_t q0, nq;     /* positions q0 .. q0+nq-1 of each of those heads         */
     int64_t Lq, Lk;     /* this sequence's lengths                                */
     int64_t qoff, koff; /* its first row on the L axis of q/out/lse and of k/v    */
-    int64_t kv0, kv1;   /* keys that may be visible to some row: [kv0, kv1)       */
+    int64_t kv0, kv1;   /* keys that may be visible to some row: [kv0, kv1), inside
+                           [0, Lk], and [0, 0) when none is (fa_key_range)       */
 } fa_item;
 
 /* Computes one item (rows r = hh*nq + i), writing its output rows and lse (or its

@@ -553,6 +553,10 @@ static void FA_NAME(fa_setup_rows)(const fa_params *p, const fa_item *it, int64_
         if (left >= 0 && a - left > lo) lo = a - left;
         if (right >= 0 && a + right < hi) hi = a + right;
         if (causal && a < hi) hi = a;
+        if (hi < lo) { /* sees no key: the empty range of the padded rows */
+            lo = 0;
+            hi = -1;
+        }
         sc->lo[r] = lo;
         sc->hi[r] = hi;
         sc->slope[r] = p->alibi ? ((const FA_T *)p->alibi)[it->b * p->alibi_sb + h * p->alibi_sh]

@@ -1,0 +1,428 @@
+"""The guard-page sweep: seeded calls of every public function with every array it
+reads or writes placed against inaccessible pages (tests/guardpages.py), checked
+against the float64 oracle.
+
+`cases(n, seed)` draws the calls as plain dicts: the function (attention, with stats,
+attention_weights, attention_backward, key_mass, varlen_attention, merge), the CPU
+kernel (each one this machine runs, in turn), the dtypes (float32, float64, float16
+and bfloat16 caches, 16-bit q), the layout and rank, GQA, the memory layout of each
+array (contiguous, strided rows, swapped axes, a reversed L axis), the variants and
+their combinations (causal both ways, windows, masks and biases of every broadcast
+shape, ALiBi, softcap, dropout, seqlens_k), Lq != Lk both ways, L = 0 / 1 and lengths
+off every block grid, decode shapes for the split-KV path, 1-3 threads, out=.
+
+`run(case)` performs one call twice, with every array flush against the guard page
+after it and then against the one before it, and returns None or what went wrong.
+A stray read or write is a SIGSEGV: `python guard_sweep.py N SEED FIRST` runs cases
+FIRST.. in this process, printing "start i" before each and "ok i" / "fail i: why"
+after, so the parent (tests/test_guard_pages.py) knows which call killed it, reports
+it, and starts a new worker after it.
+"""
+import json
+import os
+import sys
+import traceback
+
+import numpy as np
+
+import fastattn
+from fastattn import _kernels, reference
+
+from guardpages import guarded
+
+try:
+    import ml_dtypes
+    BF16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is a dependency of fastattn
+    BF16 = None
+F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
+
+FUNCTIONS = ["attention"] * 6 + ["stats", "weights", "weights", "backward", "backward",
+                                 "backward", "key_mass", "varlen", "merge"]
+LENGTHS = [0, 1, 1, 2, 7, 15, 16, 17, 31, 33, 41, 63, 64, 65, 100, 150, 193, 300]
+DECODE_LK = [513, 700, 1025, 1100]
+DIMS = [1, 3, 8, 16, 24, 64]
+WINDOWS = [(6, 3), (0, 0), (None, 2), (4, None), (40, 0), (0, 5), (2 ** 40, 0), (3, -1), (-1, 1)]
+HOWS = ["contig"] * 3 + ["rows", "swapped", "reversed"]
+
+
+def _dtypes_for(fn, r):
+    """(q dtype, k/v dtype) names for function fn."""
+    opts = [("f32", "f32")] * 4 + [("f64", "f64")] * 3
+    if fn in ("attention", "stats", "key_mass"):
+        opts += [("f32", "f16"), ("f16", "f16")]
+    if BF16 is not None and fn != "stats":
+        opts += [("bf16", "bf16")] + ([("f32", "bf16")] if fn in ("attention", "key_mass") else [])
+    return opts[r.integers(len(opts))]
+
+
+def cases(n, seed):
+    """n calls, the same for the same (n, seed)."""
+    r = np.random.default_rng(seed)
+    kernels = _kernels.supported_kernels()
+    out = []
+    for i in range(n):
+        fn = FUNCTIONS[r.integers(len(FUNCTIONS))]
+        dq, dkv = _dtypes_for(fn, r)
+        c = dict(i=i, fn=fn, kernel=kernels[i % len(kernels)], dq=dq, dkv=dkv,
+                 seed=int(r.integers(2 ** 31)), threads=int(r.choice([1, 2, 3])))
+        c["nd"] = 3 if fn == "varlen" else int(r.choice([2, 3, 4, 4, 4]))
+        c["layout"] = "bshd" if fn == "varlen" else str(r.choice(["bhsd", "bhsd", "bshd"]))
+        Hkv = int(r.choice([1, 1, 2, 3])) if c["nd"] > 2 else 1
+        G = int(r.choice([1, 1, 2, 4])) if c["nd"] > 2 else 1
+        B = int(r.choice([1, 2, 3])) if c["nd"] == 4 else 1
+        Lq, Lk = int(r.choice(LENGTHS)), int(r.choice(LENGTHS))
+        if r.random() < 0.15:  # decoding against a cache longer than one key chunk
+            Lq, Lk = int(r.choice([1, 1, 2, 4, 8])), int(r.choice(DECODE_LK))
+        if r.random() < 0.2:  # more queries than keys by far
+            Lq, Lk = int(r.choice([150, 300])), int(r.choice([1, 7, 41]))
+        D, Dv = int(r.choice(DIMS)), int(r.choice(DIMS + [5, 19]))
+        c.update(B=B, Hkv=Hkv, Hq=Hkv * G, Lq=Lq, Lk=Lk, D=D, Dv=Dv)
+        c["how"] = [str(r.choice(HOWS)) for _ in range(6)]  # q, k, v, dout, out, lse
+        kw = {}
+        if r.random() < 0.5:
+            kw["causal"] = [True, "top-left", "bottom-right"][r.integers(3)]
+        if r.random() < 0.4:
+            kw["window"] = list(WINDOWS[r.integers(len(WINDOWS))])
+        if r.random() < 0.2 and fn != "varlen":
+            c["mask"] = _bshape(r, c)
+        if r.random() < 0.2 and fn != "varlen":
+            c["bias"] = _bshape(r, c)
+        if r.random() < 0.2:
+            c["alibi"] = [c["Hq"]] if c["nd"] < 4 or fn == "varlen" or r.random() < 0.5 \
+                else [B, c["Hq"]]
+        if r.random() < 0.2:
+            kw["softcap"] = float(r.choice([1.0, 5.0, 30.0]))
+        if r.random() < 0.15 and fn in ("attention", "weights", "backward", "varlen") \
+                and dkv != "f16":
+            kw["dropout_p"] = float(r.choice([0.1, 0.5]))
+            kw["seed"] = int(r.integers(2 ** 40))
+        if r.random() < 0.25 and c["nd"] == 4 and fn not in ("varlen", "merge"):
+            c["seqlens_k"] = [int(x) for x in r.integers(0, Lk + 1, B)]
+        if fn in ("attention", "varlen") and r.random() < 0.5:
+            kw["return_lse"] = True
+        if fn == "attention" and r.random() < 0.25 and dq != "f16":
+            c["out"] = True
+        if fn == "varlen":
+            nseq = int(r.integers(1, 5))
+            c["lq"] = [int(x) for x in r.choice(LENGTHS[:14], nseq)]
+            c["lk"] = [int(x) for x in r.choice(LENGTHS[:14], nseq)]
+        if fn == "merge":
+            c["parts"] = int(r.integers(1, 4))
+        c["kw"] = kw
+        out.append(c)
+    return out
+
+
+def _bshape(r, c):
+    """A mask/bias shape broadcastable to the logits' (of the call's rank)."""
+    full = [c["B"], c["Hq"], c["Lq"], c["Lk"]][4 - c["nd"]:]
+    return [f if r.random() < 0.6 else 1 for f in full]
+
+
+def _dt(name):
+    return {"f32": F32, "f64": F64, "f16": F16, "bf16": BF16}[name]
+
+
+def _user(c, b, h, l, d):
+    shape = (b, h, l, d)[4 - c["nd"]:]
+    if c["layout"] == "bshd" and c["nd"] > 2:
+        shape = shape[:-3] + (shape[-2], shape[-3], shape[-1])
+    return shape
+
+
+def _tol(c):
+    """Relative error allowed against the oracle, by q's dtype (16-bit K/V with a
+    float32 q are held to float32's: the oracle sees the same 16-bit values)."""
+    return {"f64": 1e-10, "f32": 2e-4, "f16": 3e-3, "bf16": 3e-2}[c["dq"]]
+
+
+def _err(x, ref):
+    x = np.asarray(x, np.float64)
+    ref = np.asarray(ref, np.float64)
+    if x.shape != ref.shape:
+        return f"shape {x.shape} != {ref.shape}"
+    if not ref.size:
+        return 0.0
+    fin = np.isfinite(ref)
+    if not np.array_equal(np.isfinite(x), fin) or not np.array_equal(x[~fin], ref[~fin]):
+        return "non-finite entries differ"
+    # relative to the largest reference value, or absolute below 1 (a broadcast bias's
+    # gradient is a sum of terms that cancel: relative to it, rounding looks huge)
+    scale = max(float(np.max(np.abs(ref[fin]), initial=0.0)), 1.0)
+    return float(np.max(np.abs(x[fin] - ref[fin]), initial=0.0)) / scale
+
+
+def _inputs(c):
+    """The call's arrays as ordinary NumPy arrays (the values of the guarded copies)."""
+    r = np.random.default_rng(c["seed"])
+    dq, dkv = _dt(c["dq"]), _dt(c["dkv"])
+    B, Hq, Hkv, Lq, Lk, D, Dv = (c[x] for x in ("B", "Hq", "Hkv", "Lq", "Lk", "D", "Dv"))
+    if c["fn"] == "varlen":
+        Lq, Lk = sum(c["lq"]), sum(c["lk"])
+    a = {"q": r.standard_normal(_user(c, B, Hq, Lq, D)).astype(dq),
+         "k": r.standard_normal(_user(c, B, Hkv, Lk, D)).astype(dkv),
+         "v": r.standard_normal(_user(c, B, Hkv, Lk, Dv)).astype(dkv)}
+    if "mask" in c:
+        m = r.random(c["mask"]) > 0.3
+        a["mask"] = m
+    if "bias" in c:
+        a["bias"] = r.standard_normal(c["bias"]).astype(F64 if dq == F64 else F32)
+    if "alibi" in c:
+        a["alibi_slopes"] = r.uniform(0.01, 0.5, c["alibi"]).astype(F64 if dq == F64 else F32)
+    if "seqlens_k" in c:
+        a["seqlens_k"] = np.array(c["seqlens_k"], np.int64)
+    if c["fn"] == "backward":
+        a["dout"] = r.standard_normal(_user(c, B, Hq, Lq, Dv)).astype(dq)
+    if c["fn"] == "varlen":
+        a["cu_seqlens_q"] = np.concatenate([[0], np.cumsum(c["lq"])]).astype(np.int64)
+        a["cu_seqlens_k"] = np.concatenate([[0], np.cumsum(c["lk"])]).astype(np.int64)
+    return a
+
+
+HOW_OF = {"q": 0, "k": 1, "v": 2, "dout": 3, "out": 4, "lse": 5}
+
+
+def _f64(a):
+    """The arrays for the oracle: floats as float64 (the same values)."""
+    return {n: x.astype(F64) if x.dtype.kind in "fV" else x for n, x in a.items()}
+
+
+def _guard(c, a, place):
+    return {n: guarded(x, place, c["how"][HOW_OF[n]] if n in HOW_OF else "contig")
+            for n, x in a.items()}
+
+
+def _per_sequence_oracle(c, a, fn):
+    """The oracle with seqlens_k: each sequence b alone on its first seqlens_k[b] keys
+    (its mask, bias and slopes broadcast to the full logits and sliced)."""
+    B, Hq, Lq, Lk = c["B"], c["Hq"], c["Lq"], c["Lk"]
+    sw = (lambda x: x.swapaxes(1, 2)) if c["layout"] == "bshd" else (lambda x: x)
+    q, k, v = (sw(np.asarray(a[n], np.float64)) for n in ("q", "k", "v"))
+    full = (B, Hq, Lq, Lk)
+    mask = np.broadcast_to(a["mask"], full) if "mask" in a else None
+    bias = np.broadcast_to(a["bias"], full) if "bias" in a else None
+    al = np.broadcast_to(a["alibi_slopes"], (B, Hq)) if "alibi_slopes" in a else None
+    res = []
+    for b, n in enumerate(c["seqlens_k"]):
+        kw = dict(c["kw"], mask=None if mask is None else mask[b, :, :, :n],
+                  bias=None if bias is None else bias[b, :, :, :n],
+                  alibi_slopes=None if al is None else al[b])
+        for name in ("return_lse", "dropout_p", "seed", "layout"):  # (the arrays are bhsd here)
+            kw.pop(name, None)
+        res.append(fn(q[b], k[b, :, :n], v[b, :, :n], n, kw))
+    return res
+
+
+def _check_attention(c, g, a, stats):
+    kw = dict(c["kw"])
+    args = {n: g[n] for n in ("mask", "bias", "alibi_slopes", "seqlens_k") if n in g}
+    want_lse = kw.pop("return_lse", False)
+    out = None
+    if c.get("out"):
+        oshape = a["q"].shape[:-1] + (a["v"].shape[-1],)
+        out = guarded(np.full(oshape, np.nan, g["q"].dtype), "end", c["how"][4], writable=True)
+        args["out"] = out
+    res = fastattn.attention(g["q"], g["k"], g["v"], return_lse=want_lse, return_stats=stats,
+                             num_threads=c["threads"], **kw, **args)
+    res = res if isinstance(res, tuple) else (res,)
+    o = res[0]
+    if out is not None and o is not out:
+        return "out= was not returned"
+    if "dropout_p" in kw and "seqlens_k" not in c:
+        ref = reference.attention(*(a[n] for n in "qkv"), return_lse=True,
+                                  **kw, **{n: a[n] for n in ("mask", "bias", "alibi_slopes") if n in a})
+        pairs = [(o, ref[0])] + ([(res[1], ref[1])] if want_lse else [])
+    elif "seqlens_k" in c:
+        def one(q, k, v, n, kw1):
+            return reference.attention(q, k, v, return_lse=True, **kw1)
+        refs = _per_sequence_oracle(c, a, one)
+        sw = (lambda x: x.swapaxes(1, 2)) if c["layout"] == "bshd" else (lambda x: x)
+        if "dropout_p" in kw:  # per-sequence oracle without dropout: only the lse holds
+            pairs = [(res[1], np.stack([r[1] for r in refs]))] if want_lse else []
+        else:
+            pairs = [(sw(np.asarray(o, np.float64)), np.stack([r[0] for r in refs]))]
+            if want_lse:
+                pairs.append((res[1], np.stack([r[1] for r in refs])))
+    else:
+        extra = {n: a[n] for n in ("mask", "bias", "alibi_slopes") if n in a}
+        ref = reference.attention(*(a[n] for n in "qkv"), return_lse=True, **kw, **extra)
+        pairs = [(o, ref[0])] + ([(res[1], ref[1])] if want_lse else [])
+        if stats:
+            ent = reference.attention_stats(a["q"], a["k"], **kw, **extra)
+            st = res[-1]
+            pairs += [(st.entropy, ent[0]), (st.max_weight, ent[2])]
+    tol = _tol(c)
+    for x, ref in pairs:
+        e = _err(x, ref)
+        if isinstance(e, str) or e > tol:
+            return f"error {e} against the oracle (tolerance {tol})"
+    return None
+
+
+def _check_weights(c, g, a):
+    kw = dict(c["kw"])
+    args = {n: g[n] for n in ("mask", "bias", "alibi_slopes", "seqlens_k") if n in g}
+    w = fastattn.attention_weights(g["q"], g["k"], num_threads=c["threads"], **kw, **args)
+    if "seqlens_k" in c:
+        def one(q, k, v, n, kw1):
+            full = np.zeros(q.shape[:-1] + (c["Lk"],))
+            full[..., :n] = reference.attention_weights(q, k, **kw1)
+            return full
+        ref = np.stack(_per_sequence_oracle(c, a, one))
+        if "dropout_p" in kw:
+            ref = None
+    else:
+        ref = reference.attention_weights(a["q"], a["k"], **kw,
+                                          **{n: a[n] for n in ("mask", "bias", "alibi_slopes") if n in a})
+    if ref is None:
+        return None if np.all(np.isfinite(np.asarray(w, np.float64))) else "non-finite weights"
+    e = _err(w, ref)
+    tol = _tol(c)
+    return None if not isinstance(e, str) and e <= tol else f"weights: error {e} (tolerance {tol})"
+
+
+def _check_backward(c, g, a, place):
+    kw = dict(c["kw"])
+    nat = g["native"]
+    extra = {n: nat[n] for n in ("mask", "bias", "alibi_slopes", "seqlens_k") if n in nat}
+    out, lse = fastattn.attention(nat["q"], nat["k"], nat["v"], return_lse=True, **kw, **extra)
+    g2 = _guard(c, {"out": out, "lse": lse}, place)
+    args = {n: g[n] for n in ("mask", "bias", "alibi_slopes", "seqlens_k") if n in g}
+    dbias = "bias" in c
+    grads = fastattn.attention_backward(g["dout"], g["q"], g["k"], g["v"], g2["out"], g2["lse"],
+                                        num_threads=c["threads"], return_dbias=dbias, **kw, **args)
+    if "seqlens_k" in c:  # checked bitwise against the same call on plain arrays
+        plain = fastattn.attention_backward(nat["dout"], nat["q"], nat["k"], nat["v"], out, lse,
+                                            num_threads=c["threads"], return_dbias=dbias, **kw, **extra)
+        for x, y in zip(grads, plain):
+            if not np.array_equal(np.asarray(x, np.float64), np.asarray(y, np.float64), equal_nan=True):
+                return "gradients differ from the same call on plain arrays"
+        return None
+    ref = reference.attention_backward(a["dout"], a["q"], a["k"], a["v"], out.astype(F64),
+                                       lse.astype(F64), return_dbias=dbias, **kw,
+                                       **{n: a[n] for n in ("mask", "bias", "alibi_slopes") if n in a})
+    tol = 3e-2 if c["dq"] == "bf16" else 1e-9 if c["dq"] == "f64" else 1e-3
+    for name, x, y in zip(("dq", "dk", "dv", "dbias"), grads, ref):
+        e = _err(x, y)
+        if isinstance(e, str) or e > tol:
+            return f"{name}: error {e} (tolerance {tol})"
+    return None
+
+
+def _check_key_mass(c, g, a):
+    kw = {n: x for n, x in c["kw"].items() if n not in ("dropout_p", "seed", "return_lse")}
+    args = {n: g[n] for n in ("mask", "bias", "alibi_slopes", "seqlens_k") if n in g}
+    m = fastattn.key_mass(g["q"], g["k"], num_threads=c["threads"], **kw, **args)
+    if "seqlens_k" in c:
+        def one(q, k, v, n, kw1):
+            full = np.zeros(q.shape[:-2] + (c["Lk"],))
+            full[..., :n] = reference.key_mass(q, k, **kw1)
+            return full
+        ref = np.stack(_per_sequence_oracle(c, a, one))
+    else:
+        ref = reference.key_mass(a["q"], a["k"], **kw,
+                                 **{n: a[n] for n in ("mask", "bias", "alibi_slopes") if n in a})
+    e = _err(m, ref)
+    tol = 1e-9 if m.dtype == F64 else 1e-3
+    return None if not isinstance(e, str) and e <= tol else f"key_mass: error {e} (tolerance {tol})"
+
+
+def _check_varlen(c, g, a):
+    kw = dict(c["kw"])
+    want_lse = kw.pop("return_lse", False)
+    args = {n: g[n] for n in ("alibi_slopes",) if n in g}
+    res = fastattn.varlen_attention(g["q"], g["k"], g["v"], g["cu_seqlens_q"], g["cu_seqlens_k"],
+                                    return_lse=want_lse, num_threads=c["threads"], **kw, **args)
+    ref = reference.varlen_attention(a["q"], a["k"], a["v"], a["cu_seqlens_q"], a["cu_seqlens_k"],
+                                     return_lse=True, **kw,
+                                     **{n: a[n] for n in ("alibi_slopes",) if n in a})
+    res = res if isinstance(res, tuple) else (res,)
+    tol = _tol(c)
+    for x, y in zip(res, ref):
+        e = _err(x, y)
+        if isinstance(e, str) or e > tol:
+            return f"varlen: error {e} (tolerance {tol})"
+    return None
+
+
+def _check_merge(c, g, a, place):
+    """Partials over disjoint key ranges, guarded, merged; against the whole call."""
+    kw = {n: x for n, x in c["kw"].items() if n not in ("dropout_p", "seed", "return_lse")}
+    Lk, parts = a["k"].shape[-3 if c["layout"] == "bshd" and c["nd"] > 2 else -2], c["parts"]
+    cuts = np.linspace(0, Lk, parts + 1).astype(int)
+    ax = -3 if c["layout"] == "bshd" and c["nd"] > 2 else -2
+    outs, lses = [], []
+    for p in range(parts):
+        sl = [slice(None)] * a["k"].ndim
+        sl[ax] = slice(cuts[p], cuts[p + 1])
+        nat = g["native"]
+        o, l = fastattn.attention(nat["q"], nat["k"][tuple(sl)], nat["v"][tuple(sl)], return_lse=True,
+                                  layout=c["layout"], scale=1 / np.sqrt(c["D"]))
+        outs.append(guarded(o, place, c["how"][4]))
+        lses.append(guarded(l, place, c["how"][5]))
+    mo, ml = fastattn.merge(outs, lses, layout=c["layout"])
+    ro, rl = reference.attention(a["q"], a["k"], a["v"], return_lse=True, layout=c["layout"])
+    del kw
+    tol = _tol(c)
+    for x, y in ((mo, ro), (ml, rl)):
+        e = _err(x, y)
+        if isinstance(e, str) or e > tol:
+            return f"merge: error {e} (tolerance {tol})"
+    return None
+
+
+def run(c):
+    """One case, with its arrays flush against the page after them, then against the
+    page before them; None if both calls passed, else what went wrong."""
+    _kernels.set_kernel(c["kernel"])
+    a = _inputs(c)
+    c = dict(c, kw=dict(c["kw"], layout=c["layout"]) if c["fn"] != "varlen" else dict(c["kw"]))
+    if c["fn"] == "merge":
+        c["kw"].pop("layout")
+    if "window" in c["kw"]:
+        c["kw"]["window"] = tuple(c["kw"]["window"])
+    nat = a
+    a = _f64(a)
+    for place in ("end", "start"):
+        g = _guard(c, nat, place)
+        g["native"] = nat
+        fn = c["fn"]
+        if fn in ("attention", "stats"):
+            why = _check_attention(c, g, a, fn == "stats")
+        elif fn == "weights":
+            why = _check_weights(c, g, a)
+        elif fn == "backward":
+            why = _check_backward(c, g, a, place)
+        elif fn == "key_mass":
+            why = _check_key_mass(c, g, a)
+        elif fn == "varlen":
+            why = _check_varlen(c, g, a)
+        else:
+            why = _check_merge(c, g, a, place)
+        if why:
+            return f"[{place}] {why}"
+    return None
+
+
+def describe(c):
+    return json.dumps(c, sort_keys=True)
+
+
+def main(argv):
+    n, seed, first = (int(x) for x in argv[:3])
+    import faulthandler
+    faulthandler.enable()
+    for c in cases(n, seed)[first:]:
+        print(f"start {c['i']}", flush=True)
+        try:
+            why = run(c)
+        except Exception:  # noqa: BLE001 - reported to the parent, which fails the test
+            why = "raised " + traceback.format_exc().strip().splitlines()[-1]
+        print(f"ok {c['i']}" if why is None else f"fail {c['i']}: {why}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+    sys.exit(main(sys.argv[1:]))
