@@ -22,6 +22,12 @@ SRC = "src_c"
 # the extension 6 MB); the link strips what is left.
 COMMON_C = ["-O3", "-g0", "-std=gnu11", "-fno-math-errno", "-Wall", "-Wno-unknown-pragmas"]
 STRIP_LINK = ["-Wl,--strip-debug"] if platform.system() == "Linux" else []
+# A sanitized build (.ci/sanitize passes -fsanitize=... in CFLAGS) is for finding bugs,
+# not for shipping: -O1 as the sanitizers advise (-O3 takes minutes a file under ASan)
+# and debug information, so that each report names the file and line.
+if "-fsanitize" in os.environ.get("CFLAGS", ""):
+    COMMON_C = ["-O1", "-g"] + COMMON_C[2:]
+    STRIP_LINK = []
 # Per-file instruction-set flags: only these files get them.
 SIMD_FILES = {
     "kernels_avx2.c": ["-mavx2", "-mfma", "-mf16c"],

@@ -13,6 +13,12 @@
  * in ELEMENTS of that array (not bytes) and the last (feature) axis contiguous.  Strides may be 0
  * (broadcast) or negative; the caller guarantees that every addressed element lies
  * inside its buffer.  All sizes and index arithmetic are 64-bit.
+ *
+ * The library addresses no element outside those shapes: key rows [0, Lk) of each
+ * sequence (its seqlens_k or cu_k range), query rows [0, Lq), whatever the window,
+ * causal and mask rules make of them (an empty range of visible keys, a window past
+ * the last key, more queries than keys: nothing is read).  tests/test_guard_pages.py
+ * holds every entry point to it with the arrays against inaccessible pages.
  */
 #ifndef FASTATTN_H
 #define FASTATTN_H

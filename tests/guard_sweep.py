@@ -181,6 +181,33 @@ def _inputs(c):
 
 
 HOW_OF = {"q": 0, "k": 1, "v": 2, "dout": 3, "out": 4, "lse": 5}
+VARIANT_ARRAYS = ("mask", "bias", "alibi_slopes", "seqlens_k")
+
+
+def _variants(arrays, oracle=False):
+    """The call's variant arrays among `arrays` (for the oracle: without seqlens_k,
+    which it does not take; _per_sequence_oracle does that part)."""
+    names = VARIANT_ARRAYS[:3] if oracle else VARIANT_ARRAYS
+    return {n: arrays[n] for n in names if n in arrays}
+
+
+def _compare(pairs, tol, what=""):
+    """None if every (result, oracle) pair agrees within tol, else the first that does not."""
+    for name, x, ref in pairs:
+        e = _err(x, ref)
+        if isinstance(e, str) or e > tol:
+            return f"{what}{name}: error {e} against the oracle (tolerance {tol})"
+    return None
+
+
+def _padded_oracle(c, a, ref_fn, drop):
+    """The per-sequence oracle of a (..., Lk)-shaped result (weights, key mass): keys
+    past seqlens_k[b] are 0.  `drop`: axes of q's shape the result does not have."""
+    def one(q, k, v, n, kw1):
+        full = np.zeros(q.shape[:q.ndim - drop] + (c["Lk"],))
+        full[..., :n] = ref_fn(q, k, **kw1)
+        return full
+    return np.stack(_per_sequence_oracle(c, a, one))
 
 
 def _f64(a):
@@ -216,7 +243,7 @@ def _per_sequence_oracle(c, a, fn):
 
 def _check_attention(c, g, a, stats):
     kw = dict(c["kw"])
-    args = {n: g[n] for n in ("mask", "bias", "alibi_slopes", "seqlens_k") if n in g}
+    args = _variants(g)
     want_lse = kw.pop("return_lse", False)
     out = None
     if c.get("out"):
@@ -230,68 +257,53 @@ def _check_attention(c, g, a, stats):
     if out is not None and o is not out:
         return "out= was not returned"
     if "dropout_p" in kw and "seqlens_k" not in c:
-        ref = reference.attention(*(a[n] for n in "qkv"), return_lse=True,
-                                  **kw, **{n: a[n] for n in ("mask", "bias", "alibi_slopes") if n in a})
-        pairs = [(o, ref[0])] + ([(res[1], ref[1])] if want_lse else [])
+        ref = reference.attention(*(a[n] for n in "qkv"), return_lse=True, **kw,
+                                  **_variants(a, oracle=True))
+        pairs = [("out", o, ref[0])] + ([("lse", res[1], ref[1])] if want_lse else [])
     elif "seqlens_k" in c:
         def one(q, k, v, n, kw1):
             return reference.attention(q, k, v, return_lse=True, **kw1)
         refs = _per_sequence_oracle(c, a, one)
         sw = (lambda x: x.swapaxes(1, 2)) if c["layout"] == "bshd" else (lambda x: x)
         if "dropout_p" in kw:  # per-sequence oracle without dropout: only the lse holds
-            pairs = [(res[1], np.stack([r[1] for r in refs]))] if want_lse else []
+            pairs = [("lse", res[1], np.stack([r[1] for r in refs]))] if want_lse else []
         else:
-            pairs = [(sw(np.asarray(o, np.float64)), np.stack([r[0] for r in refs]))]
+            pairs = [("out", sw(np.asarray(o, np.float64)), np.stack([r[0] for r in refs]))]
             if want_lse:
-                pairs.append((res[1], np.stack([r[1] for r in refs])))
+                pairs.append(("lse", res[1], np.stack([r[1] for r in refs])))
     else:
-        extra = {n: a[n] for n in ("mask", "bias", "alibi_slopes") if n in a}
+        extra = _variants(a, oracle=True)
         ref = reference.attention(*(a[n] for n in "qkv"), return_lse=True, **kw, **extra)
-        pairs = [(o, ref[0])] + ([(res[1], ref[1])] if want_lse else [])
+        pairs = [("out", o, ref[0])] + ([("lse", res[1], ref[1])] if want_lse else [])
         if stats:
             ent = reference.attention_stats(a["q"], a["k"], **kw, **extra)
             st = res[-1]
-            pairs += [(st.entropy, ent[0]), (st.max_weight, ent[2])]
-    tol = _tol(c)
-    for x, ref in pairs:
-        e = _err(x, ref)
-        if isinstance(e, str) or e > tol:
-            return f"error {e} against the oracle (tolerance {tol})"
-    return None
+            pairs += [("entropy", st.entropy, ent[0]), ("max_weight", st.max_weight, ent[2])]
+    return _compare(pairs, _tol(c))
 
 
 def _check_weights(c, g, a):
     kw = dict(c["kw"])
-    args = {n: g[n] for n in ("mask", "bias", "alibi_slopes", "seqlens_k") if n in g}
-    w = fastattn.attention_weights(g["q"], g["k"], num_threads=c["threads"], **kw, **args)
-    if "seqlens_k" in c:
-        def one(q, k, v, n, kw1):
-            full = np.zeros(q.shape[:-1] + (c["Lk"],))
-            full[..., :n] = reference.attention_weights(q, k, **kw1)
-            return full
-        ref = np.stack(_per_sequence_oracle(c, a, one))
-        if "dropout_p" in kw:
-            ref = None
-    else:
-        ref = reference.attention_weights(a["q"], a["k"], **kw,
-                                          **{n: a[n] for n in ("mask", "bias", "alibi_slopes") if n in a})
-    if ref is None:
+    w = fastattn.attention_weights(g["q"], g["k"], num_threads=c["threads"], **kw, **_variants(g))
+    if "seqlens_k" in c and "dropout_p" in kw:  # (no per-sequence oracle with dropout)
         return None if np.all(np.isfinite(np.asarray(w, np.float64))) else "non-finite weights"
-    e = _err(w, ref)
-    tol = _tol(c)
-    return None if not isinstance(e, str) and e <= tol else f"weights: error {e} (tolerance {tol})"
+    if "seqlens_k" in c:
+        ref = _padded_oracle(c, a, reference.attention_weights, 1)
+    else:
+        ref = reference.attention_weights(a["q"], a["k"], **kw, **_variants(a, oracle=True))
+    return _compare([("weights", w, ref)], _tol(c))
 
 
 def _check_backward(c, g, a, place):
     kw = dict(c["kw"])
     nat = g["native"]
-    extra = {n: nat[n] for n in ("mask", "bias", "alibi_slopes", "seqlens_k") if n in nat}
+    extra = _variants(nat)
     out, lse = fastattn.attention(nat["q"], nat["k"], nat["v"], return_lse=True, **kw, **extra)
     g2 = _guard(c, {"out": out, "lse": lse}, place)
-    args = {n: g[n] for n in ("mask", "bias", "alibi_slopes", "seqlens_k") if n in g}
     dbias = "bias" in c
     grads = fastattn.attention_backward(g["dout"], g["q"], g["k"], g["v"], g2["out"], g2["lse"],
-                                        num_threads=c["threads"], return_dbias=dbias, **kw, **args)
+                                        num_threads=c["threads"], return_dbias=dbias, **kw,
+                                        **_variants(g))
     if "seqlens_k" in c:  # checked bitwise against the same call on plain arrays
         plain = fastattn.attention_backward(nat["dout"], nat["q"], nat["k"], nat["v"], out, lse,
                                             num_threads=c["threads"], return_dbias=dbias, **kw, **extra)
@@ -301,31 +313,19 @@ def _check_backward(c, g, a, place):
         return None
     ref = reference.attention_backward(a["dout"], a["q"], a["k"], a["v"], out.astype(F64),
                                        lse.astype(F64), return_dbias=dbias, **kw,
-                                       **{n: a[n] for n in ("mask", "bias", "alibi_slopes") if n in a})
+                                       **_variants(a, oracle=True))
     tol = 3e-2 if c["dq"] == "bf16" else 1e-9 if c["dq"] == "f64" else 1e-3
-    for name, x, y in zip(("dq", "dk", "dv", "dbias"), grads, ref):
-        e = _err(x, y)
-        if isinstance(e, str) or e > tol:
-            return f"{name}: error {e} (tolerance {tol})"
-    return None
+    return _compare(list(zip(("dq", "dk", "dv", "dbias"), grads, ref)), tol)
 
 
 def _check_key_mass(c, g, a):
     kw = {n: x for n, x in c["kw"].items() if n not in ("dropout_p", "seed", "return_lse")}
-    args = {n: g[n] for n in ("mask", "bias", "alibi_slopes", "seqlens_k") if n in g}
-    m = fastattn.key_mass(g["q"], g["k"], num_threads=c["threads"], **kw, **args)
+    m = fastattn.key_mass(g["q"], g["k"], num_threads=c["threads"], **kw, **_variants(g))
     if "seqlens_k" in c:
-        def one(q, k, v, n, kw1):
-            full = np.zeros(q.shape[:-2] + (c["Lk"],))
-            full[..., :n] = reference.key_mass(q, k, **kw1)
-            return full
-        ref = np.stack(_per_sequence_oracle(c, a, one))
+        ref = _padded_oracle(c, a, reference.key_mass, 2)
     else:
-        ref = reference.key_mass(a["q"], a["k"], **kw,
-                                 **{n: a[n] for n in ("mask", "bias", "alibi_slopes") if n in a})
-    e = _err(m, ref)
-    tol = 1e-9 if m.dtype == F64 else 1e-3
-    return None if not isinstance(e, str) and e <= tol else f"key_mass: error {e} (tolerance {tol})"
+        ref = reference.key_mass(a["q"], a["k"], **kw, **_variants(a, oracle=True))
+    return _compare([("key_mass", m, ref)], 1e-9 if m.dtype == F64 else 1e-3)
 
 
 def _check_varlen(c, g, a):
@@ -338,17 +338,11 @@ def _check_varlen(c, g, a):
                                      return_lse=True, **kw,
                                      **{n: a[n] for n in ("alibi_slopes",) if n in a})
     res = res if isinstance(res, tuple) else (res,)
-    tol = _tol(c)
-    for x, y in zip(res, ref):
-        e = _err(x, y)
-        if isinstance(e, str) or e > tol:
-            return f"varlen: error {e} (tolerance {tol})"
-    return None
+    return _compare(list(zip(("out", "lse"), res, ref)), _tol(c), "varlen ")
 
 
 def _check_merge(c, g, a, place):
     """Partials over disjoint key ranges, guarded, merged; against the whole call."""
-    kw = {n: x for n, x in c["kw"].items() if n not in ("dropout_p", "seed", "return_lse")}
     Lk, parts = a["k"].shape[-3 if c["layout"] == "bshd" and c["nd"] > 2 else -2], c["parts"]
     cuts = np.linspace(0, Lk, parts + 1).astype(int)
     ax = -3 if c["layout"] == "bshd" and c["nd"] > 2 else -2
@@ -363,13 +357,7 @@ def _check_merge(c, g, a, place):
         lses.append(guarded(l, place, c["how"][5]))
     mo, ml = fastattn.merge(outs, lses, layout=c["layout"])
     ro, rl = reference.attention(a["q"], a["k"], a["v"], return_lse=True, layout=c["layout"])
-    del kw
-    tol = _tol(c)
-    for x, y in ((mo, ro), (ml, rl)):
-        e = _err(x, y)
-        if isinstance(e, str) or e > tol:
-            return f"merge: error {e} (tolerance {tol})"
-    return None
+    return _compare([("out", mo, ro), ("lse", ml, rl)], _tol(c), "merge ")
 
 
 def run(c):

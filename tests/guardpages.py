@@ -8,7 +8,8 @@ element before the start faults).  Inputs are also made read-only at the page le
 (PROT_READ), so a write into q, k, v, a mask... faults too; outputs (``writable=True``)
 stay writable.  ``how`` lays the array out in memory as callers do: contiguous, rows of
 the L axis strided (a slice of a fused projection), the head and sequence axes swapped
-(a "bshd" buffer read as "bhsd"), or the L axis reversed (a negative stride); in each,
+(a "bshd" buffer read as "bhsd"), the L axis reversed (a negative stride), or every
+other element of the last axis (which the library copies); in each,
 the view's extreme element is the buffer's, so nothing the view may address lies
 between it and the guard.
 
@@ -26,7 +27,7 @@ import numpy as np
 PAGE = mmap.PAGESIZE
 PROT_NONE = 0  # (the mmap module names PROT_READ and PROT_WRITE only)
 PLACES = ("end", "start")
-LAYOUTS = ("contig", "rows", "swapped", "reversed")
+LAYOUTS = ("contig", "rows", "swapped", "reversed", "lastaxis")
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -63,6 +64,9 @@ def _memory_shape(shape, how):
         mem = shape[:-3] + (shape[-2], shape[-3], shape[-1])
         view = lambda m: m.swapaxes(-2, -3)  # noqa: E731
         return mem, {"end": view, "start": view}
+    if how == "lastaxis" and nd >= 1:  # every other element of the last axis
+        mem = shape[:-1] + (2 * shape[-1],)
+        return mem, {"end": lambda m: m[..., 1::2], "start": lambda m: m[..., ::2]}
     if how == "reversed" and nd >= 2:
         view = lambda m: m[..., ::-1, :]  # noqa: E731
         return shape, {"end": view, "start": view}
@@ -87,7 +91,7 @@ def guarded(a, place="end", how="contig", writable=False):
         return out
     off = PAGE + data - nbytes if place == "end" else PAGE
     mem = np.frombuffer(mm, dt, count=n, offset=off).reshape(mem_shape)
-    if how == "rows" and a.ndim >= 2:  # the gaps between the rows hold NaN: a read of one shows
+    if how in ("rows", "lastaxis") and a.ndim >= 1:  # the gaps hold NaN: a read of one shows
         mem[...] = np.nan if dt.kind == "f" else 0
     view = views[place](mem)
     view[...] = a

@@ -12,7 +12,10 @@ written from docs/semantics.md and the attention docstring -- it never asks fast
   Where a call breaks several rules, the error must be one of them.
 
 So a valid call that is wrongly rejected fails here, and so does an error of the
-wrong type or one that blames the wrong argument.  The run is seeded
+wrong type or one that blames the wrong argument.  Every array of a call (q, k, v,
+mask, bias, slopes, out=) lies flush against an inaccessible page, the inputs
+read-only (tests/guardpages.py), so a call that strays outside them faults where it
+happens.  The run is seeded
 (derandomize=True: the same examples on every run) and repeated under every CPU
 kernel this machine can execute (the `kernel` fixture of conftest.py).
 """
@@ -29,6 +32,7 @@ import fastattn
 from fastattn import _kernels, reference
 
 from conftest import KERNELS, TOL, rel_err
+from guardpages import guarded
 
 F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
 FUZZ_EXAMPLES = 600  # per kernel; the whole file runs in well under a minute
@@ -317,11 +321,20 @@ def _array(shape, dtype, rng, how):
     return _values(shape, dtype, rng)
 
 
+def _place(c):
+    """Which guard page a call's arrays are flush against (tests/guardpages.py)."""
+    return "end" if c["seed"] % 2 else "start"
+
+
 def build(c):
+    """The call's arrays, each in guarded memory (flush against an inaccessible page,
+    inputs read-only), in the memory layout drawn for it: a call that reads or writes
+    outside them faults at that access (pytest's faulthandler prints where)."""
     rng = np.random.default_rng(c["seed"])
     kw = dict(c["kw"])
     layout = kw.get("layout", "bhsd")
-    q, k, v = (_array(_logical(n, c["sizes"], w, layout), dt, rng, how)
+    place = _place(c)
+    q, k, v = (guarded(_array(_logical(n, c["sizes"], w, layout), dt, rng, how), place, how)
                for n, w, dt, how in zip(c["nds"], "qkv", c["dtypes"], c["how"]))
     if "mask" in c:
         shape, dt = c["mask"]
@@ -335,6 +348,9 @@ def build(c):
     if "alibi" in c:
         shape = c["alibi"]
         kw["alibi_slopes"] = np.linspace(0.05, 0.6, int(np.prod(shape))).reshape(shape)
+    for name in ("mask", "bias", "alibi_slopes"):
+        if name in kw:
+            kw[name] = guarded(kw[name], place)
     return q, k, v, kw
 
 
@@ -358,6 +374,12 @@ EXAMPLES = [  # edge cases run first, whatever hypothesis draws
     spec(dtypes=("float32", "float16", "float16"), kw=dict(layout="bshd"), alibi=(2, 4)),
     spec(nds=(2, 2, 2), alibi=(1,), mask=((), "bool"), kw=dict(return_lse=True)),
     spec(nds=(3, 3, 3), bias=((4, 1, 37), "float16", True), out=True),
+    # issue 22: more queries than keys, top-left diagonal and a window (several query
+    # blocks, the later ones see no key): once read past the end of k
+    spec(sizes=dict(Lq=150, kL=41, vL=41, qD=24, kD=24, Dv=19),
+         kw=dict(window=(6, 3), causal="top-left", return_lse=True), seed=8),
+    spec(sizes=dict(Lq=150, kL=41, vL=41, qD=24, kD=24, Dv=19),
+         kw=dict(window=(6, 3), causal="top-left"), seed=9, mask=((150, 41), "bool")),
     # invalid, one rule each
     spec(kw=dict(window=(-2, 0))),
     spec(kw=dict(window=(1.5, 0))),
@@ -387,7 +409,7 @@ EXAMPLES = [  # edge cases run first, whatever hypothesis draws
 ]
 
 
-def _check_valid(q, k, v, kw, use_out):
+def _check_valid(q, k, v, kw, use_out, place="end"):
     layout = kw.get("layout", "bhsd")
     nd = q.ndim
     out_shape = q.shape[:-1] + (v.shape[-1],)
@@ -396,7 +418,7 @@ def _check_valid(q, k, v, kw, use_out):
     call_kw = dict(kw)
     out = None
     if use_out and np.prod(out_shape):  # an empty out: see test_empty_out_from_np_empty
-        out = call_kw["out"] = np.full(out_shape, np.nan, q.dtype)
+        out = call_kw["out"] = guarded(np.full(out_shape, np.nan, q.dtype), place, writable=True)
     res = fastattn.attention(q, k, v, **call_kw)
     want_lse = bool(kw.get("return_lse", False))
     if want_lse:
@@ -442,7 +464,7 @@ def _fuzz(kernel, call):
     if not call.get("handmade"):
         DRAWN[outcome] += 1
     if not errs:
-        _check_valid(q, k, v, kw, call.get("out", False))
+        _check_valid(q, k, v, kw, call.get("out", False), _place(call))
         return
     with pytest.raises((ValueError, TypeError)) as info:
         fastattn.attention(q, k, v, **kw)
