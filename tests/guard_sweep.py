@@ -241,153 +241,146 @@ def _per_sequence_oracle(c, a, fn):
     return res
 
 
-def _check_attention(c, g, a, stats):
-    kw = dict(c["kw"])
-    args = _variants(g)
-    want_lse = kw.pop("return_lse", False)
-    out = None
-    if c.get("out"):
-        oshape = a["q"].shape[:-1] + (a["v"].shape[-1],)
-        out = guarded(np.full(oshape, np.nan, g["q"].dtype), "end", c["how"][4], writable=True)
-        args["out"] = out
-    res = fastattn.attention(g["q"], g["k"], g["v"], return_lse=want_lse, return_stats=stats,
-                             num_threads=c["threads"], **kw, **args)
-    res = res if isinstance(res, tuple) else (res,)
-    o = res[0]
-    if out is not None and o is not out:
-        return "out= was not returned"
-    if "dropout_p" in kw and "seqlens_k" not in c:
-        ref = reference.attention(*(a[n] for n in "qkv"), return_lse=True, **kw,
-                                  **_variants(a, oracle=True))
-        pairs = [("out", o, ref[0])] + ([("lse", res[1], ref[1])] if want_lse else [])
-    elif "seqlens_k" in c:
-        def one(q, k, v, n, kw1):
-            return reference.attention(q, k, v, return_lse=True, **kw1)
-        refs = _per_sequence_oracle(c, a, one)
-        sw = (lambda x: x.swapaxes(1, 2)) if c["layout"] == "bshd" else (lambda x: x)
-        if "dropout_p" in kw:  # per-sequence oracle without dropout: only the lse holds
-            pairs = [("lse", res[1], np.stack([r[1] for r in refs]))] if want_lse else []
-        else:
-            pairs = [("out", sw(np.asarray(o, np.float64)), np.stack([r[0] for r in refs]))]
-            if want_lse:
-                pairs.append(("lse", res[1], np.stack([r[1] for r in refs])))
-    else:
-        extra = _variants(a, oracle=True)
-        ref = reference.attention(*(a[n] for n in "qkv"), return_lse=True, **kw, **extra)
-        pairs = [("out", o, ref[0])] + ([("lse", res[1], ref[1])] if want_lse else [])
-        if stats:
-            ent = reference.attention_stats(a["q"], a["k"], **kw, **extra)
-            st = res[-1]
-            pairs += [("entropy", st.entropy, ent[0]), ("max_weight", st.max_weight, ent[2])]
-    return _compare(pairs, _tol(c))
+def _place(x, place, how, writable=False):
+    """x in guarded memory at `place`, or x itself when place is None (plain arrays)."""
+    return x if place is None else guarded(x, place, how, writable)
 
 
-def _check_weights(c, g, a):
-    kw = dict(c["kw"])
-    w = fastattn.attention_weights(g["q"], g["k"], num_threads=c["threads"], **kw, **_variants(g))
-    if "seqlens_k" in c and "dropout_p" in kw:  # (no per-sequence oracle with dropout)
-        return None if np.all(np.isfinite(np.asarray(w, np.float64))) else "non-finite weights"
-    if "seqlens_k" in c:
-        ref = _padded_oracle(c, a, reference.attention_weights, 1)
-    else:
-        ref = reference.attention_weights(a["q"], a["k"], **kw, **_variants(a, oracle=True))
-    return _compare([("weights", w, ref)], _tol(c))
-
-
-def _check_backward(c, g, a, place):
-    kw = dict(c["kw"])
-    nat = g["native"]
-    extra = _variants(nat)
-    out, lse = fastattn.attention(nat["q"], nat["k"], nat["v"], return_lse=True, **kw, **extra)
-    g2 = _guard(c, {"out": out, "lse": lse}, place)
-    dbias = "bias" in c
-    grads = fastattn.attention_backward(g["dout"], g["q"], g["k"], g["v"], g2["out"], g2["lse"],
-                                        num_threads=c["threads"], return_dbias=dbias, **kw,
-                                        **_variants(g))
-    if "seqlens_k" in c:  # checked bitwise against the same call on plain arrays
-        plain = fastattn.attention_backward(nat["dout"], nat["q"], nat["k"], nat["v"], out, lse,
-                                            num_threads=c["threads"], return_dbias=dbias, **kw, **extra)
-        for x, y in zip(grads, plain):
-            if not np.array_equal(np.asarray(x, np.float64), np.asarray(y, np.float64), equal_nan=True):
-                return "gradients differ from the same call on plain arrays"
-        return None
-    ref = reference.attention_backward(a["dout"], a["q"], a["k"], a["v"], out.astype(F64),
-                                       lse.astype(F64), return_dbias=dbias, **kw,
-                                       **_variants(a, oracle=True))
-    tol = 3e-2 if c["dq"] == "bf16" else 1e-9 if c["dq"] == "f64" else 1e-3
-    return _compare(list(zip(("dq", "dk", "dv", "dbias"), grads, ref)), tol)
-
-
-def _check_key_mass(c, g, a):
-    kw = {n: x for n, x in c["kw"].items() if n not in ("dropout_p", "seed", "return_lse")}
-    m = fastattn.key_mass(g["q"], g["k"], num_threads=c["threads"], **kw, **_variants(g))
-    if "seqlens_k" in c:
-        ref = _padded_oracle(c, a, reference.key_mass, 2)
-    else:
-        ref = reference.key_mass(a["q"], a["k"], **kw, **_variants(a, oracle=True))
-    return _compare([("key_mass", m, ref)], 1e-9 if m.dtype == F64 else 1e-3)
-
-
-def _check_varlen(c, g, a):
-    kw = dict(c["kw"])
-    want_lse = kw.pop("return_lse", False)
-    args = {n: g[n] for n in ("alibi_slopes",) if n in g}
-    res = fastattn.varlen_attention(g["q"], g["k"], g["v"], g["cu_seqlens_q"], g["cu_seqlens_k"],
-                                    return_lse=want_lse, num_threads=c["threads"], **kw, **args)
-    ref = reference.varlen_attention(a["q"], a["k"], a["v"], a["cu_seqlens_q"], a["cu_seqlens_k"],
-                                     return_lse=True, **kw,
-                                     **{n: a[n] for n in ("alibi_slopes",) if n in a})
-    res = res if isinstance(res, tuple) else (res,)
-    return _compare(list(zip(("out", "lse"), res, ref)), _tol(c), "varlen ")
-
-
-def _check_merge(c, g, a, place):
-    """Partials over disjoint key ranges, guarded, merged; against the whole call."""
-    Lk, parts = a["k"].shape[-3 if c["layout"] == "bshd" and c["nd"] > 2 else -2], c["parts"]
-    cuts = np.linspace(0, Lk, parts + 1).astype(int)
+def call(c, g, place):
+    """Case c's call (c as `prepare` returns it) on the arrays g: guarded ones with
+    `place`, or the plain ones with place None.  Returns its outputs as a list of
+    (name, array)."""
+    fn, kw, th, nat = c["fn"], dict(c["kw"]), c["threads"], g["native"]
+    if fn in ("attention", "stats"):
+        want_lse = kw.pop("return_lse", False)
+        args = _variants(g)
+        if c.get("out"):
+            oshape = nat["q"].shape[:-1] + (nat["v"].shape[-1],)
+            args["out"] = _place(np.full(oshape, np.nan, nat["q"].dtype), place, c["how"][4], True)
+        res = fastattn.attention(g["q"], g["k"], g["v"], return_lse=want_lse,
+                                 return_stats=fn == "stats", num_threads=th, **kw, **args)
+        res = res if isinstance(res, tuple) else (res,)
+        if "out" in args and res[0] is not args["out"]:
+            raise AssertionError("out= was not returned")
+        named = [("out", res[0])] + ([("lse", res[1])] if want_lse else [])
+        if fn == "stats":
+            named += [("entropy", res[-1].entropy), ("max_weight", res[-1].max_weight)]
+        return named
+    if fn == "weights":
+        return [("weights", fastattn.attention_weights(g["q"], g["k"], num_threads=th, **kw,
+                                                       **_variants(g)))]
+    if fn == "key_mass":
+        kw = {n: x for n, x in kw.items() if n not in ("dropout_p", "seed")}
+        return [("key_mass", fastattn.key_mass(g["q"], g["k"], num_threads=th, **kw, **_variants(g)))]
+    if fn == "backward":  # out and lse from the forward on the plain arrays, then placed
+        out, lse = fastattn.attention(nat["q"], nat["k"], nat["v"], return_lse=True, **kw,
+                                      **_variants(nat))
+        grads = fastattn.attention_backward(
+            g["dout"], g["q"], g["k"], g["v"], _place(out, place, c["how"][4]),
+            _place(lse, place, c["how"][5]), num_threads=th, return_dbias="bias" in c, **kw,
+            **_variants(g))
+        return [("fwd_out", out), ("fwd_lse", lse)] + list(zip(("dq", "dk", "dv", "dbias"), grads))
+    if fn == "varlen":
+        want_lse = kw.pop("return_lse", False)
+        res = fastattn.varlen_attention(g["q"], g["k"], g["v"], g["cu_seqlens_q"], g["cu_seqlens_k"],
+                                        return_lse=want_lse, num_threads=th, **kw,
+                                        **{n: g[n] for n in ("alibi_slopes",) if n in g})
+        return list(zip(("out", "lse"), res if isinstance(res, tuple) else (res,)))
+    # merge: partials over disjoint key ranges of the plain arrays, placed, merged
     ax = -3 if c["layout"] == "bshd" and c["nd"] > 2 else -2
+    cuts = np.linspace(0, nat["k"].shape[ax], c["parts"] + 1).astype(int)
     outs, lses = [], []
-    for p in range(parts):
-        sl = [slice(None)] * a["k"].ndim
+    for p in range(c["parts"]):
+        sl = [slice(None)] * nat["k"].ndim
         sl[ax] = slice(cuts[p], cuts[p + 1])
-        nat = g["native"]
-        o, l = fastattn.attention(nat["q"], nat["k"][tuple(sl)], nat["v"][tuple(sl)], return_lse=True,
-                                  layout=c["layout"], scale=1 / np.sqrt(c["D"]))
-        outs.append(guarded(o, place, c["how"][4]))
-        lses.append(guarded(l, place, c["how"][5]))
-    mo, ml = fastattn.merge(outs, lses, layout=c["layout"])
+        o, l = fastattn.attention(nat["q"], nat["k"][tuple(sl)], nat["v"][tuple(sl)],
+                                  return_lse=True, layout=c["layout"])
+        outs.append(_place(o, place, c["how"][4]))
+        lses.append(_place(l, place, c["how"][5]))
+    return list(zip(("out", "lse"), fastattn.merge(outs, lses, layout=c["layout"])))
+
+
+def _oracle_pairs(c, res, a):
+    """(name, result, oracle value) for the outputs of `call` that the oracle gives."""
+    fn, kw, got = c["fn"], dict(c["kw"]), dict(res)
+    kw.pop("return_lse", None)
+    sw = (lambda x: x.swapaxes(1, 2)) if c["layout"] == "bshd" else (lambda x: x)
+    if fn in ("attention", "stats") and "seqlens_k" in c:
+        refs = _per_sequence_oracle(c, a, lambda q, k, v, n, kw1: reference.attention(
+            q, k, v, return_lse=True, **kw1))
+        pairs = [("lse", got["lse"], np.stack([r[1] for r in refs]))] if "lse" in got else []
+        if "dropout_p" not in kw:  # (the per-sequence oracle has no dropout: the lse holds)
+            pairs.append(("out", sw(np.asarray(got["out"], F64)), np.stack([r[0] for r in refs])))
+        return pairs
+    if fn in ("attention", "stats"):
+        extra = _variants(a, oracle=True)
+        ro, rl = reference.attention(a["q"], a["k"], a["v"], return_lse=True, **kw, **extra)
+        pairs = [("out", got["out"], ro)] + ([("lse", got["lse"], rl)] if "lse" in got else [])
+        if fn == "stats":
+            ent, _, mx = reference.attention_stats(a["q"], a["k"], **kw, **extra)
+            pairs += [("entropy", got["entropy"], ent), ("max_weight", got["max_weight"], mx)]
+        return pairs
+    if fn in ("weights", "key_mass"):
+        ref_fn, drop = (reference.attention_weights, 1) if fn == "weights" else (reference.key_mass, 2)
+        if fn == "key_mass":
+            kw = {n: x for n, x in kw.items() if n not in ("dropout_p", "seed")}
+        if "seqlens_k" not in c:
+            return [(fn, got[fn], ref_fn(a["q"], a["k"], **kw, **_variants(a, oracle=True)))]
+        if "dropout_p" in kw:  # (no per-sequence oracle with dropout)
+            return []
+        return [(fn, got[fn], _padded_oracle(c, a, ref_fn, drop))]
+    if fn == "backward":
+        if "seqlens_k" in c:  # (checked bitwise against the plain call instead, in run)
+            return []
+        ref = reference.attention_backward(
+            a["dout"], a["q"], a["k"], a["v"], got["fwd_out"].astype(F64),
+            got["fwd_lse"].astype(F64), return_dbias="bias" in c, **kw, **_variants(a, oracle=True))
+        return [(n, got[n], r) for n, r in zip(("dq", "dk", "dv", "dbias"), ref)]
+    if fn == "varlen":
+        ref = reference.varlen_attention(a["q"], a["k"], a["v"], a["cu_seqlens_q"], a["cu_seqlens_k"],
+                                         return_lse=True, **kw,
+                                         **{n: a[n] for n in ("alibi_slopes",) if n in a})
+        return [(n, got[n], r) for n, r in zip(("out", "lse"), ref) if n in got]
     ro, rl = reference.attention(a["q"], a["k"], a["v"], return_lse=True, layout=c["layout"])
-    return _compare([("out", mo, ro), ("lse", ml, rl)], _tol(c), "merge ")
+    return [("out", got["out"], ro), ("lse", got["lse"], rl)]
+
+
+def _case_tol(c):
+    if c["fn"] == "backward":
+        return {"bf16": 3e-2, "f64": 1e-9}.get(c["dq"], 1e-3)
+    if c["fn"] == "key_mass":
+        return 1e-9 if c["dq"] == "f64" else 1e-3
+    return _tol(c)
+
+
+def prepare(c):
+    """The case ready to call: its kernel set, its keywords as the functions take them,
+    its arrays (native dtypes) and the oracle's float64 copies."""
+    _kernels.set_kernel(c["kernel"])
+    nat = _inputs(c)
+    c = dict(c, kw=dict(c["kw"]))
+    if c["fn"] not in ("varlen", "merge"):
+        c["kw"]["layout"] = c["layout"]
+    if "window" in c["kw"]:
+        c["kw"]["window"] = tuple(c["kw"]["window"])
+    return c, nat, _f64(nat)
 
 
 def run(c):
     """One case, with its arrays flush against the page after them, then against the
     page before them; None if both calls passed, else what went wrong."""
-    _kernels.set_kernel(c["kernel"])
-    a = _inputs(c)
-    c = dict(c, kw=dict(c["kw"], layout=c["layout"]) if c["fn"] != "varlen" else dict(c["kw"]))
-    if c["fn"] == "merge":
-        c["kw"].pop("layout")
-    if "window" in c["kw"]:
-        c["kw"]["window"] = tuple(c["kw"]["window"])
-    nat = a
-    a = _f64(a)
+    c, nat, a = prepare(c)
     for place in ("end", "start"):
         g = _guard(c, nat, place)
         g["native"] = nat
-        fn = c["fn"]
-        if fn in ("attention", "stats"):
-            why = _check_attention(c, g, a, fn == "stats")
-        elif fn == "weights":
-            why = _check_weights(c, g, a)
-        elif fn == "backward":
-            why = _check_backward(c, g, a, place)
-        elif fn == "key_mass":
-            why = _check_key_mass(c, g, a)
-        elif fn == "varlen":
-            why = _check_varlen(c, g, a)
+        res = call(c, g, place)
+        if c["fn"] == "backward" and "seqlens_k" in c:
+            plain = call(c, dict(nat, native=nat), None)
+            same = all(np.array_equal(np.asarray(x, F64), np.asarray(y, F64), equal_nan=True)
+                       for (_, x), (_, y) in zip(res, plain))
+            why = None if same else "gradients differ from the same call on plain arrays"
         else:
-            why = _check_merge(c, g, a, place)
+            why = _compare(_oracle_pairs(c, res, a), _case_tol(c), c["fn"] + " ")
         if why:
             return f"[{place}] {why}"
     return None

@@ -202,3 +202,27 @@ def test_sweep_reaches_every_path():
                "top-left window Lq>Lk", "threads 1", "threads 2", "threads 3"])
     thin = {w: have[w] for w in want if have[w] < 10}
     assert not thin, f"the sweep barely reaches {thin}"
+
+
+# ---------------------------------------------------------------- the A/B of two builds
+
+def test_ab_bits_records_the_same_bits_twice_and_sees_a_change(tmp_path):
+    """tests/ab_bits.py (the bit-for-bit A/B of two builds over the sweep's calls):
+    two recordings under one build agree, a changed output is reported, and the
+    script's own record/compare commands work end to end."""
+    import ab_bits
+    a = ab_bits.record(120, 7)
+    assert a == ab_bits.record(120, 7)
+    assert sum(len(d) for d in a.values()) > 200
+    b = {i: dict(d) for i, d in a.items()}
+    name = sorted(b["5"])[0]
+    b["5"][name] = "0" * 64
+    assert ab_bits.compare(a, b) == [("5", [name])]
+    files = [str(tmp_path / f"{x}.json") for x in "ab"]
+    for f in files:
+        r = subprocess.run([sys.executable, os.path.join(HERE, "ab_bits.py"), "record", f,
+                            "--cases", "40"], cwd=HERE, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run([sys.executable, os.path.join(HERE, "ab_bits.py"), "compare", *files],
+                       cwd=HERE, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "0 of 40 calls differ" in r.stdout, (r.stdout, r.stderr[-2000:])
