@@ -478,7 +478,7 @@ static int fa_decode_split(const fa_params *p, const fa_plan *pl, fa_qblock_fn q
             fa_item it;
             fa_item_make(p, pl, b, g, hc, 0, &it);
             fa_key_range(it.kv0 > c * chunk ? it.kv0 : c * chunk,
-                         it.kv1 < (c + 1) * chunk ? it.kv1 : (c + 1) * chunk, p->Lk, &it.kv0, &it.kv1);
+                         it.kv1 < (c + 1) * chunk ? it.kv1 : (c + 1) * chunk, it.Lk, &it.kv0, &it.kv1);
             local.out = pout + (size_t)(c * rows * Dv) * item;
             local.lse = plse + (size_t)(c * rows) * item;
             qblock(&local, &pl->bl, &it, scratch);

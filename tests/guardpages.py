@@ -13,8 +13,9 @@ other element of the last axis (which the library copies); in each,
 the view's extreme element is the buffer's, so nothing the view may address lies
 between it and the guard.
 
-A zero-size array is placed with its data pointer on the guard page's first byte:
-reading anything through it faults.
+A zero-size array is placed with its data pointer on the trailing guard page's first
+byte ("end": reading anything through it faults) or just after the leading one
+("start": reading anything before it faults).
 
 The mapping lives as long as the array (NumPy keeps the buffer alive); a process may
 hold a few thousand of them at once (each is three kernel mappings).

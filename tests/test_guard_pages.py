@@ -36,7 +36,7 @@ def _child(code, timeout=120, raw_segv=False):
                           timeout=timeout, env=env)
 
 
-def _why(rc, err):
+def _why(rc):
     if rc < 0:
         try:
             name = signal.Signals(-rc).name
@@ -119,7 +119,7 @@ for dt in (np.float32, np.float64):
 print("done")
 """
     r = _child(code, timeout=300)
-    assert r.returncode == 0 and "done" in r.stdout, (_why(r.returncode, r.stderr), r.stderr[-3000:])
+    assert r.returncode == 0 and "done" in r.stdout, (_why(r.returncode), r.stderr[-3000:])
 
 
 # ---------------------------------------------------------------- the sweep
@@ -145,11 +145,11 @@ def _sweep(n, seed):
         if p.returncode == 0 and started is None:
             break
         if started is None:  # died between cases: not a case's fault, but a failure all the same
-            failures.append(f"worker {_why(p.returncode, p.stderr)} outside a case: {p.stderr[-1500:]}")
+            failures.append(f"worker {_why(p.returncode)} outside a case: {p.stderr[-1500:]}")
             break
         done["crash"] += 1
         case = guard_sweep.cases(n, seed)[started]
-        failures.append(f"{started}: {_why(p.returncode, p.stderr)} in {guard_sweep.describe(case)}\n"
+        failures.append(f"{started}: {_why(p.returncode)} in {guard_sweep.describe(case)}\n"
                         f"{p.stderr[-1500:]}")
         first = started + 1
     return done, failures
@@ -188,7 +188,7 @@ def test_sweep_reaches_every_path():
         have["Lq<Lk"] += c["Lq"] < c["Lk"]
         have["L=0"] += 0 in (c["Lq"], c["Lk"])
         have["L=1"] += 1 in (c["Lq"], c["Lk"])
-        have["decode split"] += c["Lq"] <= 8 and c["Lk"] > 512 and c["fn"] in ("attention", "backward")
+        have["decode split"] += c["Lq"] <= 8 and c["Lk"] > 512 and c["fn"] in ("attention", "stats")
         have["GQA"] += c["Hq"] > c["Hkv"]
         have["top-left window Lq>Lk"] += (c["kw"].get("causal") == "top-left" and "window" in c["kw"]
                                           and c["Lq"] > c["Lk"])
