@@ -34,6 +34,8 @@ SIMD_FILES = {
     "kernels_avx512.c": ["-mavx512f", "-mavx2", "-mfma", "-mf16c"],
 }
 IS_X86_64 = platform.machine().lower() in ("x86_64", "amd64")
+# Every header a C file may include (a change to one rebuilds them all).
+HEADERS = sorted(os.path.basename(h) for h in os.listdir(SRC) if h.endswith(".h"))
 
 OPENMP_TEST = r"""
 #include <omp.h>
@@ -100,9 +102,7 @@ class BuildExt(build_ext):
                     macros=ext.define_macros,
                     include_dirs=ext.include_dirs,
                     extra_postargs=COMMON_C + flags,
-                    depends=[os.path.join(SRC, h) for h in
-                             ("kernels_tmpl.h", "kernels_undef.h", "kernels_kv16.h", "fa_internal.h",
-                              "fa_exp.h", "fastattn.h")],
+                    depends=[os.path.join(SRC, h) for h in HEADERS],
                 )
             ext.extra_objects = list(ext.extra_objects or []) + objects
         super().build_extension(ext)
@@ -112,15 +112,14 @@ ext = Extension(
     "fastattn._kernels",
     sources=[
         "fastattn/_kernels.pyx",
-        os.path.join(SRC, "attention.c"),
+        *(os.path.join(SRC, f) for f in ("fa_common.c", "fa_plan.c", "fa_forward.c", "fa_backward.c",
+                                          "fa_mass.c")),
         os.path.join(SRC, "cpu.c"),
         os.path.join(SRC, "kernels_generic.c"),
     ],
     include_dirs=[np.get_include(), SRC],
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
-    depends=[os.path.join(SRC, h) for h in
-             ("fastattn.h", "fa_internal.h", "kernels_tmpl.h", "kernels_undef.h", "kernels_kv16.h",
-              "fa_exp.h")],
+    depends=[os.path.join(SRC, h) for h in HEADERS],
 )
 
 from Cython.Build import cythonize  # noqa: E402

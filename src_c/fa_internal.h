@@ -1,5 +1,5 @@
 /*
- * fa_internal.h -- what the driver (attention.c), the dispatcher (cpu.c) and the
+ * fa_internal.h -- what the driver (fa_*.c), the dispatcher (cpu.c) and the
  * per-instruction-set kernel files share.  Not part of the public interface.
  */
 #ifndef FA_INTERNAL_H

@@ -182,7 +182,7 @@ unsigned fa_cpu_bf16_features(void);
 int fa_set_default_isa(int isa);
 const char *fa_isa_name(int isa);
 
-/* ---- OpenMP shim (attention.c) ---- */
+/* ---- OpenMP shim (fa_common.c) ---- */
 int fa_openmp_enabled(void);
 int fa_max_threads(void);
 /* Threads that ran the calling thread's last fa_attention_forward (for tests). */

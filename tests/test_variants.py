@@ -198,7 +198,7 @@ def test_varlen_against_oracle(kernel, rng, dtype, causal):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_varlen_long_sequences_copy_kv_heads(kernel, rng, dtype):
     """Packed K/V rows are strided by Hkv * D, so sequences with several query blocks
-    have their heads copied (attention.c, fa_run_head_items), items ordered by
+    have their heads copied (fa_forward.c, fa_run_head_items), items ordered by
     sequence and head, with an empty sequence among them; the bits do not depend on
     the thread count (threads steal each other's items at the end)."""
     cq = np.array([0, 700, 700, 720, 1300])  # at least 2 blocks per head on average
@@ -275,7 +275,7 @@ def test_merge_errors():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_strided_kv_long_enough_to_be_copied(kernel, rng, dtype):
     """Strided K/V read by several query blocks are copied once into a contiguous
-    buffer (attention.c, fa_run_head_items): same answers as in place."""
+    buffer (fa_forward.c, fa_run_head_items): same answers as in place."""
     qkv = rng.standard_normal((2, 450, 3, 4, 20)).astype(dtype)
     q, k, v = qkv[:, :, 0], qkv[:, 5:, 1], qkv[:, 5:, 2, :, :13]
     for kw in (dict(causal=True), dict(window=(30, 10), mask=rng.random((450, 445)) > 0.2)):

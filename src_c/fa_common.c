@@ -1,0 +1,109 @@
+/*
+ * fa_common.c -- what the driver files share: the OpenMP shim (every omp_* call goes
+ * through it, and it builds without OpenMP), the record of how many threads ran the
+ * last call, the build string, scratch allocation, the vector exp entry point, the
+ * merge of partial rows (fastattn.merge and split-KV decoding) and the dropout
+ * decisions.  Below every other driver file: it calls none of them.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include "fa_driver.h"
+
+/* ---- OpenMP shim: every omp_* call goes through here; builds without OpenMP. ---- */
+#ifdef _OPENMP
+#include <omp.h>
+int fa_openmp_enabled(void) { return 1; }
+int fa_max_threads(void) { return omp_get_max_threads(); }
+int fa_thread_num(void) { return omp_get_thread_num(); }
+#define FA_OPENMP_VERSION _OPENMP
+#else
+int fa_openmp_enabled(void) { return 0; }
+int fa_max_threads(void) { return 1; }
+int fa_thread_num(void) { return 0; }
+#define FA_OPENMP_VERSION 0
+#endif
+
+/* How many threads ran the calling thread's last forward call (each thread of
+ * the parallel region adds one), for tests that check num_threads,
+ * OMP_NUM_THREADS and threadpoolctl really reach the kernel.  Thread-local: a
+ * Python thread reads what its own last call did, whatever other threads run. */
+_Thread_local int fa_last_threads = 0;
+int fa_last_num_threads(void) { return fa_last_threads; }
+
+#define FA_STR2(x) #x
+#define FA_STR(x) FA_STR2(x)
+
+const char *fa_build_info(void)
+{
+    return "compiler="
+#if defined(__clang__)
+           "clang "
+#elif defined(__GNUC__)
+           "gcc "
+#endif
+#ifdef __VERSION__
+           __VERSION__
+#endif
+           "; openmp=" FA_STR(FA_OPENMP_VERSION);
+}
+
+void *fa_scratch_alloc(size_t bytes)
+{
+    size_t n = (bytes + FA_ALIGN - 1) / FA_ALIGN * FA_ALIGN;
+    return aligned_alloc(FA_ALIGN, n ? n : FA_ALIGN);
+}
+
+int fa_exp_array(int isa, int dtype, const void *x, void *y, int64_t n)
+{
+    const fa_kernel *kern = fa_kernel_for_isa(isa);
+    if (!kern || !(fa_cpu_supported_isas() & (1u << isa))) return FA_ERR_ARG;
+    if (dtype != FA_F32 && dtype != FA_F64) return FA_ERR_ARG;
+    kern->exp_array[dtype](x, y, n);
+    return FA_OK;
+}
+
+/* One merged row: parts in index order, part q's row at out + q*ostride, its lse at
+ * lse[q*lstride] (the online merge of fa_internal.h). */
+#define FA_MERGE_ROW(NAME, T, SUF)                                                           \
+    void NAME(int64_t parts, int64_t dv, const T *out, int64_t ostride, const T *lse,  \
+                     int64_t lstride, T *dst, T *dst_lse)                                   \
+    {                                                                                       \
+        T M = -(T)INFINITY, tot = 0;                                                        \
+        for (int64_t q = 0; q < parts; q++)                                                 \
+            fa_merge_step_##SUF(&M, &tot, dst, lse[q * lstride], out + q * ostride, dv);    \
+        *dst_lse = fa_merge_finish_##SUF(M, tot, dst, dv);                                  \
+    }
+FA_MERGE_ROW(fa_merge_row_f32, float, f32)
+FA_MERGE_ROW(fa_merge_row_f64, double, f64)
+
+int fa_merge(int dtype, int64_t parts, int64_t rows, int64_t dv, const void *outs,
+             const void *lses, void *out, void *lse)
+{
+    if (parts < 1 || rows < 0 || dv < 0) return FA_ERR_ARG;
+    for (int64_t r = 0; r < rows; r++) {
+        if (dtype == FA_F32)
+            fa_merge_row_f32(parts, dv, (const float *)outs + r * dv, rows * dv, (const float *)lses + r,
+                             rows, (float *)out + r * dv, (float *)lse + r);
+        else if (dtype == FA_F64)
+            fa_merge_row_f64(parts, dv, (const double *)outs + r * dv, rows * dv,
+                             (const double *)lses + r, rows, (double *)out + r * dv, (double *)lse + r);
+        else
+            return FA_ERR_ARG;
+    }
+    return FA_OK;
+}
+
+/* ---- dropout (the generator is fa_dropout_row in fa_internal.h) ---- */
+uint32_t fa_dropout_threshold(double p)
+{
+    if (!(p > 0)) return 0;
+    const double t = p * 4294967296.0; /* exact: a power-of-two multiply */
+    return t >= 4294967295.0 ? 0xFFFFFFFFu : (uint32_t)t;
+}
+
+int fa_dropout_keep(uint64_t seed, uint32_t threshold, int64_t b, int64_t h, int64_t i, int64_t j)
+{
+    uint8_t keep;
+    fa_dropout_row(seed, threshold, b, h, i, j, 1, &keep, 1);
+    return keep;
+}

@@ -1,0 +1,233 @@
+/*
+ * fa_forward.c -- the forward pass (fa_attention_forward): the plan's items
+ * (fa_plan.c) on OpenMP threads with per-thread scratch, in one of three runs:
+ * dynamic scheduling over the items; head-major segments with per-thread K/V copies
+ * for strided K/V (why: fa_plan.c); or, for decoding, split-KV over the key chunks
+ * with an ordered merge.  Each item is the chosen kernel's qblock.
+ *
+ * Determinism: an item's result depends only on the inputs and the kernel, never
+ * on which thread ran it or how many there were, so results are bitwise identical
+ * for any thread count.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include "fa_driver.h"
+
+/* The next item for thread t: the front of its own segment [front, back), else the
+ * back of the segment with the most left; -1 when none is left.  The caller holds
+ * the lock. */
+static int64_t fa_claim(int64_t *front, int64_t *back, int nseg, int t)
+{
+    if (front[t] < back[t]) return front[t]++;
+    int best = -1;
+    for (int s = 0; s < nseg; s++)
+        if (back[s] > front[s] && (best < 0 || back[s] - front[s] > back[best] - front[best])) best = s;
+    return best < 0 ? -1 : --back[best];
+}
+
+static int fa_run_head_items(const fa_params *p, const fa_plan *pl, fa_qblock_fn qblock,
+                             size_t scratch_bytes, int nth)
+{
+    const int64_t items = pl->items;
+    const size_t kv_bytes = (size_t)fa_max_seq_len(p->cu_k, p->B, p->Lk) * (size_t)(p->D + p->Dv) * fa_kv_item(p);
+    int64_t *seg = (int64_t *)malloc(2 * (size_t)nth * sizeof(int64_t));
+    if (!seg) return FA_ERR_NOMEM;
+    int64_t *front = seg, *back = seg + nth;
+    for (int t = 0; t < nth; t++) {
+        front[t] = items * t / nth;
+        back[t] = items * (t + 1) / nth;
+    }
+    int failed = 0, ran = 0;
+#pragma omp parallel num_threads(nth) if (nth > 1) reduction(| : failed) reduction(+ : ran)
+    {
+        ran += 1;
+        void *scratch = fa_scratch_alloc(scratch_bytes);
+        char *kvbuf = (char *)fa_scratch_alloc(kv_bytes);
+        const int t = fa_thread_num();
+        int64_t have_b = -1, have_g = -1; /* the kv head in kvbuf */
+        fa_params local;
+        if (!scratch || !kvbuf) failed = 1; /* the others take this thread's items */
+        while (scratch && kvbuf) {
+            int64_t u;
+#pragma omp critical(fa_head_claim)
+            u = fa_claim(front, back, nth, t);
+            if (u < 0) break;
+            fa_item it;
+            fa_head_item(p, pl, u, &it);
+            if (it.b != have_b || it.g != have_g) {
+                fa_copy_head(p, it.b, it.g, kvbuf, &local);
+                have_b = it.b;
+                have_g = it.g;
+            }
+            it.koff = 0;
+            qblock(&local, &pl->bl, &it, scratch);
+        }
+        free(kvbuf);
+        free(scratch);
+    }
+    free(seg);
+    fa_last_threads = ran;
+    return failed ? FA_ERR_NOMEM : FA_OK;
+}
+
+/*
+ * Decoding (a few queries against a long KV cache): split-KV.  The keys are cut
+ * into the chunks of FA_CHUNK_KEYS from key 0 that every path reduces separately;
+ * every (sequence, kv head group, chunk) is a work item that writes that chunk's
+ * partial (out, lse), and the partials are merged in chunk order by fa_merge_step,
+ * exactly as a prefill block merges the same chunks of the same row.  So the
+ * threads spread over chunks too (a handful of heads can use every core), and the
+ * bits depend neither on how many threads there are nor on whether the row was
+ * decoded or part of a prefill.  Used for fixed-length calls with Lq <=
+ * FA_DECODE_MAX_LQ and more than one chunk (see fa_use_split).
+ */
+#define FA_DECODE_MAX_LQ 8
+
+static int fa_use_split(const fa_params *p)
+{
+    return !p->cu_q && !p->weights && !p->entropy && p->Lq <= FA_DECODE_MAX_LQ &&
+           p->Lk > FA_CHUNK_KEYS;
+}
+
+static int fa_decode_split(const fa_params *p, const fa_plan *pl, fa_qblock_fn qblock,
+                           size_t scratch_bytes, int nth_req)
+{
+    const int64_t chunk = FA_CHUNK_KEYS, nch = (p->Lk + chunk - 1) / chunk;
+    const int64_t rows = p->B * p->Hq * p->Lq, Dv = p->Dv;
+    const size_t item = p->dtype == FA_F64 ? 8 : 4;
+    char *pout = (char *)fa_scratch_alloc((size_t)(nch * rows * Dv) * item);
+    char *plse = (char *)fa_scratch_alloc((size_t)(nch * rows) * item);
+    if (!pout || !plse) {
+        free(pout);
+        free(plse);
+        return FA_ERR_NOMEM;
+    }
+    /* chunk c writes its partials as a contiguous (B, Hq, Lq, Dv) / (B, Hq, Lq) */
+    fa_params part = *p;
+    part.out_f16 = 0; /* partials stay in the compute dtype */
+    part.o_sb = p->Hq * p->Lq * Dv;
+    part.o_sh = p->Lq * Dv;
+    part.o_sl = Dv;
+    part.lse_sb = p->Hq * p->Lq;
+    part.lse_sh = p->Lq;
+    part.lse_sl = 1;
+    const int64_t heads = p->B * p->Hkv * pl->nhc, items = heads * nch;
+    const int chunk_major = p->k_sl != p->D || p->v_sl != p->Dv;
+    int nth = nth_req;
+    if ((int64_t)nth > items) nth = (int)items;
+    int failed = 0, ran = 0;
+#pragma omp parallel num_threads(nth) if (nth > 1) reduction(| : failed) reduction(+ : ran)
+    {
+        ran += 1;
+        void *scratch = fa_scratch_alloc(scratch_bytes);
+        if (!scratch) failed = 1;
+        fa_params local = part;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < items; t++) {
+            if (!scratch) continue;
+            /* contiguous K/V: a head's chunks in a row; strided ("bshd"): a chunk's
+             * heads in a row, which share the rows' pages (TLB entries) */
+            const int64_t c = chunk_major ? t / heads : t % nch, h = chunk_major ? t % heads : t / nch;
+            const int64_t b = h / (p->Hkv * pl->nhc), g = (h / pl->nhc) % p->Hkv, hc = h % pl->nhc;
+            fa_item it;
+            fa_item_make(p, pl, b, g, hc, 0, &it);
+            fa_key_range(it.kv0 > c * chunk ? it.kv0 : c * chunk,
+                         it.kv1 < (c + 1) * chunk ? it.kv1 : (c + 1) * chunk, it.Lk, &it.kv0, &it.kv1);
+            local.out = pout + (size_t)(c * rows * Dv) * item;
+            local.lse = plse + (size_t)(c * rows) * item;
+            qblock(&local, &pl->bl, &it, scratch);
+        }
+        free(scratch);
+        float *row16 = p->out_f16 ? (float *)malloc((size_t)Dv * sizeof(float)) : NULL;
+        if (p->out_f16 && !row16) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            if (failed) continue;
+            const int64_t b = r / (p->Hq * p->Lq), h = (r / p->Lq) % p->Hq, i = r % p->Lq;
+            const int64_t o = b * p->o_sb + h * p->o_sh + i * p->o_sl;
+            const int64_t l = b * p->lse_sb + h * p->lse_sh + i * p->lse_sl;
+            if (p->dtype == FA_F64) {
+                double scratch_lse, *lse = p->lse ? (double *)p->lse + l : &scratch_lse;
+                fa_merge_row_f64(nch, Dv, (const double *)pout + r * Dv, rows * Dv,
+                                 (const double *)plse + r, rows, (double *)p->out + o, lse);
+            } else {
+                float scratch_lse, *lse = p->lse ? (float *)p->lse + l : &scratch_lse;
+                /* a float16 output is merged into a float row, then converted */
+                float *dst = p->out_f16 ? row16 : (float *)p->out + o;
+                fa_merge_row_f32(nch, Dv, (const float *)pout + r * Dv, rows * Dv,
+                                 (const float *)plse + r, rows, dst, lse);
+                if (p->out_f16)
+                    for (int64_t c = 0; c < Dv; c++)
+                        ((uint16_t *)p->out)[o + c] = p->bf16 ? fa_float_to_bf16(dst[c]) : fa_float_to_half(dst[c]);
+            }
+        }
+        free(row16);
+    }
+    fa_last_threads = ran;
+    free(pout);
+    free(plse);
+    return failed ? FA_ERR_NOMEM : FA_OK;
+}
+
+int fa_attention_forward(const fa_params *p)
+{
+    fa_last_threads = 0;
+    int rc = fa_check(p);
+    if (rc != FA_OK) return rc;
+    const fa_kernel *kern = fa_kernel_for_isa(p->isa < 0 ? fa_default_isa() : p->isa);
+    if (!kern || (p->isa >= 0 && !(fa_cpu_supported_isas() & (1u << p->isa)))) return FA_ERR_ARG;
+    if (p->B == 0 || p->Hq == 0 || (!p->cu_q && p->Lq == 0)) return FA_OK;
+
+    fa_plan pl;
+    rc = fa_make_plan(kern, p, &pl);
+    if (rc != FA_OK) return rc;
+    const int ki = p->kv_f16 ? (p->bf16 ? FA_KVB16 : FA_KV16) : p->dtype;
+    const fa_qblock_fn qblock = kern->qblock[ki];
+    const size_t scratch_bytes = kern->scratch_bytes[ki](p, &pl.bl);
+    const int64_t items = pl.items;
+
+    int nth = p->num_threads > 0 ? p->num_threads : fa_max_threads();
+    if ((int64_t)nth > items) nth = (int)items;
+    if (nth < 1) nth = 1;
+
+    if (fa_use_split(p)) {
+        int nth_all = p->num_threads > 0 ? p->num_threads : fa_max_threads();
+        rc = fa_decode_split(p, &pl, qblock, scratch_bytes, nth_all < 1 ? 1 : nth_all);
+        free(pl.start);
+        return rc;
+    }
+    int failed = 0;
+    if (fa_use_head_tasks(p, &pl)) {
+        failed = fa_run_head_items(p, &pl, qblock, scratch_bytes, nth) != FA_OK;
+    } else if (nth == 1) {
+        /* One thread: no parallel region at all (short calls stay cheap). */
+        fa_last_threads = 1;
+        void *scratch = fa_scratch_alloc(scratch_bytes);
+        if (!scratch) failed = 1;
+        for (int64_t t = 0; t < items && scratch; t++) {
+            fa_item it;
+            fa_item_of(p, &pl, t, &it);
+            qblock(p, &pl.bl, &it, scratch);
+        }
+        free(scratch);
+    } else {
+        int ran = 0;
+#pragma omp parallel num_threads(nth) reduction(| : failed) reduction(+ : ran)
+        {
+            ran += 1;
+            void *scratch = fa_scratch_alloc(scratch_bytes);
+            if (!scratch) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t t = 0; t < items; t++) {
+                if (!scratch) continue;
+                fa_item it;
+                fa_item_of(p, &pl, t, &it);
+                qblock(p, &pl.bl, &it, scratch);
+            }
+            free(scratch);
+        }
+        fa_last_threads = ran;
+    }
+    free(pl.start);
+    return failed ? FA_ERR_NOMEM : FA_OK;
+}

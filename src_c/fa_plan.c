@@ -1,0 +1,308 @@
+/*
+ * fa_plan.c -- planning and scheduling: the checks of a call's params, the block
+ * sizes (from measurements, below), how a call is cut into work items (batch, kv
+ * head, head chunk, query block) and each item's visible key range, the item order
+ * (heavy causal blocks first), and the head-major order with per-thread K/V copies
+ * for strided K/V.  Pure functions of the params: which thread runs an item never
+ * changes its result, and block sizes never depend on the thread count.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include "fa_driver.h"
+
+/*
+ * Default block sizes, from measurement (best of 3 in one process, 2 threads,
+ * GFLOP/s over a grid of q in {32,64,96,128,192,256} x k in {32,...,512}, on a
+ * Xeon (Sapphire Rapids, 2 MB L2/core); the landscape is flat within ~5% near
+ * the optimum, and falls off for k >= 256 (the S tile and V tile leave L1):
+ *   avx512 f32 D=64  L=4096: q=192 k=64 266 | q=64 k=64 259 | q=192 k=256 253
+ *   avx512 f32 D=128 L=2048: q=192 k=64 279 | q=96 k=64 270 | q=64 k=128 247
+ *   avx512 f32 D=256 L=2048: q=192 k=32 275 | q=192 k=64 265 | q=64 k=64 244
+ *   avx512 f64 D=64  L=2048: q=192 k=64 118 | q=64 k=64 116 | q=64 k=128 109
+ *   avx512 f64 D=128 L=2048: q=96 k=32 123  | q=192 k=64 118 | q=64 k=64 114
+ *   avx2   f32 D=64  L=4096: q=96 k=64 127  | q=128 k=128 123 | q=64 k=64 107
+ *   avx2   f32 D=128 L=2048: q=64 k=128 135 | q=192 k=256 135 | q=128 k=64 114
+ *   avx2   f64 D=64  L=2048: q=192 k=64 57  | q=96 k=256 56   | q=64 k=64 47
+ * Causal (2 threads, best of 5, interleaved), smaller query blocks waste less
+ * work on the partly masked tiles along the diagonal:
+ *   avx512 f32 D=64  L=4096: q=96 k=128 223 | q=64 k=64 213 | q=192 k=64 ~200
+ *   avx512 f32 D=64  L=512 (H=16): q=64 k=64 148 | q=96 k=64 131 | q=192 k=64 83
+ *   avx512 f32 D=128 L=2048: q=64 k=64 228 | q=96 k=64 223 | q=96 k=128 215
+ * AMD EPYC, Zen 3 (family 25 model 1, 512 KiB L2/core read from CPUID 0x8000001D,
+ * AVX2 only), 2 threads, medians of 9 interleaved rounds in shuffled order, on a
+ * shared 2-vCPU guest (runs differ by 5-10%; the order held in three runs):
+ *   avx2   f32 D=64  L=4096: q=192 k=64 113 | q=192 k=128 105 | q=96 k=128 103
+ *   avx2   f32 D=128 L=2048: q=192 k=64 113 | q=192 k=128 112 | q=96 k=64 107
+ *                            (another run: q=192 k=32 61 | q=96 k=64 59 | q=192 k=64 59)
+ *   avx2   f64 D=64  L=2048: q=192 k=64 46  | q=192 k=128 45  | q=96 k=64 42
+ *   avx2   f32 D=64  L=4096 causal: q=96 k=64 110 | q=192 k=64 109 | q=64 k=128 107
+ *   avx2   f32 D=64  L=512 H=16 causal: q=64 k=128 89 | q=64 k=64 89 | q=96 k=64 86
+ * The AVX2 kernel runs by default on CPUs without AVX-512 (Zen 2/3, client Intel),
+ * so the Zen 3 figures decide its non-causal blocks (the Xeon rows above were taken
+ * with AVX-512 disabled).  Zen 4/5 (AVX-512, 1 MiB L2) were not available to
+ * re-measure when the L2 reading was fixed; their L2 now allows the 192 x 64 blocks
+ * (an earlier session measured 192 x 64 5-9% faster there than the 96 x 32 that the
+ * misread 256 KiB L2 forced).
+ * So: 192 x 64 for AVX-512 and for AVX2 (64 x 64 causal or windowed on AVX-512, 64 x
+ * 128 on AVX2: a window is a diagonal band too);
+ * the generic kernel (not tuned: the portable fallback) 64 x 128.  Then two
+ * adjustments:
+ *  - the query rows are split into equal blocks (Lq = 256 runs as 2 x 128, not
+ *    192 + 64), so a short sequence does not end with a nearly empty block;
+ *  - the per-block working set (Q block, output block, K, V and score tiles) is
+ *    kept within half the L2 the CPU reports, shrinking k then q, so large head
+ *    sizes on CPUs with small L2 caches do not spill.
+ * Block sizes depend on the CPU and the shapes only, never on the thread count.
+ */
+static fa_blocks fa_default_blocks(const fa_kernel *kern, const fa_params *p)
+{
+    const int64_t vl = kern->lanes[p->dtype];
+    const int64_t item = p->dtype == FA_F64 ? 8 : 4;
+    fa_blocks bl = {64, 128};
+    if (kern == fa_kernel_for_isa(FA_ISA_AVX512)) {
+        bl.q = p->causal || p->window_left >= 0 || p->window_right >= 0 ? 64 : 192;
+        bl.k = 64;
+    } else if (kern == fa_kernel_for_isa(FA_ISA_AVX2)) {
+        const int banded = p->causal || p->window_left >= 0 || p->window_right >= 0;
+        bl.q = banded ? 64 : 192;
+        bl.k = banded ? 128 : 64;
+    }
+    const int64_t budget = fa_cpu_l2_bytes() / 2;
+    for (;;) {
+        int64_t ws = item * (bl.q * (p->D + p->Dv) + bl.k * (p->D + p->Dv + bl.q));
+        if (ws <= budget) break;
+        if (bl.k > 32) bl.k /= 2;
+        else if (bl.q > 2 * vl) bl.q = (bl.q / 2 + vl - 1) / vl * vl;
+        else break;
+    }
+    return bl;
+}
+
+int fa_check(const fa_params *p)
+{
+    if (p->dtype != FA_F32 && p->dtype != FA_F64) return FA_ERR_ARG;
+    if (p->B < 0 || p->Hq < 0 || p->Hkv < 1 || p->Lq < 0 || p->Lk < 0 || p->D < 1 || p->Dv < 1)
+        return FA_ERR_ARG;
+    if (p->Hq % p->Hkv != 0) return FA_ERR_ARG;
+    if (p->causal < FA_CAUSAL_NONE || p->causal > FA_CAUSAL_TOP_LEFT) return FA_ERR_ARG;
+    if (!isfinite(p->scale)) return FA_ERR_ARG;
+    if (!(p->softcap >= 0) || !isfinite(p->softcap)) return FA_ERR_ARG;
+    if ((p->cu_q == NULL) != (p->cu_k == NULL)) return FA_ERR_ARG;
+    if (p->seqlens_k) {
+        if (p->cu_k) return FA_ERR_ARG;
+        for (int64_t b = 0; b < p->B; b++)
+            if (p->seqlens_k[b] < 0 || p->seqlens_k[b] > p->Lk) return FA_ERR_ARG;
+    }
+    if (p->kv_f16 && p->dtype != FA_F32) return FA_ERR_ARG;
+    if ((p->q_f16 || p->out_f16 || p->bf16) && !p->kv_f16) return FA_ERR_ARG;
+    if ((p->entropy == NULL) != (p->max_weight == NULL) || (p->entropy && !p->lse)) return FA_ERR_ARG;
+    return FA_OK;
+}
+
+/* Block sizes: see fa_default_blocks for the measurements behind the defaults. */
+static fa_blocks fa_choose_blocks(const fa_kernel *kern, const fa_params *p)
+{
+    fa_blocks bl = fa_default_blocks(kern, p);
+    if (p->block_q > 0) bl.q = p->block_q;
+    if (p->block_k > 0) bl.k = p->block_k;
+    if (bl.q > 1024) bl.q = 1024;
+    if (bl.q < 1) bl.q = 1;
+    if (bl.k > 1 << 16) bl.k = 1 << 16;
+    if (bl.k < 1) bl.k = 1;
+    return bl;
+}
+
+int64_t fa_seq_len(const int64_t *cu, int64_t b, int64_t fixed)
+{
+    return cu ? cu[b + 1] - cu[b] : fixed;
+}
+
+/* The keys sequence b sees: its varlen length, its seqlens_k entry, or Lk. */
+int64_t fa_key_len(const fa_params *p, int64_t b)
+{
+    return p->cu_k ? p->cu_k[b + 1] - p->cu_k[b] : p->seqlens_k ? p->seqlens_k[b] : p->Lk;
+}
+
+int64_t fa_max_seq_len(const int64_t *cu, int64_t B, int64_t fixed)
+{
+    int64_t m = cu ? 0 : fixed;
+    for (int64_t b = 0; cu && b < B; b++)
+        if (cu[b + 1] - cu[b] > m) m = cu[b + 1] - cu[b];
+    return m;
+}
+
+/*
+ * Queries of heads that share a key/value head are stacked into one item when a
+ * head has fewer positions than a block has rows (short prefill, decoding): the
+ * group then reads each K/V tile once.  Otherwise an item is one head's block of
+ * positions, the positions split evenly into blocks of at most bl.q.
+ */
+int fa_make_plan(const fa_kernel *kern, const fa_params *p, fa_plan *pl)
+{
+    const int64_t vl = kern->lanes[p->dtype];
+    pl->bl = fa_choose_blocks(kern, p);
+    pl->G = p->Hq / p->Hkv;
+    pl->start = NULL;
+    int64_t lmax = fa_max_seq_len(p->cu_q, p->B, p->Lq);
+    if (lmax < 1) lmax = 1;
+    if (pl->G > 1 && 2 * lmax <= pl->bl.q) {
+        pl->nh = pl->bl.q / lmax < pl->G ? pl->bl.q / lmax : pl->G;
+        pl->nqp = lmax;
+    } else {
+        /* equal blocks, each a whole number of vectors (no padded lanes but the last) */
+        int64_t nblocks = (lmax + pl->bl.q - 1) / pl->bl.q;
+        pl->nh = 1;
+        pl->nqp = ((lmax + nblocks - 1) / nblocks + vl - 1) / vl * vl;
+    }
+    pl->nhc = (pl->G + pl->nh - 1) / pl->nh;
+    pl->bl.q = (pl->nh * pl->nqp + vl - 1) / vl * vl;
+    const int64_t per_qb = p->Hkv * pl->nhc;
+    if (p->cu_q) {
+        pl->start = (int64_t *)malloc((size_t)(p->B + 1) * sizeof(int64_t));
+        if (!pl->start) return FA_ERR_NOMEM;
+        pl->start[0] = 0;
+        for (int64_t b = 0; b < p->B; b++) {
+            int64_t nqb = (fa_seq_len(p->cu_q, b, 0) + pl->nqp - 1) / pl->nqp;
+            pl->start[b + 1] = pl->start[b] + nqb * per_qb;
+        }
+        pl->items = pl->start[p->B];
+        pl->per_seq = 0;
+    } else {
+        pl->per_seq = (p->Lq + pl->nqp - 1) / pl->nqp * per_qb;
+        pl->items = p->B * pl->per_seq;
+    }
+    return FA_OK;
+}
+
+/* The item for query block qb of head chunk hc of kv head g in sequence b. */
+void fa_item_make(const fa_params *p, const fa_plan *pl, int64_t b, int64_t g, int64_t hc,
+                         int64_t qb, fa_item *it)
+{
+    const int64_t Lq = fa_seq_len(p->cu_q, b, p->Lq), Lk = fa_key_len(p, b);
+    it->b = b;
+    it->g = g;
+    it->h0 = g * pl->G + hc * pl->nh;
+    it->nh = pl->G - hc * pl->nh < pl->nh ? pl->G - hc * pl->nh : pl->nh;
+    it->q0 = qb * pl->nqp;
+    it->nq = Lq - it->q0 < pl->nqp ? Lq - it->q0 : pl->nqp;
+    it->Lq = Lq;
+    it->Lk = Lk;
+    it->qoff = p->cu_q ? p->cu_q[b] : 0;
+    it->koff = p->cu_k ? p->cu_k[b] : 0;
+    /* keys visible to some row: row i sees a-left <= j <= a+right, a = i + diag */
+    const int64_t diag = p->causal == FA_CAUSAL_TOP_LEFT ? 0 : Lk - Lq;
+    const int64_t right = p->causal != FA_CAUSAL_NONE ? 0 : p->window_right; /* min(right, 0) */
+    fa_key_range(p->window_left >= 0 ? it->q0 + diag - p->window_left : 0,
+                 right >= 0 ? it->q0 + it->nq - 1 + diag + right + 1 : Lk, Lk, &it->kv0, &it->kv1);
+}
+
+int64_t fa_qblocks(const fa_params *p, const fa_plan *pl, int64_t b)
+{
+    return (fa_seq_len(p->cu_q, b, p->Lq) + pl->nqp - 1) / pl->nqp;
+}
+
+/* Item t of the plan.  Within a sequence, query blocks run last first: with causal
+ * masking the last blocks see the most keys, so the most expensive items start
+ * first and dynamic scheduling balances the rest across threads. */
+void fa_item_of(const fa_params *p, const fa_plan *pl, int64_t t, fa_item *it)
+{
+    const int64_t per_qb = p->Hkv * pl->nhc;
+    int64_t b, u;
+    if (pl->start) {
+        int64_t lo = 0, hi = p->B - 1; /* last b with start[b] <= t */
+        while (lo < hi) {
+            int64_t mid = (lo + hi + 1) / 2;
+            if (pl->start[mid] <= t) lo = mid;
+            else hi = mid - 1;
+        }
+        b = lo;
+        u = t - pl->start[b];
+    } else {
+        const int64_t nbk = p->B * per_qb; /* items per query block index */
+        b = (t % nbk) / per_qb;
+        u = (t / nbk) * per_qb + t % per_qb;
+    }
+    const int64_t nqb = fa_qblocks(p, pl, b);
+    const int64_t qb = p->causal ? nqb - 1 - u / per_qb : u / per_qb;
+    fa_item_make(p, pl, b, (u % per_qb) / pl->nhc, u % pl->nhc, qb, it);
+}
+
+/*
+ * K and V whose rows are strided (layout "bshd", slices of a fused projection) and
+ * that several query blocks read: read in place, rows a power-of-two apart fall into
+ * a few L1 sets and evict each other, and the TLB sees a page per row or two
+ * (measured on "bshd" B=1 H=8 L=2048 D=64: 1.16-1.22x the "bhsd" time).  So a thread
+ * first copies the head's K and V rows into a contiguous per-thread buffer (O(Lk),
+ * never O(Lq Lk)), which its query blocks of that head then read from L2.
+ *
+ * To copy each head about once, the items are ordered head by head and each thread
+ * owns a contiguous segment of them (about B Hkv / nth heads); a thread that has
+ * finished its own segment takes items from the end of the fullest remaining one
+ * (one more copy of that head).  Whole heads as tasks balanced badly: with 8 heads
+ * on 2 threads one late head left a thread idle (1.10-1.15x "bhsd" against 1.03x on
+ * one thread).  Which thread runs an item never changes its result.
+ */
+/* Bytes per element of K and V. */
+size_t fa_kv_item(const fa_params *p)
+{
+    return p->kv_f16 ? 2 : p->dtype == FA_F64 ? 8 : 4;
+}
+
+int fa_use_head_tasks(const fa_params *p, const fa_plan *pl)
+{
+    if ((p->k_sl == p->D && p->v_sl == p->Dv) || p->weights) return 0;
+    return pl->items >= 2 * p->B * p->Hkv * pl->nhc; /* some head has 2 or more blocks */
+}
+
+/* Item u in head-major order: sequence b, kv head g, head chunk hc, and its query
+ * block (heavy first when causal). */
+void fa_head_item(const fa_params *p, const fa_plan *pl, int64_t u, fa_item *it)
+{
+    int64_t b, w;
+    if (pl->start) {
+        int64_t lo = 0, hi = p->B - 1; /* last b with start[b] <= u */
+        while (lo < hi) {
+            int64_t mid = (lo + hi + 1) / 2;
+            if (pl->start[mid] <= u) lo = mid;
+            else hi = mid - 1;
+        }
+        b = lo;
+        w = u - pl->start[b];
+    } else {
+        b = u / pl->per_seq;
+        w = u % pl->per_seq;
+    }
+    const int64_t nqb = fa_qblocks(p, pl, b), task = w / nqb, i = w % nqb;
+    fa_item_make(p, pl, b, task / pl->nhc, task % pl->nhc, p->causal ? nqb - 1 - i : i, it);
+}
+
+/* The contiguous copy of kv head (b, g) in kvbuf, and the parameters that read it. */
+void fa_copy_head(const fa_params *p, int64_t b, int64_t g, char *kvbuf, fa_params *local)
+{
+    const size_t item = fa_kv_item(p);
+    const int64_t Lk = fa_key_len(p, b), koff = p->cu_k ? p->cu_k[b] : 0;
+    char *kc = kvbuf, *vc = kvbuf + (size_t)Lk * (size_t)p->D * item;
+    const char *k = (const char *)p->k + (size_t)((b * p->k_sb + g * p->k_sh + koff * p->k_sl) * (int64_t)item);
+    const char *v = (const char *)p->v + (size_t)((b * p->v_sb + g * p->v_sh + koff * p->v_sl) * (int64_t)item);
+    for (int64_t j = 0; j < Lk; j++) {
+        memcpy(kc + (size_t)j * (size_t)p->D * item, k + (size_t)(j * p->k_sl * (int64_t)item), (size_t)p->D * item);
+        memcpy(vc + (size_t)j * (size_t)p->Dv * item, v + (size_t)(j * p->v_sl * (int64_t)item), (size_t)p->Dv * item);
+    }
+    *local = *p; /* this head's K/V, contiguous, at b = g = koff = 0 offsets */
+    local->k = kc;
+    local->v = vc;
+    local->k_sb = local->k_sh = local->v_sb = local->v_sh = 0;
+    local->k_sl = p->D;
+    local->v_sl = p->Dv;
+}
+
+/* All the query items of kv head g of sequence b, in order (head chunks, then query
+ * blocks): the rows a backward or key_mass item of that head goes through. */
+void fa_head_query_items(const fa_params *p, const fa_plan *pl, int64_t b, int64_t g,
+                                fa_item *items)
+{
+    int64_t n = 0;
+    for (int64_t hc = 0; hc < pl->nhc; hc++)
+        for (int64_t qb = 0; qb < (p->Lq + pl->nqp - 1) / pl->nqp; qb++)
+            fa_item_make(p, pl, b, g, hc, qb, &items[n++]);
+}

@@ -1,0 +1,136 @@
+/*
+ * kern_common.h -- part of the kernel template (kernels_tmpl.h): what every other
+ * piece uses.  The K/V access macros' defaults (K/V stored as FA_T), the switch cases
+ * that give each register-tile shape its own unrolled code, the decode-row thresholds
+ * (FA_DOT_ROWS, FA_DOT_PREFETCH), and the forward's per-thread scratch: its layout
+ * (fa_layout, fa_carve) and size (fa_scratch_bytes).
+ *
+ * Needs from the including ISA file: FA_T, FA_V, FA_VL, FA_NAME and, for 16-bit K/V,
+ * FA_KV_HALF and the FA_KV_* loads (kernels_tmpl.h lists every macro).
+ */
+
+/* The switch cases of every register tile shape up to 6 rows x 4 vectors, so each
+ * tail shape gets its own fully unrolled code; CASE(R, C) must ignore shapes
+ * larger than the instantiation's tile (they are never selected at run time). */
+
+#define FA_TILE_ROW(CASE, R) CASE(R, 1) CASE(R, 2) CASE(R, 3) CASE(R, 4)
+#define FA_TILE_ROWS(CASE)                                                                     \
+    FA_TILE_ROW(CASE, 1) FA_TILE_ROW(CASE, 2) FA_TILE_ROW(CASE, 3) FA_TILE_ROW(CASE, 4)          \
+    FA_TILE_ROW(CASE, 5) FA_TILE_ROW(CASE, 6)
+
+#ifndef FA_16_TO_FLOAT /* the 16-bit type of q and out with 16-bit K/V: IEEE half */
+#define FA_16_TO_FLOAT(x) fa_half_to_float(x)
+#define FA_FLOAT_TO_16(x) fa_float_to_half(x)
+#endif
+
+#ifndef FA_KV
+#define FA_KV FA_T
+#define FA_KV_BCAST(p) FA_VSET1(*(p))
+#define FA_KV_LOADU(p) FA_VLOADU(p)
+#define FA_KV_LOADU_N(p, n) FA_VLOADU_N((p), (n))
+#define FA_KV_SCALAR(x) (x)
+#endif
+
+static inline int64_t FA_NAME(fa_round_up)(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+#ifndef FA_DOT_PREFETCH
+#define FA_DOT_PREFETCH 16 /* key rows ahead */
+#endif
+#ifndef FA_DOT_ROWS
+#define FA_DOT_ROWS 8 /* blocks of up to this many rows take fa_qk_keys for QK^T */
+#endif
+
+/* The scratch of one thread, carved from one allocation into FA_ALIGN-aligned
+ * pieces (brp = the block's query rows, a multiple of FA_VL; dvp = Dv rounded up
+ * to FA_VL; bc = keys per block):
+ *   qt      D  x brp   Q block, transposed, times scale (or scale/softcap)
+ *   kt      dp x FA_VL a group of keys transposed (fa_qk_keys; dp = D rounded up
+ *                      to FA_VL)
+ *   s       bc x brp   logits of one key block, then its probabilities (key-major:
+ *                      key j of query row i at s[j * brp + i]; for blocks of at
+ *                      most FA_DOT_ROWS rows, row-major s[i * bcp + j] when no
+ *                      logit step applies, bcp = bc rounded up to FA_VL)
+ *   s2      bc x brp   the logits again, for a V tile with a NaN or inf in it
+ *   o       brp x dvp  running unnormalized output, row-major
+ *   o2      rows x dvp the same rows before the last P.V, for blocks of at most
+ *                      FA_DOT_ROWS rows (restored if that P.V met an inf or NaN)
+ *   m l alpha          brp each: running max, running sum, last rescale factor
+ *   rlo rhi            brp each: a row's visible keys relative to the tile
+ *   slope apos         brp each: ALiBi slope and aligned position of a row
+ *   lo hi              brp int64: a row's visible key range [lo, hi]
+ *   bt      bc x brp   bias tile, transposed (with a bias only)
+ *   mt      bc x brp   mask tile as bytes, transposed (with a mask only)
+ *   mrow brow orow     brp pointers: a row's mask, bias and output rows */
+typedef struct FA_NAME(fa_scratch) {
+    FA_T *qt, *kt, *s, *s2, *o, *m, *l, *alpha, *rlo, *rhi, *slope, *apos, *bt;
+    FA_T *u; /* return_stats: sum_j p_j (s_j - m), rescaled with l; NULL otherwise */
+    /* the running merge of a row's key chunks (fa_merge_step): out, M, tot, and for
+     * return_stats the entropy sum G and the largest logit X */
+    FA_T *mo, *mM, *mtot, *mG, *mX;
+    int64_t *lo, *hi;
+    int mask_state, need_range; /* of the current key tile (fa_scores) */
+    int key_major;              /* the tile's logits are s[r * bcp + j] (fa_scores) */
+    int query_major;            /* never key-major (the backward's tiles) */
+    int64_t bcp;                /* bc rounded up to FA_VL */
+    FA_T *o2;
+    uint8_t *mt;
+    const uint8_t **mrow;
+    const FA_T **brow;
+    void **orow; /* FA_T, or float16 bits for a float16 output */
+} FA_NAME(fa_scratch);
+
+static inline void *FA_NAME(fa_carve)(char **cur, size_t bytes)
+{
+    void *piece = *cur;
+    *cur += (bytes + FA_ALIGN - 1) / FA_ALIGN * FA_ALIGN;
+    return piece;
+}
+
+/* Carves `base` (or, with base NULL, only measures) and returns the bytes used. */
+static size_t FA_NAME(fa_layout)(const fa_params *p, const fa_blocks *bl, void *base,
+                                 FA_NAME(fa_scratch) *sc)
+{
+    const size_t brp = (size_t)bl->q, bc = (size_t)bl->k, t = sizeof(FA_T);
+    const size_t dvp = (size_t)FA_NAME(fa_round_up)(p->Dv, FA_VL);
+    FA_NAME(fa_scratch) dummy;
+    if (!sc) sc = &dummy;
+    char *cur = base ? (char *)base : (char *)0 + FA_ALIGN;
+    char *first = cur;
+    sc->qt = (FA_T *)FA_NAME(fa_carve)(&cur, (size_t)p->D * brp * t);
+    sc->kt = (FA_T *)FA_NAME(fa_carve)(&cur, (size_t)FA_NAME(fa_round_up)(p->D, FA_VL) * FA_VL * t);
+    sc->bcp = FA_NAME(fa_round_up)((int64_t)bc, FA_VL);
+    sc->query_major = 0;
+    {
+        const size_t km = (size_t)FA_DOT_ROWS * (size_t)sc->bcp; /* key-major use */
+        sc->s = (FA_T *)FA_NAME(fa_carve)(&cur, (bc * brp > km ? bc * brp : km) * t);
+    }
+    sc->s2 = (FA_T *)FA_NAME(fa_carve)(&cur, bc * brp * t);
+    sc->o = (FA_T *)FA_NAME(fa_carve)(&cur, brp * dvp * t);
+    sc->m = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
+    sc->l = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
+    sc->alpha = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
+    sc->u = p->entropy ? (FA_T *)FA_NAME(fa_carve)(&cur, brp * t) : NULL;
+    sc->mo = (FA_T *)FA_NAME(fa_carve)(&cur, brp * dvp * t);
+    sc->mM = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
+    sc->mtot = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
+    sc->mG = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
+    sc->mX = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
+    sc->rlo = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
+    sc->rhi = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
+    sc->slope = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
+    sc->apos = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
+    sc->lo = (int64_t *)FA_NAME(fa_carve)(&cur, brp * sizeof(int64_t));
+    sc->hi = (int64_t *)FA_NAME(fa_carve)(&cur, brp * sizeof(int64_t));
+    sc->bt = p->bias ? (FA_T *)FA_NAME(fa_carve)(&cur, bc * brp * t) : NULL;
+    sc->mt = p->mask ? (uint8_t *)FA_NAME(fa_carve)(&cur, bc * brp) : NULL;
+    sc->mrow = (const uint8_t **)FA_NAME(fa_carve)(&cur, brp * sizeof(void *));
+    sc->brow = (const FA_T **)FA_NAME(fa_carve)(&cur, brp * sizeof(void *));
+    sc->orow = (void **)FA_NAME(fa_carve)(&cur, brp * sizeof(void *));
+    sc->o2 = (FA_T *)FA_NAME(fa_carve)(&cur, (size_t)FA_DOT_ROWS * dvp * t);
+    return (size_t)(cur - first);
+}
+
+static size_t FA_NAME(fa_scratch_bytes)(const fa_params *p, const fa_blocks *bl)
+{
+    return FA_NAME(fa_layout)(p, bl, NULL, NULL);
+}

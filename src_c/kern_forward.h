@@ -1,0 +1,267 @@
+/*
+ * kern_forward.h -- part of the kernel template (kernels_tmpl.h): the forward block.
+ *   fa_qblock        one work item (the rows of a few query heads that share a kv
+ *                    head, against its visible keys): key chunks of FA_CHUNK_KEYS from
+ *                    key 0, each by the online softmax over tiles aligned from key 0,
+ *                    merged in order; the output rows, lse and stats; or, for
+ *                    attention_weights, a second pass writing exp(s - lse).  Prefill
+ *                    blocks and decode rows (a few rows: keys on the lanes, key-major
+ *                    softmax, P.V checked after the fact) both go through it.
+ *   fa_v_finite, fa_all_finite, fa_pv_tile_nonfinite   the careful P.V for a V tile
+ *                    with an inf or NaN (0 * inf must not reach rows that hide the key)
+ *   fa_dropout_apply the Philox keep/scale decisions on a tile of probabilities
+ *   fa_exp_array     the vector exp over an array (for the ULP test)
+ *
+ * Needs from the including ISA file: everything the other pieces need, and FA_VSTOREU,
+ * FA_VLOADU_N; for 16-bit outputs, FA_FLOAT_TO_16.
+ */
+
+/* Is every value of a V tile finite?  v * 0 is 0 for a finite v and NaN for an inf
+ * or NaN, so the tile's sum of them is 0 exactly when all are finite. */
+static int FA_NAME(fa_v_finite)(const FA_KV *FA_RESTRICT v, int64_t v_sl, int64_t nk, int64_t Dv)
+{
+    const FA_V zero = FA_VZERO();
+    const int64_t full = Dv / FA_VL * FA_VL;
+    FA_V acc0 = FA_VZERO(), acc1 = FA_VZERO(); /* two chains: the adds are not serialized */
+    for (int64_t j = 0; j < nk; j++) {
+        const FA_KV *vj = v + j * v_sl;
+        int64_t c = 0;
+        for (; c + 2 * FA_VL <= full; c += 2 * FA_VL) {
+            acc0 = FA_VFMA(FA_KV_LOADU(vj + c), zero, acc0);
+            acc1 = FA_VFMA(FA_KV_LOADU(vj + c + FA_VL), zero, acc1);
+        }
+        if (c < full) acc0 = FA_VFMA(FA_KV_LOADU(vj + c), zero, acc0);
+        if (full < Dv) acc1 = FA_VFMA(FA_KV_LOADU_N(vj + full, (int)(Dv - full)), zero, acc1);
+    }
+    return FA_VREDUCE(FA_VADD(acc0, acc1)) == (FA_T)0;
+}
+
+/* Are the n (a multiple of FA_VL) values at x, FA_VL-aligned, all finite? */
+static int FA_NAME(fa_all_finite)(const FA_T *FA_RESTRICT x, int64_t n)
+{
+    const FA_V zero = FA_VZERO();
+    FA_V acc0 = FA_VZERO(), acc1 = FA_VZERO();
+    int64_t i = 0;
+    for (; i + 2 * FA_VL <= n; i += 2 * FA_VL) {
+        acc0 = FA_VFMA(FA_VLOAD(x + i), zero, acc0);
+        acc1 = FA_VFMA(FA_VLOAD(x + i + FA_VL), zero, acc1);
+    }
+    if (i < n) acc0 = FA_VFMA(FA_VLOAD(x + i), zero, acc0);
+    return FA_VREDUCE(FA_VADD(acc0, acc1)) == (FA_T)0;
+}
+
+/* P.V for a tile whose V holds an inf or NaN.  A hidden key has p = 0, and 0 * inf
+ * would put a NaN into rows that never see that value; so here only the visible
+ * (row, key) pairs are added, visibility read from the tile's logits recomputed
+ * into s2 (-inf = hidden).  Rare: the common path never comes here. */
+static void FA_NAME(fa_pv_tile_nonfinite)(const fa_params *p, const fa_item *it, int64_t nr, int nv,
+                                          int64_t j0, int64_t nk, int64_t lo_max, int64_t hi_min,
+                                          int64_t brp, FA_NAME(fa_scratch) *sc, const FA_KV *v,
+                                          int64_t dvp)
+{
+    FA_T *prob = sc->s;
+    const int64_t pk = sc->key_major ? 1 : brp, pr = sc->key_major ? sc->bcp : 1;
+    sc->s = sc->s2;
+    FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, sc, 1);
+    sc->s = prob;
+    for (int64_t r = 0; r < nr; r++) {
+        FA_T *o = sc->o + r * dvp;
+        if (sc->alpha[r] != (FA_T)1)
+            for (int64_t c = 0; c < p->Dv; c++) o[c] *= sc->alpha[r];
+        for (int64_t jj = 0; jj < nk; jj++) {
+            if (sc->s2[jj * brp + r] == -(FA_T)INFINITY) continue;
+            const FA_T pj = prob[jj * pk + r * pr];
+            const FA_KV *vr = v + jj * p->v_sl;
+            for (int64_t c = 0; c < p->Dv; c++) o[c] += pj * (FA_T)FA_KV_SCALAR(vr[c]);
+        }
+    }
+}
+
+/* Dropout on a tile of probabilities: p[jj * ks + r * rs] of rows r < nr (row r is
+ * head h0 + r / nq, position q0 + r % nq) and keys j0 + jj is kept and scaled by
+ * 1 / (1 - dropout_p), or set to 0. */
+static void FA_NAME(fa_dropout_apply)(const fa_params *p, const fa_item *it, int64_t nr, int64_t j0,
+                                      int64_t nk, FA_T *FA_RESTRICT s, int64_t ks, int64_t rs)
+{
+    const uint32_t thresh = fa_dropout_threshold(p->dropout_p);
+    const FA_T inv = (FA_T)(1.0 / (1.0 - p->dropout_p));
+    uint8_t keep[256];
+    for (int64_t r = 0; r < nr; r++) {
+        const int64_t h = it->h0 + r / it->nq, i = it->q0 + r % it->nq;
+        for (int64_t c0 = 0; c0 < nk; c0 += 256) {
+            const int64_t n = nk - c0 < 256 ? nk - c0 : 256;
+            fa_dropout_row(p->seed, thresh, it->b, h, i, j0 + c0, n, keep, 1);
+            for (int64_t jj = 0; jj < n; jj++) {
+                FA_T *x = s + (c0 + jj) * ks + r * rs;
+                *x = keep[jj] ? *x * inv : (FA_T)0;
+            }
+        }
+    }
+}
+
+/* One work item: nr = nh * nq rows against the keys [kv0, kv1) of one kv head. */
+static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa_item *it,
+                               void *scratch)
+{
+    const int64_t brp = bl->q, bc = bl->k, Dv = p->Dv;
+    const int64_t nr = it->nh * it->nq;
+    const int nv = (int)((nr + FA_VL - 1) / FA_VL);
+    const int64_t nvl = (int64_t)nv * FA_VL;
+    const int64_t dvp = FA_NAME(fa_round_up)(Dv, FA_VL);
+    FA_NAME(fa_scratch) sc;
+    FA_NAME(fa_layout)(p, bl, scratch, &sc);
+    FA_NAME(fa_setup_rows)(p, it, nr, nvl, brp, bc, &sc);
+    const FA_KV *v = (const FA_KV *)p->v + it->b * p->v_sb + it->g * p->v_sh + it->koff * p->v_sl;
+
+    int64_t lo_max = INT64_MIN, hi_min = INT64_MAX;
+    for (int64_t r = 0; r < nr; r++) {
+        if (sc.lo[r] > lo_max) lo_max = sc.lo[r];
+        if (sc.hi[r] < hi_min) hi_min = sc.hi[r];
+    }
+    for (int64_t i = 0; i < nvl; i++) {
+        sc.mM[i] = sc.mX[i] = -(FA_T)INFINITY;
+        sc.mtot[i] = sc.mG[i] = (FA_T)0;
+    }
+
+    /* The visible keys in chunks of FA_CHUNK_KEYS from key 0, each by the online
+     * softmax over its tiles (and P.V unless only the weights are wanted), then
+     * merged into the running result.  Tiles start at multiples of bc from key 0
+     * (not at this block's first visible key), so a row meets the same tiles and
+     * chunks in every call it is part of. */
+    const int64_t kv0 = it->kv0 / bc * bc;
+    for (int64_t c0 = kv0 / FA_CHUNK_KEYS * FA_CHUNK_KEYS; c0 < it->kv1; c0 += FA_CHUNK_KEYS) {
+        const int64_t lo = kv0 > c0 ? kv0 : c0, hi = it->kv1 - c0 < FA_CHUNK_KEYS ? it->kv1 : c0 + FA_CHUNK_KEYS;
+        for (int64_t i = 0; i < nr * dvp; i++) sc.o[i] = (FA_T)0;
+        for (int64_t i = 0; i < nvl; i++) {
+            sc.m[i] = -(FA_T)INFINITY;
+            sc.l[i] = (FA_T)0;
+            if (sc.u) sc.u[i] = (FA_T)0;
+        }
+        for (int64_t j0 = lo; j0 < hi; j0 += bc) {
+            const int64_t nk = hi - j0 < bc ? hi - j0 : bc;
+#ifdef FA_KV_HALF
+            /* float16 decoding: ask for this tile's V rows now, so that they arrive while
+             * QK^T and the softmax run (measured: 3-7% faster; for float32 V, twice the
+             * bytes, the same prefetches were 9% slower than the hardware's) */
+            if (nr <= FA_DOT_ROWS)
+                for (int64_t j = 0; j < nk; j++)
+                    for (int64_t c = 0; c < Dv; c += 64 / (int64_t)sizeof(FA_KV))
+                        __builtin_prefetch(v + (j0 + j) * p->v_sl + c);
+#endif
+            if (!FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, 0)) continue;
+            if (sc.key_major)
+                for (int64_t r = 0; r < nr; r++)
+                    FA_NAME(fa_softmax_row)(sc.s + r * sc.bcp, nk, sc.m + r, sc.l + r, sc.alpha + r);
+            else if (!FA_NAME(fa_has_logit_steps)(p, &sc))
+                FA_NAME(fa_softmax_tile)(sc.s, nk, 0, nv, sc.m, sc.l, sc.alpha, brp, NULL, sc.u);
+            else /* column by column, each column's logits in L1 for its softmax */
+                for (int c = 0; c < nv; c++) {
+                    FA_V colmax;
+                    const int known = FA_NAME(fa_logit_tile)(p, sc.s, nk, c, c + 1, nr, j0, brp, &sc, &colmax);
+                    FA_NAME(fa_softmax_tile)(sc.s, nk, c, c + 1, sc.m, sc.l, sc.alpha, brp,
+                                             known ? &colmax : NULL, sc.u);
+                }
+            if (p->weights) continue;
+            if (p->dropout_p > 0) /* after the softmax's sums: lse is that of the undropped weights */
+                FA_NAME(fa_dropout_apply)(p, it, nr, j0, nk, sc.s, sc.key_major ? 1 : brp,
+                                          sc.key_major ? sc.bcp : 1);
+            const FA_KV *vt = v + j0 * p->v_sl;
+            if (nr <= FA_DOT_ROWS) {
+                /* Few rows: a check of V before P.V would cost as much as P.V itself.  So
+                 * P.V runs first, and if the rows it produced are not all finite (an inf
+                 * or NaN in V, or rows that were not finite already) they are restored
+                 * and the tile goes through the careful path. */
+                memcpy(sc.o2, sc.o, (size_t)(nr * dvp) * sizeof(FA_T));
+                if (sc.key_major)
+                    FA_NAME(fa_pv_tile_rows)(sc.s, nr, nk, vt, p->v_sl, Dv, sc.o, dvp, sc.alpha, sc.bcp);
+                else
+                    FA_NAME(fa_pv_tile)(sc.s, nr, nk, vt, p->v_sl, Dv, sc.o, dvp, sc.alpha, brp);
+                if (!FA_NAME(fa_all_finite)(sc.o, nr * dvp)) {
+                    memcpy(sc.o, sc.o2, (size_t)(nr * dvp) * sizeof(FA_T));
+                    FA_NAME(fa_pv_tile_nonfinite)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, vt, dvp);
+                }
+            } else if (FA_NAME(fa_v_finite)(vt, p->v_sl, nk, Dv))
+                FA_NAME(fa_pv_tile)(sc.s, nr, nk, vt, p->v_sl, Dv, sc.o, dvp, sc.alpha, brp);
+            else
+                FA_NAME(fa_pv_tile_nonfinite)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, vt, dvp);
+        }
+        FA_NAME(fa_fold_chunk)(&sc, nr, Dv, dvp);
+    }
+
+    /* The merged rows.  A row that saw no visible key gives 0 and lse -inf; a NaN
+     * row keeps its NaN in both.  mM is left holding each row's lse. */
+    for (int64_t r = 0; r < nr; r++) {
+        const int64_t h = it->h0 + r / it->nq, row = it->qoff + it->q0 + r % it->nq;
+        const int64_t lo_ = it->b * p->lse_sb + h * p->lse_sh + row * p->lse_sl;
+        FA_T *acc = sc.mo + r * dvp;
+        const FA_T tot = sc.mtot[r], lse_r = fa_merge_finish(sc.mM[r], tot, acc, Dv);
+        if (p->lse) ((FA_T *)p->lse)[lo_] = lse_r;
+        if (p->entropy) { /* H = G / tot + log tot; the largest weight exp(X - lse) */
+            const int none = lse_r == -(FA_T)INFINITY;
+            ((FA_T *)p->entropy)[lo_] = none ? (FA_T)0 : sc.mG[r] / tot + (FA_T)log((double)tot);
+            ((FA_T *)p->max_weight)[lo_] = none ? (FA_T)0 : (FA_T)exp((double)(sc.mX[r] - lse_r));
+        }
+        sc.mM[r] = lse_r;
+        if (p->weights) continue;
+#ifdef FA_KV_HALF
+        if (p->out_f16) {
+            uint16_t *orow = (uint16_t *)sc.orow[r];
+            for (int64_t c = 0; c < Dv; c++) orow[c] = FA_FLOAT_TO_16((float)acc[c]);
+            continue;
+        }
+#endif
+        memcpy(sc.orow[r], acc, (size_t)Dv * sizeof(FA_T));
+    }
+    if (!p->weights) return;
+
+    /* attention_weights: a second pass recomputes each tile's logits with the same
+     * code and writes exp(s - m) / l, transposed into the (Lq, Lk) rows; keys no
+     * row can see are written as 0. */
+    for (int64_t i = 0; i < nvl; i++) { /* weights = exp(s - lse) */
+        const int none = i >= nr || sc.mM[i] == -(FA_T)INFINITY;
+        sc.alpha[i] = none ? (FA_T)0 : (FA_T)1;
+        sc.m[i] = none ? (FA_T)0 : sc.mM[i];
+    }
+    for (int64_t r = 0; r < nr; r++) {
+        const int64_t h = it->h0 + r / it->nq, row = it->qoff + it->q0 + r % it->nq;
+        sc.orow[r] = (FA_T *)p->weights + it->b * p->w_sb + h * p->w_sh + row * p->w_sq;
+    }
+    FA_T **wrow = (FA_T **)sc.orow;
+    for (int64_t j0 = 0; j0 < it->Lk; j0 += bc) {
+        const int64_t nk = it->Lk - j0 < bc ? it->Lk - j0 : bc;
+        const int live = j0 + nk > it->kv0 && j0 < it->kv1 &&
+                         FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, 1);
+        if (!live) {
+            for (int64_t r = 0; r < nr; r++)
+                for (int64_t jj = 0; jj < nk; jj++) wrow[r][j0 + jj] = (FA_T)0;
+            continue;
+        }
+        /* keys outside a row's range are -inf here already, so exp gives them 0 */
+        for (int64_t c = 0; c < nv; c++) {
+            const FA_V mv = FA_VLOAD(sc.m + c * FA_VL), inv = FA_VLOAD(sc.alpha + c * FA_VL);
+            for (int64_t jj = 0; jj < nk; jj++) {
+                FA_T *sp = sc.s + jj * brp + c * FA_VL;
+                FA_VSTORE(sp, FA_VMUL(FA_VEXP(FA_VSUB(FA_VLOAD(sp), mv)), inv));
+            }
+        }
+        if (p->dropout_p > 0) FA_NAME(fa_dropout_apply)(p, it, nr, j0, nk, sc.s, brp, 1);
+        for (int64_t r = 0; r < nr; r++)
+            for (int64_t jj = 0; jj < nk; jj++) wrow[r][j0 + jj] = sc.s[jj * brp + r];
+    }
+}
+
+#ifndef FA_KV_HALF
+/* y = exp(x) with this file's vector exp (the ULP test calls it through fa_exp_array). */
+static void FA_NAME(fa_exp_array)(const void *xv, void *yv, int64_t n)
+{
+    const FA_T *x = (const FA_T *)xv;
+    FA_T *y = (FA_T *)yv;
+    int64_t i = 0;
+    for (; i + FA_VL <= n; i += FA_VL) FA_VSTOREU(y + i, FA_VEXP(FA_VLOADU(x + i)));
+    if (i < n) {
+        FA_T tmp[FA_VL];
+        FA_VSTOREU(tmp, FA_VEXP(FA_VLOADU_N(x + i, (int)(n - i))));
+        for (int64_t t = 0; t < n - i; t++) y[i + t] = tmp[t];
+    }
+}
+#endif

@@ -1,0 +1,243 @@
+/*
+ * kern_products.h -- part of the kernel template (kernels_tmpl.h): the tile products.
+ *   fa_qk_tile       S^T = K qt for a block of query vectors (the query axis on the
+ *                    lanes, one key element broadcast), register tiles FA_QK_R x FA_QK_NV
+ *   fa_qk_keys       the same logits for a few rows (decoding) with the keys on the
+ *                    lanes (K transposed in registers), adding the same products in the
+ *                    same order, so a decoded row has a prefill row's bits
+ *   fa_pv_tile, fa_pv_tile_rows, fa_pv_tile_strided
+ *                    O = alpha O + P V (query-major, key-major, or any strides: the
+ *                    backward's dK, dV and dQ are this product with other roles)
+ *
+ * Needs from the including ISA file: the vector operations (FA_VLOAD ... FA_VFMA),
+ * FA_QK_R/FA_QK_NV, FA_PV_R/FA_PV_NC, the FA_KV_* loads, and FA_VTRANSPOSE where
+ * FA_HAVE_TRANSPOSE is defined.
+ */
+
+/* S^T tile: s[j][c*VL ...] = sum_d k[j][d] * qt[d][c*VL ...] for R keys and NV query
+ * vectors, accumulators in registers (R and NV are constants after inlining). */
+FA_ALWAYS_INLINE void FA_NAME(fa_qk_micro)(const int R, const int NV, const FA_T *FA_RESTRICT qt,
+                                           const FA_KV *FA_RESTRICT k, int64_t k_sl, int64_t D,
+                                           FA_T *FA_RESTRICT s, int64_t brp)
+{
+    FA_V acc[FA_QK_R][FA_QK_NV];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NV; c++) acc[r][c] = FA_VZERO();
+    for (int64_t d = 0; d < D; d++) {
+        FA_V qv[FA_QK_NV];
+        for (int c = 0; c < NV; c++) qv[c] = FA_VLOAD(qt + d * brp + c * FA_VL);
+        for (int r = 0; r < R; r++) {
+            FA_V kb = FA_KV_BCAST(k + r * k_sl + d);
+            for (int c = 0; c < NV; c++) acc[r][c] = FA_VFMA(kb, qv[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NV; c++) FA_VSTORE(s + r * brp + c * FA_VL, acc[r][c]);
+}
+
+#define FA_QK_CASE(R, NV)                                                                   \
+    case (R) * 8 + (NV):                                                                    \
+        if ((R) <= FA_QK_R && (NV) <= FA_QK_NV)                                             \
+            FA_NAME(fa_qk_micro)(R, NV, qt + cv * FA_VL, kj, k_sl, D, sj, brp);                  \
+        break;
+
+/* The logits of nk keys (rows of k) against the packed query block (nv vectors). */
+static void FA_NAME(fa_qk_tile)(const FA_T *FA_RESTRICT qt, int nv, const FA_KV *FA_RESTRICT k,
+                                int64_t k_sl, int64_t nk, int64_t D, FA_T *FA_RESTRICT s,
+                                int64_t brp)
+{
+    /* Query-vector groups outer: their slice of qt (D x FA_QK_NV vectors) stays in L1
+     * while the key tile streams past it. */
+    for (int cv = 0; cv < nv; cv += FA_QK_NV) {
+        int ncv = nv - cv < FA_QK_NV ? nv - cv : FA_QK_NV;
+        for (int64_t j = 0; j < nk; j += FA_QK_R) {
+            int r = (int)(nk - j < FA_QK_R ? nk - j : FA_QK_R);
+            const FA_KV *kj = k + j * k_sl;
+            FA_T *sj = s + j * brp + cv * FA_VL;
+            switch (r * 8 + ncv) {
+                FA_TILE_ROWS(FA_QK_CASE)
+                default: break;
+            }
+        }
+    }
+}
+#undef FA_QK_CASE
+
+/* The logits of a block of at most FA_DOT_ROWS rows (decoding: one position, or a
+ * GQA group's heads at one position) with the keys on the lanes: each group of
+ * FA_VL keys is transposed (kt[d][lane] = k[j0 + lane][d]) and s[j][r] accumulates
+ * k[j][d] * qt[d][r] over d in order, starting from 0 -- exactly the chain of
+ * fa_qk_micro, so a logit has the same bits whether its row was decoded or part of
+ * a prefill block (fa_qk_tile on few rows would leave most lanes empty: 4-5x
+ * slower decoding, measured).  The K stream is the cost here: rows a few groups
+ * ahead are prefetched. */
+/* R rows (a constant after inlining) of one transposed key group: lane i of acc[r]
+ * accumulates kt[d][i] * qt[d][r] over d in order; each kt vector is loaded once
+ * for all the rows. */
+FA_ALWAYS_INLINE void FA_NAME(fa_qk_keys_micro)(const int R, const FA_T *FA_RESTRICT qt, int64_t brp,
+                                                const FA_T *FA_RESTRICT kt, int64_t D,
+                                                FA_T *FA_RESTRICT s, int64_t nj, int64_t ks,
+                                                int64_t rs)
+{
+    FA_V acc[FA_DOT_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = FA_VZERO();
+    for (int64_t d = 0; d < D; d++) {
+        const FA_V kv = FA_VLOAD(kt + d * FA_VL);
+        for (int r = 0; r < R; r++) acc[r] = FA_VFMA(kv, FA_VSET1(qt[d * brp + r]), acc[r]);
+    }
+    for (int r = 0; r < R; r++) {
+        if (ks == 1 && nj == FA_VL) { /* key-major: the lanes are the row's next keys */
+            FA_VSTOREU(s + r * rs, acc[r]);
+            continue;
+        }
+        FA_T lanes[FA_VL];
+        FA_VSTOREU(lanes, acc[r]);
+        for (int64_t i = 0; i < nj; i++) s[i * ks + r * rs] = lanes[i];
+    }
+}
+
+/* ... logit (row r, key j) stored at s[j * ks + r * rs]: query-major (ks = brp, rs =
+ * 1) or key-major (ks = 1, rs = the row stride). */
+static void FA_NAME(fa_qk_keys)(const FA_T *FA_RESTRICT qt, int64_t brp, int64_t nr,
+                                const FA_KV *FA_RESTRICT k, int64_t k_sl, int64_t nk, int64_t D,
+                                FA_T *FA_RESTRICT s, FA_T *FA_RESTRICT kt, int64_t ks, int64_t rs)
+{
+    for (int64_t j0 = 0; j0 < nk; j0 += FA_VL) {
+        const int64_t nj = nk - j0 < FA_VL ? nk - j0 : FA_VL;
+        for (int64_t i = 0; i < nj; i++)
+            for (int64_t c = 0; c < D; c += 64 / (int64_t)sizeof(FA_KV))
+                __builtin_prefetch((const void *)(k + (j0 + i + FA_DOT_PREFETCH) * k_sl + c));
+#ifdef FA_HAVE_TRANSPOSE
+        for (int64_t d0 = 0; d0 < D; d0 += FA_VL) {
+            const int nd = (int)(D - d0 < FA_VL ? D - d0 : FA_VL);
+            const FA_T *rows[FA_VL];
+#ifndef FA_KV_HALF
+            if (nj == FA_VL && nd == FA_VL) { /* whole float rows: transposed in place */
+                for (int64_t i = 0; i < FA_VL; i++) rows[i] = k + (j0 + i) * k_sl;
+                FA_VTRANSPOSE(rows, d0, kt + d0 * FA_VL, FA_VL);
+                continue;
+            }
+#endif
+            FA_T tmp[FA_VL * FA_VL];
+            for (int64_t i = 0; i < FA_VL; i++) {
+                const FA_KV *kr = k + (j0 + i) * k_sl + d0;
+                const FA_V x = i >= nj ? FA_VZERO() : nd == FA_VL ? FA_KV_LOADU(kr) : FA_KV_LOADU_N(kr, nd);
+                FA_VSTOREU(tmp + i * FA_VL, x);
+                rows[i] = tmp + i * FA_VL;
+            }
+            FA_VTRANSPOSE(rows, 0, kt + d0 * FA_VL, FA_VL);
+        }
+#else
+        for (int64_t d = 0; d < D; d++)
+            for (int64_t i = 0; i < FA_VL; i++)
+                kt[d * FA_VL + i] = i < nj ? (FA_T)FA_KV_SCALAR(k[(j0 + i) * k_sl + d]) : (FA_T)0;
+#endif
+        FA_T *sj = s + j0 * ks;
+        switch (nr) {
+#define FA_KEYS_CASE(R) \
+    case R: FA_NAME(fa_qk_keys_micro)(R, qt, brp, kt, D, sj, nj, ks, rs); break;
+            FA_KEYS_CASE(1) FA_KEYS_CASE(2) FA_KEYS_CASE(3) FA_KEYS_CASE(4)
+            FA_KEYS_CASE(5) FA_KEYS_CASE(6) FA_KEYS_CASE(7) FA_KEYS_CASE(8)
+#undef FA_KEYS_CASE
+            default: break;
+        }
+    }
+}
+
+/* o[i][c0 ...] = alpha[i] * o[i][c0 ...] + sum_j p[j][i] * v[j][c0 ...] for R query
+ * rows and NC value vectors (the last one `tail` lanes wide when tail > 0), with
+ * p[j][i] at p[j * ks + i * rs] (ks = brp, rs = 1 query-major; ks = 1 key-major).
+ * The rescale is skipped when no row's max changed (alpha == 1 for all R rows). */
+FA_ALWAYS_INLINE void FA_NAME(fa_pv_micro)(const int R, const int NC, const FA_T *FA_RESTRICT p,
+                                           const FA_KV *FA_RESTRICT v, int64_t v_sl, int64_t nk,
+                                           int tail, FA_T *FA_RESTRICT o, int64_t dvp,
+                                           const FA_T *FA_RESTRICT alpha, int64_t ks, int64_t rs)
+{
+    FA_V acc[FA_PV_R][2 * FA_PV_NC];
+    int rescale = 0;
+    for (int r = 0; r < R; r++) rescale |= alpha[r] != (FA_T)1;
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NC; c++) acc[r][c] = FA_VLOAD(o + r * dvp + c * FA_VL);
+    if (rescale)
+        for (int r = 0; r < R; r++) {
+            FA_V a = FA_VSET1(alpha[r]);
+            for (int c = 0; c < NC; c++) acc[r][c] = FA_VMUL(acc[r][c], a);
+        }
+    if (tail == 0) {
+        for (int64_t j = 0; j < nk; j++) {
+            FA_V vv[2 * FA_PV_NC];
+            for (int c = 0; c < NC; c++) vv[c] = FA_KV_LOADU(v + j * v_sl + c * FA_VL);
+            for (int r = 0; r < R; r++) {
+                FA_V pb = FA_VSET1(p[j * ks + r * rs]);
+                for (int c = 0; c < NC; c++) acc[r][c] = FA_VFMA(pb, vv[c], acc[r][c]);
+            }
+        }
+    } else {
+        for (int64_t j = 0; j < nk; j++) {
+            FA_V vv[2 * FA_PV_NC];
+            for (int c = 0; c < NC - 1; c++) vv[c] = FA_KV_LOADU(v + j * v_sl + c * FA_VL);
+            vv[NC - 1] = FA_KV_LOADU_N(v + j * v_sl + (NC - 1) * FA_VL, tail);
+            for (int r = 0; r < R; r++) {
+                FA_V pb = FA_VSET1(p[j * ks + r * rs]);
+                for (int c = 0; c < NC; c++) acc[r][c] = FA_VFMA(pb, vv[c], acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NC; c++) FA_VSTORE(o + r * dvp + c * FA_VL, acc[r][c]);
+}
+
+#define FA_PV_CASE(R, NC)                                                                     \
+    case (R) * 16 + (NC):                                                                     \
+        if ((R) <= FA_PV_R && ((NC) <= FA_PV_NC || ((R) <= 2 && (NC) <= 2 * FA_PV_NC)))      \
+            FA_NAME(fa_pv_micro)(R, NC, p + i * rs, vc, v_sl, nk, tail, o + i * dvp + c0, dvp, alpha + i, ks, rs); \
+        break;
+
+/* Rescale the running output of nq rows and add this key block's P.V.  Blocks of
+ * one or two rows (decoding) take twice as many value vectors per pass, since
+ * their accumulators leave registers free: fewer passes over the V tile. */
+FA_ALWAYS_INLINE void FA_NAME(fa_pv_tile_strided)(const FA_T *FA_RESTRICT p, int64_t nq, int64_t nk,
+                                                  const FA_KV *FA_RESTRICT v, int64_t v_sl,
+                                                  int64_t Dv, FA_T *FA_RESTRICT o, int64_t dvp,
+                                                  const FA_T *FA_RESTRICT alpha, int64_t ks,
+                                                  int64_t rs)
+{
+    const int64_t chunk = (int64_t)(nq <= 2 ? 2 * FA_PV_NC : FA_PV_NC) * FA_VL;
+    /* Value columns outer, query rows inner: one column chunk of the V tile stays in
+     * L1 while every row group of the block streams it. */
+    for (int64_t c0 = 0; c0 < Dv; c0 += chunk) {
+        int64_t w = Dv - c0 < chunk ? Dv - c0 : chunk;
+        int nc = (int)((w + FA_VL - 1) / FA_VL);
+        int tail = (int)(w % FA_VL);
+        const FA_KV *vc = v + c0;
+        for (int64_t i = 0; i < nq; i += FA_PV_R) {
+            int r = (int)(nq - i < FA_PV_R ? nq - i : FA_PV_R);
+            switch (r * 16 + nc) {
+                FA_TILE_ROWS(FA_PV_CASE)
+                FA_PV_CASE(1, 5) FA_PV_CASE(1, 6) FA_PV_CASE(1, 7) FA_PV_CASE(1, 8)
+                FA_PV_CASE(2, 5) FA_PV_CASE(2, 6) FA_PV_CASE(2, 7) FA_PV_CASE(2, 8)
+                default: break;
+            }
+        }
+    }
+}
+#undef FA_PV_CASE
+
+/* Query-major probabilities, p[j][i] at p[j * brp + i]: the row offsets are
+ * constants in the unrolled code (a run-time row stride made prefill 3-10% slower). */
+static void FA_NAME(fa_pv_tile)(const FA_T *FA_RESTRICT p, int64_t nq, int64_t nk,
+                                const FA_KV *FA_RESTRICT v, int64_t v_sl, int64_t Dv,
+                                FA_T *FA_RESTRICT o, int64_t dvp, const FA_T *FA_RESTRICT alpha,
+                                int64_t brp)
+{
+    FA_NAME(fa_pv_tile_strided)(p, nq, nk, v, v_sl, Dv, o, dvp, alpha, brp, 1);
+}
+
+/* Key-major probabilities of a few rows (decoding), row i at p + i * rs. */
+static void FA_NAME(fa_pv_tile_rows)(const FA_T *FA_RESTRICT p, int64_t nq, int64_t nk,
+                                     const FA_KV *FA_RESTRICT v, int64_t v_sl, int64_t Dv,
+                                     FA_T *FA_RESTRICT o, int64_t dvp,
+                                     const FA_T *FA_RESTRICT alpha, int64_t rs)
+{
+    FA_NAME(fa_pv_tile_strided)(p, nq, nk, v, v_sl, Dv, o, dvp, alpha, 1, rs);
+}

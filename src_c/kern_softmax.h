@@ -1,0 +1,166 @@
+/*
+ * kern_softmax.h -- part of the kernel template (kernels_tmpl.h): the online softmax
+ * and the merge of key chunks.
+ *   fa_softmax_tile(_u)  one key tile of the online softmax over query vectors: the
+ *                        running max, exp fused with the row sums, the rescale factor;
+ *                        with return_stats (_u) the centred logit sum for the entropy
+ *   fa_softmax_row       the same arithmetic for one contiguous row (decoding)
+ *   fa_fold_chunk        the end of a FA_CHUNK_KEYS chunk: each row's normalized chunk
+ *                        result merged in order by fa_merge_step (fa_internal.h, the
+ *                        merge every path shares), the entropy by the chain rule
+ *
+ * Needs from the including ISA file: the vector operations, FA_VEXP (exp(-inf) = 0),
+ * FA_VMAX (NaN-propagating), FA_VNEGINF_TO_ZERO, FA_VREDUCE.
+ */
+
+/* Online-softmax step for one key block, vectorized over queries: new running max,
+ * probabilities p = exp(s - m) written over s, running sum l rescaled by
+ * alpha = exp(m_old - m_new) and increased by the block's row sums (exp fused with
+ * the sum).  Rows that have seen no visible key keep m = -inf; they use 0 in place
+ * of m so that exp(-inf - 0) = 0 and never exp(-inf + inf) = NaN.  Query vectors
+ * c0 .. c1-1; colmax, if not NULL, holds their maxima over the block's keys. */
+/* With u (return_stats): also u = sum_j e^(s_j - m) (s_j - m), the row's centred
+ * logit sum, rescaled when m grows: u' = alpha (u + (m_old - m_new) l), so that
+ * the entropy is log l - u / l at the end without the cancellation of lse - E[s].
+ * Hidden keys (s = -inf, e = 0) and a row still at m = -inf add 0. */
+static void FA_NAME(fa_softmax_tile_u)(FA_T *FA_RESTRICT s, int64_t nk, int c0, int c1,
+                                       FA_T *FA_RESTRICT m, FA_T *FA_RESTRICT l,
+                                       FA_T *FA_RESTRICT alpha, int64_t brp,
+                                       const FA_V *FA_RESTRICT colmax, FA_T *FA_RESTRICT u)
+{
+    for (int c = c0; c < c1; c++) {
+        FA_T *sc = s + c * FA_VL;
+        const FA_V m_old = FA_VLOAD(m + c * FA_VL);
+        FA_V m_new = m_old;
+        if (colmax)
+            m_new = FA_VMAX(m_new, colmax[c - c0]);
+        else
+            for (int64_t j = 0; j < nk; j++) m_new = FA_VMAX(m_new, FA_VLOAD(sc + j * brp));
+        const FA_V m_use = FA_VNEGINF_TO_ZERO(m_new);
+        const FA_V a = FA_VEXP(FA_VSUB(m_old, m_use));
+        /* the row sums pair up exactly as in fa_softmax_tile: the output and lse of
+         * a call do not change when the statistics are asked for */
+        FA_V sum0 = FA_VZERO(), sum1 = FA_VZERO(), us = FA_VZERO();
+        for (int64_t j = 0; j < nk; j++) {
+            const FA_V x = FA_VSUB(FA_VLOAD(sc + j * brp), m_use);
+            const FA_V e = FA_VEXP(x);
+            FA_VSTORE(sc + j * brp, e);
+            if (j & 1)
+                sum1 = FA_VADD(sum1, e);
+            else
+                sum0 = FA_VADD(sum0, e);
+            us = FA_VFMA(e, FA_VNEGINF_TO_ZERO(x), us);
+        }
+        const FA_V sum = FA_VADD(sum0, sum1);
+        const FA_V l_old = FA_VLOAD(l + c * FA_VL);
+        const FA_V shift = FA_VMUL(FA_VNEGINF_TO_ZERO(FA_VSUB(m_old, m_use)), l_old);
+        FA_VSTORE(u + c * FA_VL, FA_VFMA(a, FA_VADD(FA_VLOAD(u + c * FA_VL), shift), us));
+        FA_VSTORE(l + c * FA_VL, FA_VFMA(l_old, a, sum));
+        FA_VSTORE(m + c * FA_VL, m_new);
+        FA_VSTORE(alpha + c * FA_VL, a);
+    }
+}
+
+static void FA_NAME(fa_softmax_tile)(FA_T *FA_RESTRICT s, int64_t nk, int c0, int c1,
+                                     FA_T *FA_RESTRICT m, FA_T *FA_RESTRICT l,
+                                     FA_T *FA_RESTRICT alpha, int64_t brp,
+                                     const FA_V *FA_RESTRICT colmax, FA_T *FA_RESTRICT u)
+{
+    if (u) {
+        FA_NAME(fa_softmax_tile_u)(s, nk, c0, c1, m, l, alpha, brp, colmax, u);
+        return;
+    }
+    for (int c = c0; c < c1; c++) {
+        FA_T *sc = s + c * FA_VL;
+        FA_V m_old = FA_VLOAD(m + c * FA_VL);
+        FA_V m_new = m_old;
+        if (colmax) /* the tile's max, found by fa_logit_tile */
+            m_new = FA_VMAX(m_new, colmax[c - c0]);
+        else
+            for (int64_t j = 0; j < nk; j++) m_new = FA_VMAX(m_new, FA_VLOAD(sc + j * brp));
+        FA_V m_use = FA_VNEGINF_TO_ZERO(m_new);
+        FA_V a = FA_VEXP(FA_VSUB(m_old, m_use));
+        FA_V sum0 = FA_VZERO(), sum1 = FA_VZERO();
+        int64_t j = 0;
+        for (; j + 1 < nk; j += 2) {
+            FA_V e0 = FA_VEXP(FA_VSUB(FA_VLOAD(sc + j * brp), m_use));
+            FA_V e1 = FA_VEXP(FA_VSUB(FA_VLOAD(sc + (j + 1) * brp), m_use));
+            FA_VSTORE(sc + j * brp, e0);
+            FA_VSTORE(sc + (j + 1) * brp, e1);
+            sum0 = FA_VADD(sum0, e0);
+            sum1 = FA_VADD(sum1, e1);
+        }
+        if (j < nk) {
+            FA_V e0 = FA_VEXP(FA_VSUB(FA_VLOAD(sc + j * brp), m_use));
+            FA_VSTORE(sc + j * brp, e0);
+            sum0 = FA_VADD(sum0, e0);
+        }
+        FA_VSTORE(l + c * FA_VL, FA_VFMA(FA_VLOAD(l + c * FA_VL), a, FA_VADD(sum0, sum1)));
+        FA_VSTORE(m + c * FA_VL, m_new);
+        FA_VSTORE(alpha + c * FA_VL, a);
+    }
+}
+
+/* fa_softmax_tile for one row whose logits are contiguous, s[j] (s has room for nk
+ * rounded up to FA_VL), with vectors over keys, so the exp of FA_VL keys costs one
+ * vector exp, not FA_VL exps of which one lane is used (decoding).  The same bits
+ * as fa_softmax_tile gives the row in a query-major tile: the same max, the same
+ * exp of each logit (lane-wise), the even and odd keys' sums added one by one in
+ * key order, and alpha and the new sum by the same vector operations. */
+static void FA_NAME(fa_softmax_row)(FA_T *FA_RESTRICT s, int64_t nk, FA_T *FA_RESTRICT m,
+                                    FA_T *FA_RESTRICT l, FA_T *FA_RESTRICT alpha)
+{
+    const int64_t nkv = FA_NAME(fa_round_up)(nk, FA_VL);
+    for (int64_t j = nk; j < nkv; j++) s[j] = -(FA_T)INFINITY; /* padding: p = 0 */
+    FA_V mx = FA_VLOAD(s);
+    for (int64_t j = FA_VL; j < nkv; j += FA_VL) mx = FA_VMAX(mx, FA_VLOAD(s + j));
+    FA_T lanes[FA_VL], m_new = m[0];
+    FA_VSTOREU(lanes, mx);
+    for (int i = 0; i < FA_VL; i++)
+        if (lanes[i] > m_new || lanes[i] != lanes[i]) m_new = lanes[i];
+    const FA_T m_use = m_new == -(FA_T)INFINITY ? (FA_T)0 : m_new;
+    const FA_V mu = FA_VSET1(m_use);
+    for (int64_t j = 0; j < nkv; j += FA_VL) FA_VSTORE(s + j, FA_VEXP(FA_VSUB(FA_VLOAD(s + j), mu)));
+    FA_T sum0 = 0, sum1 = 0;
+    int64_t j = 0;
+    for (; j + 1 < nk; j += 2) {
+        sum0 += s[j];
+        sum1 += s[j + 1];
+    }
+    if (j < nk) sum0 += s[j];
+    const FA_V a = FA_VEXP(FA_VSUB(FA_VSET1(m[0]), mu));
+    FA_VSTOREU(lanes, FA_VFMA(FA_VSET1(l[0]), a, FA_VSET1(sum0 + sum1)));
+    l[0] = lanes[0];
+    FA_VSTOREU(lanes, a);
+    alpha[0] = lanes[0];
+    m[0] = m_new;
+}
+
+/* The end of a key chunk: each row's chunk result, normalized (out_c = o / l,
+ * lse_c = m + log l, exactly what a split-KV decode item writes for that chunk), is
+ * merged into the row's running merge; with return_stats the entropy too, by the
+ * chain rule H = sum_c pi_c (h_c - log pi_c), kept relative to the running M. */
+static void FA_NAME(fa_fold_chunk)(FA_NAME(fa_scratch) *sc, int64_t nr, int64_t Dv, int64_t dvp)
+{
+    for (int64_t r = 0; r < nr; r++) {
+        const FA_T l = sc->l[r];
+        FA_T *o = sc->o + r * dvp;
+        if (l == (FA_T)0) continue; /* no visible key in this chunk: lse_c = -inf, skipped */
+        const FA_T x = sc->m[r] + (FA_T)log((double)l);
+        const FA_T inv = (FA_T)1 / l;
+        for (int64_t c = 0; c < Dv; c++) o[c] *= inv;
+        if (sc->u) {
+            const FA_T hc = (FA_T)(log((double)l) - (double)sc->u[r] / (double)l);
+            if (sc->mM[r] == -(FA_T)INFINITY) {
+                sc->mG[r] = hc;
+                sc->mX[r] = sc->m[r];
+            } else {
+                const FA_T M = sc->mM[r], mn = (x > M || x != x) ? x : M;
+                const FA_T a = (FA_T)exp((double)(M - mn)), b = (FA_T)exp((double)(x - mn));
+                sc->mG[r] = a * (sc->mG[r] + (mn - M) * sc->mtot[r]) + b * (hc - (x - mn));
+                if (sc->m[r] > sc->mX[r]) sc->mX[r] = sc->m[r];
+            }
+        }
+        fa_merge_step(&sc->mM[r], &sc->mtot[r], sc->mo + r * dvp, x, o, Dv);
+    }
+}
