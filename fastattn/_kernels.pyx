@@ -28,7 +28,7 @@ cdef extern from "fastattn.h" nogil:
         int causal
         int num_threads
         int isa
-        int kv_f16, q_f16, out_f16, bf16
+        int q_store, kv_store, out_store
         int64_t block_q, block_k
         double softcap
         const void *alibi
@@ -65,6 +65,7 @@ cdef extern from "fastattn.h" nogil:
     int fa_dropout_keep(uint64_t seed, uint32_t threshold, int64_t b, int64_t h, int64_t i, int64_t j)
     uint32_t fa_dropout_threshold(double p)
     int FA_OK, FA_ERR_NOMEM, FA_ERR_ARG, FA_F32, FA_F64, FA_ISA_COUNT
+    int FA_STORE_F32, FA_STORE_F64, FA_STORE_F16, FA_STORE_BF16
     int fa_attention_forward(const fa_params *p)
     int fa_merge(int dtype, int64_t parts, int64_t rows, int64_t dv, const void *outs,
                  const void *lses, void *out, void *lse)
@@ -210,6 +211,19 @@ cdef void _check_rc(int rc, fa_params *p) except *:
                          f"(B={p.B}, Hq={p.Hq}, Hkv={p.Hkv}, Lq={p.Lq}, Lk={p.Lk}, D={p.D}, Dv={p.Dv})")
 
 
+cdef inline int _storage(cnp.ndarray a):
+    """The enum fa_storage of an array: float32, float64, or a 16-bit type (float16, or
+    bfloat16: ml_dtypes' 2-byte float, which NumPy knows only as a user type), whose
+    bits the kernels read and compute with in float32."""
+    if cnp.PyArray_TYPE(a) == cnp.NPY_FLOAT64:
+        return FA_STORE_F64
+    if cnp.PyArray_TYPE(a) == cnp.NPY_FLOAT16:
+        return FA_STORE_F16
+    if cnp.PyArray_ITEMSIZE(a) == 2:
+        return FA_STORE_BF16
+    return FA_STORE_F32
+
+
 cdef void _fill(fa_params *pp, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
                 object lse_obj, double scale, int causal, int num_threads, int64_t block_q,
                 int64_t block_k, object variants) except *:
@@ -220,12 +234,9 @@ cdef void _fill(fa_params *pp, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.
     cdef int64_t sh[4]
     cdef int64_t st[4]
     memset(&p, 0, sizeof(p))
-    # 16-bit q/k/v/out (float16, or bfloat16: ml_dtypes' 2-byte float, which NumPy
-    # knows only as a user type) are stored as their bits and computed in float32
-    p.kv_f16 = cnp.PyArray_ITEMSIZE(k) == 2
-    p.bf16 = p.kv_f16 and cnp.PyArray_TYPE(k) != cnp.NPY_FLOAT16
-    p.q_f16 = cnp.PyArray_ITEMSIZE(q) == 2
-    p.out_f16 = cnp.PyArray_ITEMSIZE(out) == 2
+    p.q_store = _storage(q)
+    p.kv_store = _storage(k)
+    p.out_store = _storage(out)
     p.dtype = FA_F64 if cnp.PyArray_TYPE(q) == cnp.NPY_FLOAT64 else FA_F32
     p.q = cnp.PyArray_DATA(q)
     p.k = cnp.PyArray_DATA(k)

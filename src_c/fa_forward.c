@@ -104,7 +104,7 @@ static int fa_decode_split(const fa_params *p, const fa_plan *pl, fa_qblock_fn q
     }
     /* chunk c writes its partials as a contiguous (B, Hq, Lq, Dv) / (B, Hq, Lq) */
     fa_params part = *p;
-    part.out_f16 = 0; /* partials stay in the compute dtype */
+    part.out_store = p->dtype; /* partials stay in the compute dtype */
     part.o_sb = p->Hq * p->Lq * Dv;
     part.o_sh = p->Lq * Dv;
     part.o_sl = Dv;
@@ -138,8 +138,9 @@ static int fa_decode_split(const fa_params *p, const fa_plan *pl, fa_qblock_fn q
             qblock(&local, &pl->bl, &it, scratch);
         }
         free(scratch);
-        float *row16 = p->out_f16 ? (float *)malloc((size_t)Dv * sizeof(float)) : NULL;
-        if (p->out_f16 && !row16) failed = 1;
+        const int out16 = fa_store16(p->out_store);
+        float *row16 = out16 ? (float *)malloc((size_t)Dv * sizeof(float)) : NULL;
+        if (out16 && !row16) failed = 1;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             if (failed) continue;
@@ -153,12 +154,13 @@ static int fa_decode_split(const fa_params *p, const fa_plan *pl, fa_qblock_fn q
             } else {
                 float scratch_lse, *lse = p->lse ? (float *)p->lse + l : &scratch_lse;
                 /* a float16 output is merged into a float row, then converted */
-                float *dst = p->out_f16 ? row16 : (float *)p->out + o;
+                float *dst = out16 ? row16 : (float *)p->out + o;
                 fa_merge_row_f32(nch, Dv, (const float *)pout + r * Dv, rows * Dv,
                                  (const float *)plse + r, rows, dst, lse);
-                if (p->out_f16)
+                if (out16)
                     for (int64_t c = 0; c < Dv; c++)
-                        ((uint16_t *)p->out)[o + c] = p->bf16 ? fa_float_to_bf16(dst[c]) : fa_float_to_half(dst[c]);
+                        ((uint16_t *)p->out)[o + c] = p->out_store == FA_STORE_BF16 ? fa_float_to_bf16(dst[c])
+                                                                                    : fa_float_to_half(dst[c]);
             }
         }
         free(row16);
@@ -181,7 +183,7 @@ int fa_attention_forward(const fa_params *p)
     fa_plan pl;
     rc = fa_make_plan(kern, p, &pl);
     if (rc != FA_OK) return rc;
-    const int ki = p->kv_f16 ? (p->bf16 ? FA_KVB16 : FA_KV16) : p->dtype;
+    const int ki = p->kv_store == FA_STORE_BF16 ? FA_KVB16 : p->kv_store == FA_STORE_F16 ? FA_KV16 : p->dtype;
     const fa_qblock_fn qblock = kern->qblock[ki];
     const size_t scratch_bytes = kern->scratch_bytes[ki](p, &pl.bl);
     const int64_t items = pl.items;

@@ -196,6 +196,9 @@ typedef struct fa_blocks {
     int64_t q, k;
 } fa_blocks;
 
+/* Is an array stored in one of the 16-bit types (enum fa_storage)? */
+static inline int fa_store16(int store) { return store == FA_STORE_F16 || store == FA_STORE_BF16; }
+
 /* The key range [lo, hi) that some row may see, made safe to index: within [0, Lk],
  * and an empty range (nothing visible: windows past the keys, more queries than keys
  * with a top-left diagonal, Lk = 0) always [0, 0), so that no rounding of lo down to

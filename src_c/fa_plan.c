@@ -93,8 +93,13 @@ int fa_check(const fa_params *p)
         for (int64_t b = 0; b < p->B; b++)
             if (p->seqlens_k[b] < 0 || p->seqlens_k[b] > p->Lk) return FA_ERR_ARG;
     }
-    if (p->kv_f16 && p->dtype != FA_F32) return FA_ERR_ARG;
-    if ((p->q_f16 || p->out_f16 || p->bf16) && !p->kv_f16) return FA_ERR_ARG;
+    /* each array in the compute type, or (float32 compute only) in the 16-bit type
+     * of k and v */
+    const int stores[3] = {p->q_store, p->kv_store, p->out_store};
+    for (int a = 0; a < 3; a++)
+        if (stores[a] != p->dtype &&
+            !(p->dtype == FA_F32 && fa_store16(stores[a]) && stores[a] == p->kv_store))
+            return FA_ERR_ARG;
     if ((p->entropy == NULL) != (p->max_weight == NULL) || (p->entropy && !p->lse)) return FA_ERR_ARG;
     return FA_OK;
 }
@@ -245,7 +250,7 @@ void fa_item_of(const fa_params *p, const fa_plan *pl, int64_t t, fa_item *it)
 /* Bytes per element of K and V. */
 size_t fa_kv_item(const fa_params *p)
 {
-    return p->kv_f16 ? 2 : p->dtype == FA_F64 ? 8 : 4;
+    return fa_store16(p->kv_store) ? 2 : p->dtype == FA_F64 ? 8 : 4;
 }
 
 int fa_use_head_tasks(const fa_params *p, const fa_plan *pl)

@@ -29,10 +29,22 @@
 extern "C" {
 #endif
 
-/* The compute type, which is also that of q, k, v, out, lse, bias and ALiBi slopes,
- * except where fa_params.kv_f16 / q_f16 / out_f16 say that k and v / q / out hold
- * float16, or with fa_params.bf16 bfloat16 (FA_F32 only; lse stays float32). */
+/* The compute type, which is also that of lse, bias and ALiBi slopes, and of q, k, v
+ * and out unless their storage (below) says otherwise. */
 enum fa_dtype { FA_F32 = 0, FA_F64 = 1 };
+
+/* How the elements of q, of k and v, and of out are stored (fa_params.q_store,
+ * kv_store, out_store).  FA_STORE_F32 / FA_STORE_F64: the compute type itself (it
+ * must be dtype's).  The 16-bit types are read (and out written) converted to and
+ * from float32, with dtype FA_F32 only; a 16-bit q or out needs k and v of the same
+ * 16-bit type.  A new cache type (int8 with per-group scales, paged K/V) is a new
+ * case here and in the kernels' K/V loads, not another flag. */
+enum fa_storage {
+    FA_STORE_F32 = 0,  /* float32 (= FA_F32)  */
+    FA_STORE_F64 = 1,  /* float64 (= FA_F64)  */
+    FA_STORE_F16 = 2,  /* IEEE half           */
+    FA_STORE_BF16 = 3  /* bfloat16            */
+};
 
 /* Causal convention (DESIGN.md, semantics 5). */
 enum fa_causal {
@@ -71,9 +83,9 @@ typedef struct fa_params {
     int causal;         /* enum fa_causal                                         */
     int num_threads;    /* <= 0: OpenMP's default (OMP_NUM_THREADS, threadpoolctl) */
     int isa;            /* < 0: the kernel chosen at start-up; else an enum fa_isa */
-    int kv_f16;         /* k and v hold float16 (IEEE half) bits; dtype must be FA_F32 */
-    int q_f16, out_f16; /* q / out hold float16 bits (only with kv_f16); lse is f32 */
-    int bf16;           /* the 16-bit arrays above hold bfloat16, not IEEE half   */
+    int q_store;        /* enum fa_storage of q                                   */
+    int kv_store;       /* enum fa_storage of k and v                             */
+    int out_store;      /* enum fa_storage of out (lse stays in the compute type) */
     int64_t block_q;    /* query rows per block; 0: chosen by the library (a value is  */
     int64_t block_k;    /* rounded up to the vector width); keys per block; 0: chosen */
 
@@ -109,7 +121,7 @@ typedef struct fa_params {
 /* The backward pass: gradients of sum(dout * out) with respect to q, k, v (and the
  * logits, for the bias's gradient), where out, lse are what fa_attention_forward
  * returned for the same f.  f.out must point to that output and f.lse to its lse
- * (strides as in the forward); f.weights, float16 and varlen are not allowed. */
+ * (strides as in the forward); f.weights, 16-bit storage and varlen are not allowed. */
 typedef struct fa_bwd_params {
     fa_params f;
     const void *dout;   /* (B, Hq, Lq, Dv), the gradient of out                   */
@@ -138,7 +150,7 @@ int fa_attention_backward(const fa_bwd_params *bp);
 /* key_mass: mass[b, h, j] = sum_i p_ij, the total weight the queries of head h give
  * key j (B, Hq, Lk; element strides m_sb, m_sh, keys contiguous), computed from
  * p->lse (required: the forward's lse for the same arguments), deterministic.  p->v,
- * p->out, dropout and stats are ignored; float16, varlen and weights are refused. */
+ * p->out, dropout and stats are ignored; 16-bit storage, varlen and weights are refused. */
 int fa_key_mass(const fa_params *p, void *mass, int64_t m_sb, int64_t m_sh);
 
 /* The dropout decision (1 = keep) of weight (b, h, i, j) for a threshold

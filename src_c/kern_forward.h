@@ -204,7 +204,7 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
         sc.mM[r] = lse_r;
         if (p->weights) continue;
 #ifdef FA_KV_HALF
-        if (p->out_f16) {
+        if (fa_store16(p->out_store)) {
             uint16_t *orow = (uint16_t *)sc.orow[r];
             for (int64_t c = 0; c < Dv; c++) orow[c] = FA_FLOAT_TO_16((float)acc[c]);
             continue;

@@ -41,7 +41,7 @@ static void FA_NAME(fa_setup_rows)(const fa_params *p, const fa_item *it, int64_
         const int64_t h = it->h0 + r / it->nq, i = it->q0 + r % it->nq, row = it->qoff + i;
         const int64_t qoff = it->b * p->q_sb + h * p->q_sh + row * p->q_sl;
 #ifdef FA_KV_HALF
-        if (p->q_f16) {
+        if (fa_store16(p->q_store)) {
             const uint16_t *qh = (const uint16_t *)p->q + qoff;
             for (int64_t d = 0; d < D; d++) sc->qt[d * brp + r] = qscale * (FA_T)FA_16_TO_FLOAT(qh[d]);
         } else
@@ -69,7 +69,7 @@ static void FA_NAME(fa_setup_rows)(const fa_params *p, const fa_item *it, int64_
             sc->brow[r] = (const FA_T *)p->bias + it->b * p->bias_sb + h * p->bias_sh + row * p->bias_sq;
         if (!p->weights) {
             const int64_t o = it->b * p->o_sb + h * p->o_sh + row * p->o_sl;
-            sc->orow[r] = p->out_f16 ? (void *)((uint16_t *)p->out + o) : (void *)((FA_T *)p->out + o);
+            sc->orow[r] = fa_store16(p->out_store) ? (void *)((uint16_t *)p->out + o) : (void *)((FA_T *)p->out + o);
         }
     }
 }
