@@ -40,6 +40,8 @@ cdef extern from "fastattn.h" nogil:
         int64_t window_left, window_right
         const int64_t *cu_q
         const int64_t *cu_k
+        int positions
+        int64_t q_pos0, k_pos0
         const int64_t *seqlens_k
         void *weights
         int64_t w_sb, w_sh, w_sq
@@ -281,7 +283,8 @@ cdef class Variants:
     (an int in [0, 2**64))."""
     cdef public object mask, bias, alibi, cu_q, cu_k, weights, entropy, max_weight, seqlens_k
     cdef public double softcap, dropout_p
-    cdef public int64_t window_left, window_right
+    cdef public int64_t window_left, window_right, q_pos0, k_pos0
+    cdef public bint positions
     cdef public uint64_t seed
 
     def __init__(self, mask=None, bias=None, alibi=None, softcap=0.0, window_left=-1,
@@ -291,6 +294,8 @@ cdef class Variants:
         self.entropy = None
         self.max_weight = None
         self.seqlens_k = None
+        self.positions = False  # q_pos0, k_pos0 give the positions (fastattn.h)
+        self.q_pos0 = self.k_pos0 = 0
         self.mask = mask
         self.bias = bias
         self.alibi = alibi
@@ -311,6 +316,9 @@ cdef void _set_variants(fa_params *p, Variants va, int64_t item) except *:
     p.seed = va.seed
     p.window_left = va.window_left
     p.window_right = va.window_right
+    p.positions = va.positions
+    p.q_pos0 = va.q_pos0
+    p.k_pos0 = va.k_pos0
     if va.mask is not None:
         a = <cnp.ndarray>va.mask
         p.mask = <const uint8_t *>cnp.PyArray_DATA(a)

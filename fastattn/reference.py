@@ -239,11 +239,30 @@ class _Logits(NamedTuple):
     group: int
 
 
+def _check_offsets(q_offset, k_offset, mode):
+    """(q_offset, k_offset) as ints, or None when both are None (the lengths decide)."""
+    if q_offset is None and k_offset is None:
+        return None
+    offs = []
+    for name, x in (("q_offset", q_offset), ("k_offset", k_offset)):
+        x = 0 if x is None else x
+        if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+            raise TypeError(f"{name} must be an int or None, got {x!r}")
+        offs.append(int(x))
+    if mode == "top-left":
+        raise ValueError("causal='top-left' aligns by the lengths; with q_offset/k_offset the "
+                         "positions decide the diagonal: pass causal=True")
+    return offs[0], offs[1]
+
+
 def _logits(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap, layout,
-            num_threads):
-    """Steps 1-5: the logits and what the backward needs besides (see _Logits)."""
+            num_threads, q_offset=None, k_offset=None):
+    """Steps 1-5: the logits and what the backward needs besides (see _Logits).  With
+    q_offset/k_offset, query i and key j sit at positions q_offset + i and
+    k_offset + j, which decide the diagonal and the ALiBi distance."""
     scale, mode, left, right, softcap = _check_options(scale, causal, window, softcap,
                                                        layout, num_threads)
+    offsets = _check_offsets(q_offset, k_offset, mode)
     q = _as_float("q", q)
     k = _as_float("k", k)
     arrs = {"q": q, "k": k}
@@ -291,12 +310,16 @@ def _logits(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap, l
         else:
             raise ValueError(f"alibi_slopes must have shape (Hq,) or (B, Hq) = "
                              f"{(Hq,)} or {(B, Hq)}, got {sl.shape} (q {q.shape})")
-        s = s - sl * np.abs(i + Lk - Lq - j)
+        apos = i + (offsets[0] - offsets[1] if offsets else Lk - Lq)
+        s = s - sl * np.abs(apos - j)
     if bias is not None:                                                   # 4.
         b = _as_float("bias", bias)
         s = s + _broadcast("bias", b, full).reshape(B, Hq, Lq, Lk)
     vis = np.ones((Lq, Lk), dtype=bool)                                    # 5.
-    a = i if mode == "top-left" else i + (Lk - Lq)
+    if offsets:  # the positions' diagonal
+        a = i + (offsets[0] - offsets[1])
+    else:
+        a = i if mode == "top-left" else i + (Lk - Lq)
     if mode is not None:
         vis &= j <= a
     if left is not None:
@@ -356,10 +379,10 @@ def _weighted_values(w, live, v4):
 
 
 def _forward(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap, dropout_p,
-             seed, layout, num_threads, b0):
+             seed, layout, num_threads, b0, q_offset=None, k_offset=None):
     """(out, lse) in the user's shapes; dropout batch indices start at b0."""
     lg = _logits(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap, layout,
-                 num_threads)
+                 num_threads, q_offset, k_offset)
     z = _dropout_factor(dropout_p, seed, lg.s.shape, b0)
     w, lse, live = _softmax(lg.s)
     o = _from_bhsd4(_weighted_values(w if z is None else w * z, live, lg.v4), lg.ndim,
@@ -373,7 +396,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
               bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
               softcap: float | None = ..., dropout_p: float = ..., seed: Seed = ...,
               layout: Layout = ..., return_lse: Literal[False] = ..., out: Any = ...,
-              num_threads: Any = ...) -> F64: ...
+              num_threads: Any = ..., q_offset: int | None = ...,
+              k_offset: int | None = ...) -> F64: ...
 
 
 @overload
@@ -382,7 +406,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
               bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
               softcap: float | None = ..., dropout_p: float = ..., seed: Seed = ...,
               layout: Layout = ..., return_lse: Literal[True], out: Any = ...,
-              num_threads: Any = ...) -> Tuple[F64, F64]: ...
+              num_threads: Any = ..., q_offset: int | None = ...,
+              k_offset: int | None = ...) -> Tuple[F64, F64]: ...
 
 
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None = None,
@@ -390,7 +415,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
               bias: ArrayLike | None = None, alibi_slopes: ArrayLike | None = None,
               softcap: float | None = None, dropout_p: float = 0.0, seed: Seed = None,
               layout: Layout = "bhsd", return_lse: bool = False, out: Any = None,
-              num_threads: Any = None) -> Union[F64, Tuple[F64, F64]]:
+              num_threads: Any = None, q_offset: int | None = None,
+              k_offset: int | None = None) -> Union[F64, Tuple[F64, F64]]:
     """Exact attention ``softmax(scale * q k^T + ...) v`` in float64.
 
     Parameters
@@ -411,6 +437,12 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
     layout : "bhsd" or "bshd".
     return_lse : bool, also return the log-sum-exp.
     out, num_threads : accepted for signature compatibility; ``out`` is ignored.
+    q_offset, k_offset : int, optional: the positions of the first query and the first
+        key in one longer sequence (a block of it: chunked prefill).  Given (a missing
+        one is 0), query i sits at q_offset + i and key j at k_offset + j, and the
+        positions decide the diagonal ``a = q_offset + i - k_offset``: causal hides the
+        keys j > a, the window is around a, the ALiBi distance is |a - j|.  causal may
+        then be True (or "bottom-right"), not "top-left".
 
     Returns
     -------
@@ -419,7 +451,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
         before dropout.
     """
     o, lse = _forward(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap,
-                      dropout_p, seed, layout, num_threads, 0)
+                      dropout_p, seed, layout, num_threads, 0, q_offset, k_offset)
     return (o, lse) if return_lse else o
 
 
@@ -428,7 +460,8 @@ def attention_weights(q: ArrayLike, k: ArrayLike, *, scale: float | None = None,
                       mask: ArrayLike | None = None, bias: ArrayLike | None = None,
                       alibi_slopes: ArrayLike | None = None, softcap: float | None = None,
                       dropout_p: float = 0.0, seed: Seed = None,
-                      layout: Layout = "bhsd") -> F64:
+                      layout: Layout = "bhsd", q_offset: int | None = None,
+                      k_offset: int | None = None) -> F64:
     """The attention weight matrix, float64, shape (..., Hq, Lq, Lk) in any layout.
 
     Arguments as for :func:`attention`.  Rows sum to 1; rows with no visible key are 0.
@@ -436,7 +469,7 @@ def attention_weights(q: ArrayLike, k: ArrayLike, *, scale: float | None = None,
     scaled by 1 / (1 - dropout_p), so that ``attention(...) == attention_weights(...) @ v``.
     """
     lg = _logits(q, k, None, scale, causal, window, mask, bias, alibi_slopes, softcap,
-                 layout, None)
+                 layout, None, q_offset, k_offset)
     z = _dropout_factor(dropout_p, seed, lg.s.shape)
     w = _softmax(lg.s)[0]
     if z is not None:
@@ -448,13 +481,15 @@ def attention_stats(q: ArrayLike, k: ArrayLike, *, scale: float | None = None,
                     causal: Causal = False, window: Window = None,
                     mask: ArrayLike | None = None, bias: ArrayLike | None = None,
                     alibi_slopes: ArrayLike | None = None, softcap: float | None = None,
-                    layout: Layout = "bhsd") -> Tuple[F64, F64, F64]:
+                    layout: Layout = "bhsd", q_offset: int | None = None,
+                    k_offset: int | None = None) -> Tuple[F64, F64, F64]:
     """(entropy, effective_support, max_weight), each (..., Hq, Lq), float64, computed
     naively from the weights: ``H = -sum p log p`` over the row's weights (0 log 0 = 0),
     ``exp(H)``, ``max p``; a row with no visible key gets 0 in all three (what
     ``fastattn.attention(..., return_stats=True)`` documents)."""
     w = attention_weights(q, k, scale=scale, causal=causal, window=window, mask=mask, bias=bias,
-                          alibi_slopes=alibi_slopes, softcap=softcap, layout=layout)
+                          alibi_slopes=alibi_slopes, softcap=softcap, layout=layout,
+                          q_offset=q_offset, k_offset=k_offset)
     logw = np.log(np.where(w > 0, w, 1.0))
     entropy = -np.sum(w * logw, axis=-1)
     empty = ~np.any(w > 0, axis=-1)
@@ -465,11 +500,13 @@ def attention_stats(q: ArrayLike, k: ArrayLike, *, scale: float | None = None,
 def key_mass(q: ArrayLike, k: ArrayLike, *, scale: float | None = None, causal: Causal = False,
              window: Window = None, mask: ArrayLike | None = None, bias: ArrayLike | None = None,
              alibi_slopes: ArrayLike | None = None, softcap: float | None = None,
-             layout: Layout = "bhsd") -> F64:
+             layout: Layout = "bhsd", q_offset: int | None = None,
+             k_offset: int | None = None) -> F64:
     """For each key the sum of its weights over the query rows, (..., Hq, Lk), float64:
     the weights' column sums (no dropout)."""
     w = attention_weights(q, k, scale=scale, causal=causal, window=window, mask=mask, bias=bias,
-                          alibi_slopes=alibi_slopes, softcap=softcap, layout=layout)
+                          alibi_slopes=alibi_slopes, softcap=softcap, layout=layout,
+                          q_offset=q_offset, k_offset=k_offset)
     return w.sum(axis=-2)
 
 
@@ -487,7 +524,8 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
                        mask: ArrayLike | None = ..., bias: ArrayLike | None = ...,
                        alibi_slopes: ArrayLike | None = ..., softcap: float | None = ...,
                        dropout_p: float = ..., seed: Seed = ..., layout: Layout = ...,
-                       return_dbias: Literal[False] = ..., num_threads: Any = ...
+                       return_dbias: Literal[False] = ..., num_threads: Any = ...,
+                       q_offset: int | None = ..., k_offset: int | None = ...
                        ) -> Tuple[F64, F64, F64]: ...
 
 
@@ -498,7 +536,8 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
                        mask: ArrayLike | None = ..., bias: ArrayLike | None = ...,
                        alibi_slopes: ArrayLike | None = ..., softcap: float | None = ...,
                        dropout_p: float = ..., seed: Seed = ..., layout: Layout = ...,
-                       return_dbias: Literal[True], num_threads: Any = ...
+                       return_dbias: Literal[True], num_threads: Any = ...,
+                       q_offset: int | None = ..., k_offset: int | None = ...
                        ) -> Tuple[F64, F64, F64, F64]: ...
 
 
@@ -508,7 +547,8 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
                        mask: ArrayLike | None = None, bias: ArrayLike | None = None,
                        alibi_slopes: ArrayLike | None = None, softcap: float | None = None,
                        dropout_p: float = 0.0, seed: Seed = None, layout: Layout = "bhsd",
-                       return_dbias: bool = False, num_threads: Any = None
+                       return_dbias: bool = False, num_threads: Any = None,
+                       q_offset: int | None = None, k_offset: int | None = None
                        ) -> Union[Tuple[F64, F64, F64], Tuple[F64, F64, F64, F64]]:
     """Gradients of :func:`attention` with respect to q, k, v (and bias), float64.
 
@@ -538,7 +578,7 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     if return_dbias and bias is None:
         raise ValueError("return_dbias=True needs a bias, got bias=None")
     lg = _logits(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap, layout,
-                 num_threads)
+                 num_threads, q_offset, k_offset)
     assert lg.v4 is not None
     B, Hq, Lq, Lk = lg.s.shape
     Dv = lg.v4.shape[-1]

@@ -196,6 +196,23 @@ typedef struct fa_blocks {
     int64_t q, k;
 } fa_blocks;
 
+/* The aligned diagonal of query row 0 of a sequence with Lq queries and Lk keys, in
+ * key rows (row i's is i + this): the causal convention's (bottom-right: Lk - Lq,
+ * top-left: 0), or the given positions'.  The window is around it, causal hides the
+ * keys past it. */
+static inline int64_t fa_diag0(const fa_params *p, int64_t Lq, int64_t Lk)
+{
+    if (p->positions) return p->q_pos0 - p->k_pos0;
+    return p->causal == FA_CAUSAL_TOP_LEFT ? 0 : Lk - Lq;
+}
+
+/* ALiBi's diagonal of row 0 (distance |i + this - j|): bottom-right whatever the
+ * causal convention (semantics 3), or the given positions'. */
+static inline int64_t fa_alibi0(const fa_params *p, int64_t Lq, int64_t Lk)
+{
+    return p->positions ? p->q_pos0 - p->k_pos0 : Lk - Lq;
+}
+
 /* Is an array stored in one of the 16-bit types (enum fa_storage)? */
 static inline int fa_store16(int store) { return store == FA_STORE_F16 || store == FA_STORE_BF16; }
 

@@ -85,6 +85,7 @@ int fa_check(const fa_params *p)
         return FA_ERR_ARG;
     if (p->Hq % p->Hkv != 0) return FA_ERR_ARG;
     if (p->causal < FA_CAUSAL_NONE || p->causal > FA_CAUSAL_TOP_LEFT) return FA_ERR_ARG;
+    if (p->positions && p->causal == FA_CAUSAL_TOP_LEFT) return FA_ERR_ARG;
     if (!isfinite(p->scale)) return FA_ERR_ARG;
     if (!(p->softcap >= 0) || !isfinite(p->softcap)) return FA_ERR_ARG;
     if ((p->cu_q == NULL) != (p->cu_k == NULL)) return FA_ERR_ARG;
@@ -195,7 +196,7 @@ void fa_item_make(const fa_params *p, const fa_plan *pl, int64_t b, int64_t g, i
     it->qoff = p->cu_q ? p->cu_q[b] : 0;
     it->koff = p->cu_k ? p->cu_k[b] : 0;
     /* keys visible to some row: row i sees a-left <= j <= a+right, a = i + diag */
-    const int64_t diag = p->causal == FA_CAUSAL_TOP_LEFT ? 0 : Lk - Lq;
+    const int64_t diag = fa_diag0(p, Lq, Lk);
     const int64_t right = p->causal != FA_CAUSAL_NONE ? 0 : p->window_right; /* min(right, 0) */
     fa_key_range(p->window_left >= 0 ? it->q0 + diag - p->window_left : 0,
                  right >= 0 ? it->q0 + it->nq - 1 + diag + right + 1 : Lk, Lk, &it->kv0, &it->kv1);

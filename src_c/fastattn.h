@@ -102,6 +102,14 @@ typedef struct fa_params {
     const int64_t *cu_q, *cu_k; /* varlen: B+1 offsets on the L axis of q/out/lse and
                            of k/v (sequence b is rows cu[b] .. cu[b+1]-1; the batch
                            strides q_sb, k_sb, ... must be 0); NULL: fixed Lq, Lk */
+    int positions;      /* nonzero: query row i and key row j sit at positions
+                           q_pos0 + i and k_pos0 + j of one sequence, and the positions
+                           decide the diagonal (a = q_pos0 + i - k_pos0 in key rows:
+                           causal hides keys past it, the window is around it) and
+                           the ALiBi distance |a - j|, instead of Lq and Lk (a block
+                           of a longer sequence: chunked prefill, fastattn.dask).
+                           Not with causal top-left.                               */
+    int64_t q_pos0, k_pos0;
     const int64_t *seqlens_k; /* (B,): sequence b sees keys [0, seqlens_k[b]) of its
                            k and v (each in [0, Lk]); causal, window and ALiBi align to
                            that length; NULL: all Lk (not with cu_k)               */

@@ -24,7 +24,7 @@ static void FA_NAME(fa_setup_rows)(const fa_params *p, const fa_item *it, int64_
 {
     const int64_t D = p->D, Lq = it->Lq, Lk = it->Lk;
     const FA_T qscale = (FA_T)(p->softcap > 0 ? p->scale / p->softcap : p->scale);
-    const int64_t diag = p->causal == FA_CAUSAL_TOP_LEFT ? 0 : Lk - Lq;
+    const int64_t diag = fa_diag0(p, Lq, Lk), adiag = fa_alibi0(p, Lq, Lk);
     const int64_t left = p->window_left, right = p->window_right;
     const int causal = p->causal != FA_CAUSAL_NONE;
     for (int64_t r = nr; r < nvl; r++) {
@@ -63,7 +63,7 @@ static void FA_NAME(fa_setup_rows)(const fa_params *p, const fa_item *it, int64_
         sc->hi[r] = hi;
         sc->slope[r] = p->alibi ? ((const FA_T *)p->alibi)[it->b * p->alibi_sb + h * p->alibi_sh]
                                 : (FA_T)0;
-        sc->apos[r] = (FA_T)(i + Lk - Lq); /* ALiBi distance is |apos - j| */
+        sc->apos[r] = (FA_T)(i + adiag); /* ALiBi distance is |apos - j| */
         if (p->mask) sc->mrow[r] = p->mask + it->b * p->mask_sb + h * p->mask_sh + row * p->mask_sq;
         if (p->bias)
             sc->brow[r] = (const FA_T *)p->bias + it->b * p->bias_sb + h * p->bias_sh + row * p->bias_sq;

@@ -379,3 +379,30 @@ def test_merge_and_varlen_errors():
         ref.varlen_attention(q, k, v, np.array([0, 5]), np.array([0, 3, 6]))
     with pytest.raises(ValueError, match="q"):
         ref.varlen_attention(q[None], k, v, np.array([0, 5]), np.array([0, 6]))
+
+
+def test_offsets_are_positions_in_one_longer_sequence():
+    """q_offset/k_offset: a block of queries and keys of a longer sequence, with the
+    positions deciding causal, window and ALiBi, gives the full call's rows when the
+    block holds every key those rows see."""
+    rng = np.random.default_rng(5)
+    H, L, D = 2, 40, 8
+    q, k, v = (rng.standard_normal((H, L, D)) for _ in range(3))
+    slopes = np.array([0.2, 0.7])
+    cases = [(dict(causal=True), (30, 40, 0, 40)), (dict(causal=True), (0, 1, 0, 1)),
+             (dict(causal=True, window=(5, 0)), (30, 40, 25, 40)),
+             (dict(window=(3, 2)), (10, 17, 7, 19)),
+             (dict(causal="bottom-right", alibi_slopes=slopes, window=(6, None)), (20, 30, 14, 30))]
+    for kw, (q0, q1, k0, k1) in cases:
+        full, full_lse = ref.attention(q, k, v, return_lse=True, **kw)
+        blk, lse = ref.attention(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], q_offset=q0, k_offset=k0,
+                                 return_lse=True, **kw)
+        np.testing.assert_allclose(blk, full[:, q0:q1], atol=1e-13)
+        np.testing.assert_allclose(lse, full_lse[:, q0:q1], atol=1e-13)
+    # without the offsets the same block is aligned by its own lengths: different rows
+    blk = ref.attention(q[:, 10:17], k[:, 7:19], v[:, 7:19], window=(3, 2))
+    assert np.abs(blk - ref.attention(q, k, v, window=(3, 2))[:, 10:17]).max() > 1e-3
+    with pytest.raises(ValueError, match="top-left"):
+        ref.attention(q, k, v, causal="top-left", q_offset=3)
+    with pytest.raises(TypeError, match="q_offset"):
+        ref.attention(q, k, v, q_offset=1.5)

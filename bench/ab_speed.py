@@ -1,0 +1,107 @@
+"""Speed A/B of two builds of fastattn, interleaved: the bench's prefill, decode and
+backward cases timed in two worker processes, one importing each build, taking turns
+call by call (30 ms apart, so neither build's OpenMP threads spin into the other's
+turn), medians and the per-round ratio B/A reported.
+
+    python bench/ab_speed.py OLD_TREE NEW_TREE [--rounds 15] [--threads 2]
+
+A tree is a source checkout with its extension built in place (``python setup.py
+build_ext --inplace``).  With the same code in both trees, the ratios show the
+noise of the machine.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+CASES = {
+    "prefill B1 H8 L4096 D64": dict(fn="fwd", B=1, H=8, Lq=4096, Lk=4096, D=64),
+    "prefill B1 H8 L4096 D64 causal": dict(fn="fwd", B=1, H=8, Lq=4096, Lk=4096, D=64, causal=True),
+    "prefill B4 H16 L256 D64": dict(fn="fwd", B=4, H=16, Lq=256, Lk=256, D=64),
+    "decode B1 H32 Lk8192 D128": dict(fn="fwd", B=1, H=32, Lq=1, Lk=8192, D=128),
+    "decode B8 H32 Lk2048 D128": dict(fn="fwd", B=8, H=32, Lq=1, Lk=2048, D=128),
+    "backward B1 H8 L2048 D64": dict(fn="bwd", B=1, H=8, Lq=2048, Lk=2048, D=64),
+}
+
+WORKER = r"""
+import json, sys, time
+import numpy as np
+import fastattn
+cases = json.loads(sys.argv[1])
+nth = int(sys.argv[2])
+rng = np.random.default_rng(0)
+data = {}
+for name, c in cases.items():
+    q = rng.standard_normal((c["B"], c["H"], c["Lq"], c["D"])).astype(np.float32)
+    k = rng.standard_normal((c["B"], c["H"], c["Lk"], c["D"])).astype(np.float32)
+    v = rng.standard_normal((c["B"], c["H"], c["Lk"], c["D"])).astype(np.float32)
+    kw = dict(causal=c.get("causal", False), num_threads=nth)
+    if c["fn"] == "bwd":
+        o, l = fastattn.attention(q, k, v, return_lse=True, **kw)
+        d = rng.standard_normal(o.shape).astype(np.float32)
+        f = lambda q=q, k=k, v=v, o=o, l=l, d=d, kw=kw: fastattn.attention_backward(d, q, k, v, o, l, **kw)
+    else:
+        f = lambda q=q, k=k, v=v, kw=kw: fastattn.attention(q, k, v, **kw)
+    f()
+    data[name] = f
+print("ready " + fastattn.__file__, flush=True)
+for line in sys.stdin:
+    name = line.strip()
+    t = time.perf_counter()
+    data[name]()
+    print(time.perf_counter() - t, flush=True)
+"""
+
+
+def start(tree, threads):
+    env = dict(os.environ, PYTHONPATH=tree)
+    p = subprocess.Popen([sys.executable, "-c", WORKER, json.dumps(CASES), str(threads)], env=env,
+                         cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    ready = p.stdout.readline().strip()
+    if not ready.startswith("ready"):
+        raise RuntimeError(f"worker for {tree} did not start")
+    return p, ready.split(" ", 1)[1]
+
+
+def ask(p, name):
+    p.stdin.write(name + "\n")
+    p.stdin.flush()
+    return float(p.stdout.readline())
+
+
+def main(argv):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("old")
+    ap.add_argument("new")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    a, fa = start(os.path.abspath(args.old), args.threads)
+    b, fb = start(os.path.abspath(args.new), args.threads)
+    print(f"A: {fa}\nB: {fb}\n{args.rounds} rounds, {args.threads} threads, alternating A/B (B/A per round)")
+    print(f"{'case':34s} {'A median ms':>12s} {'B median ms':>12s} {'B/A median':>11s} {'B/A IQR':>16s}")
+    for name in CASES:
+        ta, tb, ratio = [], [], []
+        for r in range(args.rounds):
+            order = (a, b) if r % 2 == 0 else (b, a)
+            got = {}
+            for w in order:
+                got[w is a] = ask(w, name)
+                time.sleep(0.03)
+            ta.append(got[True])
+            tb.append(got[False])
+            ratio.append(got[False] / got[True])
+        ta.sort(), tb.sort(), ratio.sort()
+        n = len(ratio)
+        print(f"{name:34s} {1e3 * ta[n // 2]:12.2f} {1e3 * tb[n // 2]:12.2f} {ratio[n // 2]:11.3f} "
+              f"{ratio[n // 4]:7.3f}-{ratio[3 * n // 4]:.3f}")
+    for w in (a, b):
+        w.stdin.close()
+        w.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
