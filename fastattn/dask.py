@@ -14,7 +14,7 @@ chunk) and returns dask arrays.  Attention splits exactly:
 Each (query chunk, key chunk) block is a task of one :func:`fastattn.attention` call
 (one per kv head when q's head chunks split a GQA group, one per stretch of sequences
 with ``seqlens_k``) whose ``causal``, ``window`` and ALiBi are re-expressed in the
-block's own coordinates (:func:`_plan_block`), so every logit is the one the whole
+block's own coordinates (:func:`fastattn._blocks.plan_block`), so every logit is the one the whole
 problem defines.  Blocks that causal/window hide entirely are never put in the graph.
 
 Requires the extra ``pip install "fastattn[dask]"`` (``dask[array]``,
@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
@@ -40,129 +40,15 @@ except ImportError as _exc:  # pragma: no cover - exercised only without dask
         f"distributed); original error: {_exc}") from None
 
 import fastattn
-from . import _api
+from . import _args
+from ._blocks import Plan as _Plan, kv_partition as _kv_partition, plan_block as _plan_block, \
+    starts as _starts, tree as _tree
 
 __all__ = ["attention"]
 
 _FN = "dask.attention"
 _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
-
-
-# ---------------------------------------------------------------------------------
-# Chunk arithmetic (pure Python, no dask): which blocks exist and how each is called
-# ---------------------------------------------------------------------------------
-
-def _starts(chunks: Sequence[int]) -> List[int]:
-    """The offset of each chunk along its axis, and the axis length last."""
-    out = [0]
-    for c in chunks:
-        out.append(out[-1] + int(c))
-    return out
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """How one block (query rows q0..q1-1, keys k0..k1-1 of the whole problem) is
-    computed by one fastattn.attention call on the block's arrays.
-
-    keys: how many of the block's keys to pass (a trailing part that every row of
-        the block is denied by causal/window is cut off: this changes no bit);
-    causal, window: the arguments of that call, in the block's coordinates;
-    band: None, or (d, left, right) when the band cannot be written as a causal /
-        window argument: key u is visible to row t iff d - left <= u - t <= d + right
-        (None = unbounded), applied as a mask (a strided view, O(lq + lk) bytes);
-    alibi_shift: None when the slopes go to the kernel as they are (the block's own
-        bottom-right distance is the global one), else d_a: the distance of (t, u)
-        is |t - u + d_a|, applied as a bias (a strided view, O(lq + lk) per head).
-    """
-    keys: int
-    causal: Union[bool, str]
-    window: Optional[Tuple[Optional[int], Optional[int]]]
-    band: Optional[Tuple[int, Optional[int], Optional[int]]]
-    alibi_shift: Optional[int]
-
-
-def _band(causal: int, wl: int, wr: int) -> Tuple[Optional[int], Optional[int]]:
-    """The (left, right) extent of the visible band around a row's diagonal from
-    causal (0 none, 1 bottom-right, 2 top-left) and the window (-1 = unbounded);
-    None = unbounded."""
-    left = wl if wl >= 0 else None
-    right = wr if wr >= 0 else None
-    if causal:
-        right = 0 if right is None else min(right, 0)
-    return left, right
-
-
-def _plan_block(q0: int, q1: int, k0: int, k1: int, Lq: int, Lk: int, causal: int,
-                wl: int, wr: int, alibi: bool) -> Optional[_Plan]:
-    """The call for query rows [q0, q1) against keys [k0, k1) of a problem of Lq
-    queries and Lk keys, or None when causal/window hide every key of the block from
-    every row (such a block is never scheduled; a block with no keys is None too).
-
-    In the block's coordinates (row t = i - q0, key u = j - k0) the diagonal of row t
-    is key t + d with d = q0 + off - k0, off = Lk - Lq (bottom-right, also the
-    alignment of a window without causal) or 0 (top-left).  A call on arrays of lq
-    rows and kk keys aligns its own bottom-right diagonal at t + (kk - lq): when that
-    equals t + d the user's causal/window pass unchanged; otherwise the band is
-    written as a window around the call's diagonal, or a mask.
-    """
-    lq, lk = q1 - q0, k1 - k0
-    off = 0 if causal == 2 else Lk - Lq
-    d = q0 + off - k0
-    left, right = _band(causal, wl, wr)
-    if lk <= 0:
-        return None
-    if lq > 0:
-        if right is not None and lq - 1 + d + right < 0:
-            return None          # every key is right of every row's band
-        if left is not None and d - left > lk - 1:
-            return None          # every key is left of every row's band
-    d_a = q0 + (Lk - Lq) - k0    # ALiBi measures from the bottom-right diagonal always
-    window = (None if wl < 0 else wl, None if wr < 0 else wr)
-    if (q0, q1, k0, k1) == (0, Lq, 0, Lk):  # the whole problem: the user's own call
-        return _Plan(lk, {0: False, 1: True, 2: "top-left"}[causal], window, None, None)
-    kk = lk if right is None else max(1, min(lk, lq + d + right))  # cut keys no row sees
-    c = kk - lq                  # the call's own bottom-right diagonal offset
-    alibi_shift = None if not alibi or c == d_a else d_a
-    if c == d:                   # the call aligns as the whole problem: pass them as given
-        return _Plan(kk, bool(causal), window, None, alibi_shift)
-    full = lq == 0 or ((left is None or lq - 1 + d - left <= 0)
-                       and (right is None or d + right >= kk - 1))
-    if full:                     # every row sees every key: no band to pass
-        return _Plan(kk, False, None, None, alibi_shift)
-    if causal and d == 0:        # the call's top-left diagonal is the block's
-        return _Plan(kk, "top-left", window, None, alibi_shift)
-    sl = None if left is None else left + c - d
-    sr = None if right is None else right + d - c
-    if (sl is None or sl >= 0) and (sr is None or sr >= 0):
-        return _Plan(kk, False, (sl, sr), None, alibi_shift)
-    return _Plan(kk, False, None, (d, left, right), alibi_shift)
-
-
-def _kv_partition(q_head_chunks: Sequence[int], Hkv: int, G: int) -> Tuple[int, ...]:
-    """Chunks of the kv head axis such that the kv heads each q head chunk reads
-    (h // G for its heads h) are whole kv chunks: one-to-one when every q head chunk
-    boundary is a multiple of G, finer otherwise."""
-    bounds = {0, Hkv}
-    for h0, h1 in zip(_starts(q_head_chunks)[:-1], _starts(q_head_chunks)[1:]):
-        if h1 > h0:
-            bounds.add(h0 // G)
-            bounds.add(-(-h1 // G))
-    b = sorted(bounds)
-    return tuple(y - x for x, y in zip(b[:-1], b[1:])) or (Hkv,)
-
-
-def _tree(keys: List[Any], split_every: int) -> List[List[List[Any]]]:
-    """The merge tree over `keys` in order: a list of levels, each a list of groups of
-    consecutive items of the level below (a lone last item is passed up unmerged)."""
-    levels = []
-    cur = list(keys)
-    while len(cur) > 1:
-        groups = [cur[i:i + split_every] for i in range(0, len(cur), split_every)]
-        levels.append(groups)
-        cur = groups
-    return levels
 
 
 # ---------------------------------------------------------------------------------
@@ -389,7 +275,7 @@ def _as_dask(x, name):
     if hasattr(x, "__dask_graph__"):
         raise TypeError(f"fastattn.{_FN}: {name} is a {type(x).__name__}; pass a dask.array "
                         "Array (or a NumPy array)")
-    a = _api._as_array(x, name, _FN)
+    a = _args.as_array(x, name, _FN)
     return da.from_array(a, chunks=a.shape if a.ndim else (), name=False)
 
 
@@ -411,7 +297,7 @@ def _small(x, name):
         return None
     if isinstance(x, da.Array):
         x = x.compute()
-    return _api._as_array(x, name, _FN)
+    return _args.as_array(x, name, _FN)
 
 
 def attention(q, k, v, *, scale: float | None = None, causal=False, window=None, mask=None,
@@ -491,23 +377,56 @@ def attention(q, k, v, *, scale: float | None = None, causal=False, window=None,
     passed as strided views of O(lq + lk) elements (a mask, a bias), never as
     lq x lk arrays (unless combined with a mask or bias of the user's).
     """
+    c = _check_args(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap,
+                    dropout_p, seed, seqlens_k, layout, return_lse, return_stats, out,
+                    num_threads, split_every)
+    return _Graph(c, layout, scale, softcap, split_every).arrays()
+
+
+@dataclass
+class _Checked:
+    """dask.attention's arguments after fastattn.attention's checks (run on zero-memory
+    stand-ins of the same shapes): the arrays as dask arrays, the options parsed."""
+    q: Any
+    k: Any
+    v: Any
+    mask: Any                   # dask arrays (None when not given)
+    bias: Any
+    pr: _args.Problem           # the stand-ins' Problem: sizes, dtypes, layout
+    return_lse: bool
+    return_stats: bool
+    causal: int                 # 0 none, 1 bottom-right, 2 top-left
+    threads: int
+    slopes: Optional[np.ndarray]
+    seqlens: Optional[np.ndarray]  # int64 (B,) or None
+    wl: int                     # the window's sides, -1 = unbounded
+    wr: int
+
+
+def _check_args(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap, dropout_p,
+                seed, seqlens_k, layout, return_lse, return_stats, out, num_threads,
+                split_every) -> _Checked:
+    """Every argument of :func:`attention` checked as :func:`fastattn.attention` checks
+    it (the same messages, naming ``dask.attention``), plus what dask adds: no `out`,
+    known chunk sizes, one chunk along the feature axes, `split_every` >= 2, no dropout.
+    Nothing is computed but the small `alibi_slopes` and `seqlens_k`."""
     if out is not None:
         raise TypeError(f"fastattn.{_FN}: out= is not supported (dask arrays are immutable); "
                         "store the result with dask.array.store(result, target)")
     q, k, v = _as_dask(q, "q"), _as_dask(k, "k"), _as_dask(v, "v")
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_chunks(x, name)
-    pr = _api._Problem(_FN, _dummy(q.shape, q.dtype), _dummy(k.shape, k.dtype),
+    pr = _args.Problem(_FN, _dummy(q.shape, q.dtype), _dummy(k.shape, k.dtype),
                        _dummy(v.shape, v.dtype), layout)
-    return_lse = _api._parse_flag(return_lse, "return_lse", _FN)
-    return_stats = _api._parse_flag(return_stats, "return_stats", _FN)
-    causal_code = _api._parse_causal(causal, _FN)
-    _api._parse_scale(scale, pr.D, _FN)
-    nth = _api._parse_threads(num_threads, _FN) or 1
+    return_lse = _args.parse_flag(return_lse, "return_lse", _FN)
+    return_stats = _args.parse_flag(return_stats, "return_stats", _FN)
+    causal_code = _args.parse_causal(causal, _FN)
+    _args.parse_scale(scale, pr.D, _FN)
+    nth = _args.parse_threads(num_threads, _FN) or 1
     if isinstance(split_every, (bool, np.bool_)) or not isinstance(split_every, (int, np.integer)) \
             or split_every < 2:
         raise ValueError(f"fastattn.{_FN}: split_every must be an int >= 2, got {split_every!r}")
-    p_drop, _ = _api._parse_dropout(dropout_p, seed, _FN)
+    p_drop, _ = _args.parse_dropout(dropout_p, seed, _FN)
     if p_drop > 0:
         raise NotImplementedError(
             f"fastattn.{_FN}: dropout_p > 0 is not supported: the keep decision of weight "
@@ -523,7 +442,7 @@ def attention(q, k, v, *, scale: float | None = None, causal=False, window=None,
         _check_chunks(biasd, "bias")
     slopes = _small(alibi_slopes, "alibi_slopes")
     seqlens = _small(seqlens_k, "seqlens_k")
-    wl, wr = _api._parse_window(window, _FN)
+    wl, wr = _args.parse_window(window, _FN)
     # the checks of fastattn.attention, on zero-memory stand-ins of the same shapes
     mdummy = None if maskd is None else _dummy(maskd.shape, maskd.dtype)
     bdummy = None
@@ -541,77 +460,129 @@ def attention(q, k, v, *, scale: float | None = None, causal=False, window=None,
             raise ValueError(f"fastattn.{_FN}: {name} is chunked along its feature axis (chunks "
                              f"{x.chunks[-1]}); each row's features must be one chunk: pass "
                              f"{name}.rechunk({{{x.ndim - 1}: -1}})")
+    return _Checked(q, k, v, maskd, biasd, pr, return_lse, return_stats, causal_code, nth,
+                    slopes, seqlens, wl, wr)
 
-    nd, swap = pr.nd, layout == "bshd" and pr.nd > 2
-    # axes in the user's layout
-    ax_l = nd - 3 if swap else nd - 2
-    ax_h = (nd - 2 if swap else nd - 3) if nd > 2 else None
-    ax_b = 0 if nd == 4 else None
-    Hq, Hkv, Lq, Lk = pr.Hq, pr.Hkv, pr.Lq, pr.Lk
-    G = Hq // Hkv if Hkv else 1
-    b_chunks = q.chunks[ax_b] if ax_b is not None else (1,)
-    h_chunks = q.chunks[ax_h] if ax_h is not None else (1,)
-    lq_chunks = q.chunks[ax_l]
-    lk_chunks = k.chunks[ax_l]
 
-    # k and v: q's batch chunks, kv heads grouped by q's head chunks, v like k on keys
-    kv_h_chunks = _kv_partition(h_chunks, Hkv, G) if ax_h is not None and Hkv else None
-    k_target, v_target = dict(), dict()
-    if ax_b is not None:
-        k_target[ax_b] = v_target[ax_b] = b_chunks
-    if kv_h_chunks is not None:
-        k_target[ax_h] = v_target[ax_h] = kv_h_chunks
-    v_target[ax_l] = lk_chunks
-    k = k.rechunk({**{a: c for a, c in k_target.items()}, nd - 1: -1})
-    v = v.rechunk({**{a: c for a, c in v_target.items()}, nd - 1: -1})
+class _Graph:
+    """The task graph of one call, built from its checked arguments.
 
-    # mask / bias: logits order (B, Hq, Lq, Lk)[4 - nd:]; full axes chunked like the logits
-    logit_chunks = ([b_chunks] if nd == 4 else []) + ([h_chunks] if nd >= 3 else []) \
-        + [lq_chunks, lk_chunks]
+    The block plan: the output's chunks are q's (batch, head, query) chunks; k and v
+    are rechunked to q's batch chunks, to kv head chunks that whole q head chunks read
+    (:func:`_kv_partition`) and v to k's key chunks; a mask or bias to the logits'
+    chunks along its full-size axes.  Each (batch, head, query) chunk gets one block
+    task per key chunk that some row of it sees (:meth:`add_rows`), their partial
+    results merged in a fixed tree (:meth:`add_tree`); :meth:`arrays` wraps the
+    graph as the dask arrays returned.
+    """
 
-    def align(x):
+    def __init__(self, c: _Checked, layout, scale, softcap, split_every):
+        pr, q = c.pr, c.q
+        nd = self.nd = pr.nd
+        self.c, self.layout, self.split_every = c, layout, split_every
+        # axes in the user's layout
+        self.ax_l = nd - 3 if pr.swap else nd - 2
+        self.ax_h = (nd - 2 if pr.swap else nd - 3) if nd > 2 else None
+        self.ax_b = 0 if nd == 4 else None
+        self.G = pr.Hq // pr.Hkv if pr.Hkv else 1
+        self.b_chunks = q.chunks[self.ax_b] if self.ax_b is not None else (1,)
+        self.h_chunks = q.chunks[self.ax_h] if self.ax_h is not None else (1,)
+        self.lq_chunks = q.chunks[self.ax_l]
+        self.lk_chunks = c.k.chunks[self.ax_l]
+        self.kv_h_chunks = _kv_partition(self.h_chunks, pr.Hkv, self.G) \
+            if self.ax_h is not None and pr.Hkv else None
+        self.k, self.v = self._rechunk_kv(c.k, c.v)
+        # mask / bias: logits order (B, Hq, Lq, Lk)[4 - nd:]; full axes chunked like the logits
+        self.logit_chunks = self.row_chunks() + [self.lk_chunks]
+        self.mask, self.bias = self._align(c.mask), self._align(c.bias)
+        self.lse_dtype = np.dtype(pr.lse_dtype)
+        self.out_dtype = pr.out_dtype
+        self.cdt = np.dtype(pr.dtype)
+        self.sixteen = np.dtype(self.out_dtype).itemsize == 2   # float16 / bfloat16 q
+        self.scale = None if scale is None else float(scale)
+        self.softcap = None if softcap is None else float(softcap)
+        self.slopes = None if c.slopes is None else np.asarray(c.slopes).astype(self.cdt)
+        token = tokenize(q.name, self.k.name, self.v.name,
+                         None if self.mask is None else self.mask.name,
+                         None if self.bias is None else self.bias.name, self.slopes, self.scale,
+                         self.softcap, c.causal, c.wl, c.wr, layout, c.threads, split_every,
+                         c.seqlens, c.return_stats, "fastattn.dask-1")
+        self.blk_name = "fastattn-block-" + token
+        self.mrg_name = "fastattn-merge-" + token
+        self.out_name = "fastattn-out-" + token
+        self.lse_name = "fastattn-lse-" + token
+        self.stat_names = tuple("fastattn-" + n + "-" + token
+                                for n in ("entropy", "support", "maxweight"))
+        self.blocks: dict = {}
+        self.merges: dict = {}
+        self.outl: dict = {}
+        self.lsel: dict = {}
+        self.statl: dict = {}
+        self.qs_b, self.qs_h = _starts(self.b_chunks), _starts(self.h_chunks)
+        self.qs_l, self.ks_l = _starts(self.lq_chunks), _starts(self.lk_chunks)
+        self.kvs_h = _starts(self.kv_h_chunks) if self.kv_h_chunks is not None else [0, 1]
+        for bi in range(len(self.b_chunks)):
+            for hi in range(len(self.h_chunks)):
+                heads = self._heads(hi)
+                for li in range(len(self.lq_chunks)):
+                    self.add_rows(bi, hi, li, heads)
+
+    def row_chunks(self) -> List[Tuple[int, ...]]:
+        """The chunks of the lse's axes (B, Hq, Lq)[3 - (nd - 1):]: q's."""
+        nd = self.nd
+        return ([self.b_chunks] if nd == 4 else []) + ([self.h_chunks] if nd >= 3 else []) \
+            + [self.lq_chunks]
+
+    def _rechunk_kv(self, k, v):
+        """k and v: q's batch chunks, kv heads grouped by q's head chunks, v like k on keys."""
+        k_target, v_target = dict(), dict()
+        if self.ax_b is not None:
+            k_target[self.ax_b] = v_target[self.ax_b] = self.b_chunks
+        if self.kv_h_chunks is not None:
+            k_target[self.ax_h] = v_target[self.ax_h] = self.kv_h_chunks
+        v_target[self.ax_l] = self.lk_chunks
+        nd = self.nd
+        k = k.rechunk({**{a: c for a, c in k_target.items()}, nd - 1: -1})
+        v = v.rechunk({**{a: c for a, c in v_target.items()}, nd - 1: -1})
+        return k, v
+
+    def _align(self, x):
         """x with the logits' ndim, chunked like the logits on its full-size axes."""
         if x is None:
             return None
-        if x.ndim < nd:
-            x = x[(None,) * (nd - x.ndim)]
+        if x.ndim < self.nd:
+            x = x[(None,) * (self.nd - x.ndim)]
         return x.rechunk({a: (c if x.shape[a] == sum(c) else (x.shape[a],))
-                          for a, c in enumerate(logit_chunks)})
+                          for a, c in enumerate(self.logit_chunks)})
 
-    maskd, biasd = align(maskd), align(biasd)
+    def _heads(self, hi):
+        """q head chunk hi: (h0, h1, the kv chunks it reads, the kernel calls' head
+        groups or None when it starts and ends on kv-group boundaries)."""
+        h0, h1 = self.qs_h[hi], self.qs_h[hi + 1]
+        G, kvs_h = self.G, self.kvs_h
+        if self.ax_h is not None and h1 - h0 > 0 and self.c.pr.Hkv:
+            g0, g1 = h0 // G, -(-h1 // G)
+            kv_idx = [i for i in range(len(kvs_h) - 1) if kvs_h[i] >= g0 and kvs_h[i + 1] <= g1]
+            aligned = h0 % G == 0 and h1 % G == 0
+            groups = None if aligned else tuple(
+                (max(h0, g * G) - h0, min(h1, (g + 1) * G) - h0, g - g0) for g in range(g0, g1))
+        else:
+            kv_idx, groups = [0], None
+        return h0, h1, kv_idx, groups
 
-    lse_dtype = np.dtype(pr.lse_dtype)
-    out_dtype = pr.out_dtype
-    cdt = np.dtype(pr.dtype)
-    sixteen = np.dtype(out_dtype).itemsize == 2   # float16 / bfloat16 q
-    scale_arg = None if scale is None else float(scale)
-    softcap_arg = None if softcap is None else float(softcap)
-    slopes_c = None if slopes is None else np.asarray(slopes).astype(cdt)
-
-    token = tokenize(q.name, k.name, v.name, None if maskd is None else maskd.name,
-                     None if biasd is None else biasd.name, slopes_c, scale_arg, softcap_arg,
-                     causal_code, wl, wr, layout, nth, split_every, seqlens, return_stats,
-                     "fastattn.dask-1")
-    blk_name = "fastattn-block-" + token
-    mrg_name = "fastattn-merge-" + token
-    out_name = "fastattn-out-" + token
-    lse_name = "fastattn-lse-" + token
-    ent_name, sup_name, mw_name = ("fastattn-" + n + "-" + token
-                                   for n in ("entropy", "support", "maxweight"))
-    blocks, merges, outl, lsel, statl = {}, {}, {}, {}, {}
-    alibi = slopes is not None
-
-    def runs_for(q0, q1, k0, k1, b0, b1):
+    def runs_for(self, q0, q1, k0, k1, b0, b1):
         """The block's runs of batch entries b0..b1-1 with one plan each (see _Call),
         or None when no entry sees any key of it."""
-        if seqlens is None:
-            pl = _plan_block(q0, q1, k0, k1, Lq, Lk, causal_code, wl, wr, alibi)
+        c, pr = self.c, self.c.pr
+        alibi = c.slopes is not None
+        if c.seqlens is None:
+            pl = _plan_block(q0, q1, k0, k1, pr.Lq, pr.Lk, c.causal, c.wl, c.wr, alibi)
             return None if pl is None else ((0, b1 - b0, pl),)
         runs: List[List[Any]] = []
         for b in range(b0, b1):
-            S = int(seqlens[b if nd == 4 else 0])   # sequence b is its first S keys
-            pl = None if k0 >= S else _plan_block(q0, q1, k0, min(k1, S), Lq, S,
-                                                   causal_code, wl, wr, alibi)
+            S = int(c.seqlens[b if self.nd == 4 else 0])   # sequence b is its first S keys
+            pl = None if k0 >= S else _plan_block(q0, q1, k0, min(k1, S), pr.Lq, S,
+                                                   c.causal, c.wl, c.wr, alibi)
             if runs and runs[-1][2] == pl:
                 runs[-1][1] += 1
             else:
@@ -620,133 +591,138 @@ def attention(q, k, v, *, scale: float | None = None, causal=False, window=None,
             return None
         return tuple((r[0], r[1], r[2]) for r in runs)
 
-    qs_b, qs_h, qs_l, ks_l = _starts(b_chunks), _starts(h_chunks), _starts(lq_chunks), \
-        _starts(lk_chunks)
-    kvs_h = _starts(kv_h_chunks) if kv_h_chunks is not None else [0, 1]
-    Dv = v.shape[-1]
-
-    def user_index(bi, hi, li, last):
+    def user_index(self, bi, hi, li, last):
         """A block index in the user's layout and ndim."""
         idx = {}
-        if ax_b is not None:
-            idx[ax_b] = bi
-        if ax_h is not None:
-            idx[ax_h] = hi
-        idx[ax_l] = li
-        idx[nd - 1] = last
-        return tuple(idx[a] for a in range(nd))
+        if self.ax_b is not None:
+            idx[self.ax_b] = bi
+        if self.ax_h is not None:
+            idx[self.ax_h] = hi
+        idx[self.ax_l] = li
+        idx[self.nd - 1] = last
+        return tuple(idx[a] for a in range(self.nd))
 
-    def logits_index(x, bi, hi, li, ki):
-        full = ([bi] if nd == 4 else []) + ([hi] if nd >= 3 else []) + [li, ki]
+    def row_index(self, bi, hi, li):
+        """A block index of the lse's (and stats') axes."""
+        nd = self.nd
+        return tuple(([bi] if nd == 4 else []) + ([hi] if nd >= 3 else []) + [li])
+
+    def logits_index(self, x, bi, hi, li, ki):
+        """The key of the chunk of a mask or bias `x` (logits order) block (bi, hi, li, ki) reads."""
+        full = self.row_index(bi, hi, li) + (ki,)
         return (x.name,) + tuple(0 if len(c) == 1 else i for c, i in zip(x.chunks, full))
 
-    for bi, bsz in enumerate(b_chunks):
-        for hi, hsz in enumerate(h_chunks):
-            h0, h1 = qs_h[hi], qs_h[hi + 1]
-            # kv chunks this q head chunk reads, and the kernel calls if not aligned
-            if ax_h is not None and hsz > 0 and Hkv:
-                g0, g1 = h0 // G, -(-h1 // G)
-                kv_idx = [i for i in range(len(kvs_h) - 1) if kvs_h[i] >= g0 and kvs_h[i + 1] <= g1]
-                aligned = h0 % G == 0 and h1 % G == 0
-                groups = None if aligned else tuple(
-                    (max(h0, g * G) - h0, min(h1, (g + 1) * G) - h0, g - g0) for g in range(g0, g1))
+    def add_rows(self, bi, hi, li, heads):
+        """The tasks of output chunk (bi, hi, li): a block task per key chunk its rows
+        see (a fill task if none), the merge tree over them, and the output's getters."""
+        h0, h1, kv_idx, groups = heads
+        c, nd = self.c, self.nd
+        bsz, hsz, lsz = self.b_chunks[bi], self.h_chunks[hi], self.lq_chunks[li]
+        q0, q1 = self.qs_l[li], self.qs_l[li + 1]
+        qkey = (c.q.name,) + self.user_index(bi, hi, li, 0)
+        oshape = [0] * nd
+        if self.ax_b is not None:
+            oshape[self.ax_b] = bsz
+        if self.ax_h is not None:
+            oshape[self.ax_h] = hsz
+        oshape[self.ax_l] = lsz
+        oshape[nd - 1] = self.v.shape[-1]
+        lshape = tuple(([bsz] if nd == 4 else []) + ([hsz] if nd >= 3 else []) + [lsz])
+        empty = bsz == 0 or hsz == 0 or lsz == 0
+        plans = []
+        if not empty:
+            for ki in range(len(self.lk_chunks)):
+                runs = self.runs_for(q0, q1, self.ks_l[ki], self.ks_l[ki + 1], self.qs_b[bi],
+                                     self.qs_b[bi + 1])
+                if runs is not None:
+                    plans.append((ki, runs))
+        final = (self.mrg_name, bi, hi, li)
+        blk = self.blk_name
+        if not plans:
+            self.blocks[(blk, bi, hi, li, 0)] = (_fill_task, tuple(oshape), self.out_dtype,
+                                                 lshape, self.lse_dtype, c.return_stats)
+            self.merges[final] = (_identity, (blk, bi, hi, li, 0))
+        else:
+            upcast = self.sixteen and len(plans) > 1
+            sl = None
+            if self.slopes is not None:
+                sl = self.slopes[..., h0:h1] if self.slopes.ndim == 1 else \
+                    self.slopes[self.qs_b[bi]:self.qs_b[bi + 1], h0:h1]
+            keys = []
+            for ki, runs in plans:
+                call = _Call(runs, c.return_stats, self.layout, nd, self.scale, self.softcap, sl,
+                             groups, upcast, c.threads, self.cdt, self.lse_dtype)
+                kk = [(self.k.name,) + self.user_index(bi, g, ki, 0) for g in kv_idx]
+                vk = [(self.v.name,) + self.user_index(bi, g, ki, 0) for g in kv_idx]
+                mk = None if self.mask is None else self.logits_index(self.mask, bi, hi, li, ki)
+                bk = None if self.bias is None else self.logits_index(self.bias, bi, hi, li, ki)
+                key = (blk, bi, hi, li, ki)
+                self.blocks[key] = (_block_task, qkey, kk, vk, mk, bk, call)
+                keys.append(key)
+            self.add_tree(final, keys, upcast, (bi, hi, li))
+        self.outl[(self.out_name,) + self.user_index(bi, hi, li, 0)] = (operator.getitem, final, 0)
+        lidx = self.row_index(bi, hi, li)
+        self.lsel[(self.lse_name,) + lidx] = (operator.getitem, final, 1)
+        if c.return_stats:
+            ent_name, sup_name, mw_name = self.stat_names
+            self.statl[(ent_name,) + lidx] = (operator.getitem, final, 2)
+            self.statl[(sup_name,) + lidx] = (_support_task, final)
+            self.statl[(mw_name,) + lidx] = (operator.getitem, final, 3)
+
+    def add_tree(self, final, keys, upcast, where):
+        """The merge tasks over the block results `keys` (in key order, split_every per
+        task, :func:`_tree`), the last one named `final`; `where` is (bi, hi, li)."""
+        levels = _tree(keys, self.split_every)
+        if not levels:
+            if upcast:  # pragma: no cover - one part is never upcast
+                self.merges[final] = (_cast_task, keys[0], self.out_dtype)
             else:
-                kv_idx, groups = [0], None
-            for li, lsz in enumerate(lq_chunks):
-                q0, q1 = qs_l[li], qs_l[li + 1]
-                qkey = (q.name,) + user_index(bi, hi, li, 0)
-                oshape = [0] * nd
-                if ax_b is not None:
-                    oshape[ax_b] = bsz
-                if ax_h is not None:
-                    oshape[ax_h] = hsz
-                oshape[ax_l] = lsz
-                oshape[nd - 1] = Dv
-                lshape = tuple(([bsz] if nd == 4 else []) + ([hsz] if nd >= 3 else []) + [lsz])
-                empty = bsz == 0 or hsz == 0 or lsz == 0
-                plans = []
-                if not empty:
-                    for ki in range(len(lk_chunks)):
-                        runs = runs_for(q0, q1, ks_l[ki], ks_l[ki + 1], qs_b[bi], qs_b[bi + 1])
-                        if runs is not None:
-                            plans.append((ki, runs))
-                final = (mrg_name, bi, hi, li)
-                if not plans:
-                    blocks[(blk_name, bi, hi, li, 0)] = (_fill_task, tuple(oshape), out_dtype,
-                                                         lshape, lse_dtype, return_stats)
-                    merges[final] = (_identity, (blk_name, bi, hi, li, 0))
-                else:
-                    upcast = sixteen and len(plans) > 1
-                    sl = None
-                    if slopes_c is not None:
-                        sl = slopes_c[..., h0:h1] if slopes_c.ndim == 1 else \
-                            slopes_c[qs_b[bi]:qs_b[bi + 1], h0:h1]
-                    keys = []
-                    for ki, runs in plans:
-                        call = _Call(runs, return_stats, layout, nd, scale_arg, softcap_arg, sl,
-                                     groups, upcast, nth, cdt, lse_dtype)
-                        kk = [(k.name,) + user_index(bi, g, ki, 0) for g in kv_idx]
-                        vk = [(v.name,) + user_index(bi, g, ki, 0) for g in kv_idx]
-                        mk = None if maskd is None else logits_index(maskd, bi, hi, li, ki)
-                        bk = None if biasd is None else logits_index(biasd, bi, hi, li, ki)
-                        key = (blk_name, bi, hi, li, ki)
-                        blocks[key] = (_block_task, qkey, kk, vk, mk, bk, call)
-                        keys.append(key)
-                    levels = _tree(keys, split_every)
-                    if not levels:
-                        if upcast:  # pragma: no cover - one part is never upcast
-                            merges[final] = (_cast_task, keys[0], out_dtype)
-                        else:
-                            merges[final] = (_identity, keys[0])
-                    else:
-                        below = keys
-                        for lev, groups_ in enumerate(levels):
-                            top = lev == len(levels) - 1
-                            names = []
-                            pos = 0
-                            for gi, grp in enumerate(groups_):
-                                members = below[pos:pos + len(grp)]
-                                pos += len(grp)
-                                mkey = final if top else (mrg_name, bi, hi, li, lev, gi)
-                                if len(members) == 1:
-                                    names.append(members[0])
-                                    continue
-                                merges[mkey] = (_merge_task, members, layout,
-                                                out_dtype if (top and upcast) else None)
-                                names.append(mkey)
-                            below = names
-                outl[(out_name,) + user_index(bi, hi, li, 0)] = (operator.getitem, final, 0)
-                lidx = tuple(([bi] if nd == 4 else []) + ([hi] if nd >= 3 else []) + [li])
-                lsel[(lse_name,) + lidx] = (operator.getitem, final, 1)
-                if return_stats:
-                    statl[(ent_name,) + lidx] = (operator.getitem, final, 2)
-                    statl[(sup_name,) + lidx] = (_support_task, final)
-                    statl[(mw_name,) + lidx] = (operator.getitem, final, 3)
+                self.merges[final] = (_identity, keys[0])
+            return
+        below = keys
+        for lev, groups_ in enumerate(levels):
+            top = lev == len(levels) - 1
+            names = []
+            pos = 0
+            for gi, grp in enumerate(groups_):
+                members = below[pos:pos + len(grp)]
+                pos += len(grp)
+                mkey = final if top else (self.mrg_name,) + where + (lev, gi)
+                if len(members) == 1:
+                    names.append(members[0])
+                    continue
+                self.merges[mkey] = (_merge_task, members, self.layout,
+                                     self.out_dtype if (top and upcast) else None)
+                names.append(mkey)
+            below = names
 
-    deps = [q, k, v] + [x for x in (maskd, biasd) if x is not None]
-    g = HighLevelGraph.from_collections(blk_name, blocks, dependencies=deps)
-    layers, dependencies = dict(g.layers), dict(g.dependencies)
-    layers[mrg_name], dependencies[mrg_name] = merges, {blk_name}
-    layers[out_name], dependencies[out_name] = outl, {mrg_name}
-    layers[lse_name], dependencies[lse_name] = lsel, {mrg_name}
-    for name in (ent_name, sup_name, mw_name) if return_stats else ():
-        layers[name] = {key: t for key, t in statl.items() if key[0] == name}
-        dependencies[name] = {mrg_name}
-    graph = HighLevelGraph(layers, dependencies)
-    out_chunks = list(q.chunks)
-    out_chunks[-1] = (Dv,)
-    result = da.Array(graph, out_name, chunks=tuple(out_chunks),
-                      meta=np.empty((0,) * nd, out_dtype))
-    lse_chunks = tuple(([b_chunks] if nd == 4 else []) + ([h_chunks] if nd >= 3 else [])
-                       + [lq_chunks])
+    def arrays(self):
+        """The graph's layers as dask arrays: out, then lse and the stats if asked."""
+        c, nd = self.c, self.nd
+        blk_name, mrg_name = self.blk_name, self.mrg_name
+        deps = [c.q, self.k, self.v] + [x for x in (self.mask, self.bias) if x is not None]
+        g = HighLevelGraph.from_collections(blk_name, self.blocks, dependencies=deps)
+        layers, dependencies = dict(g.layers), dict(g.dependencies)
+        layers[mrg_name], dependencies[mrg_name] = self.merges, {blk_name}
+        layers[self.out_name], dependencies[self.out_name] = self.outl, {mrg_name}
+        layers[self.lse_name], dependencies[self.lse_name] = self.lsel, {mrg_name}
+        for name in self.stat_names if c.return_stats else ():
+            layers[name] = {key: t for key, t in self.statl.items() if key[0] == name}
+            dependencies[name] = {mrg_name}
+        graph = HighLevelGraph(layers, dependencies)
+        out_chunks = list(c.q.chunks)
+        out_chunks[-1] = (self.v.shape[-1],)
+        result = da.Array(graph, self.out_name, chunks=tuple(out_chunks),
+                          meta=np.empty((0,) * nd, self.out_dtype))
+        lse_chunks = tuple(self.row_chunks())
 
-    def row_array(name):
-        return da.Array(graph, name, chunks=lse_chunks, meta=np.empty((0,) * (nd - 1), lse_dtype))
+        def row_array(name):
+            return da.Array(graph, name, chunks=lse_chunks,
+                            meta=np.empty((0,) * (nd - 1), self.lse_dtype))
 
-    parts: Tuple[Any, ...] = (result,)
-    if return_lse:
-        parts += (row_array(lse_name),)
-    if return_stats:
-        parts += (fastattn.AttentionStats(row_array(ent_name), row_array(sup_name),
-                                          row_array(mw_name)),)
-    return parts[0] if len(parts) == 1 else parts
+        parts: Tuple[Any, ...] = (result,)
+        if c.return_lse:
+            parts += (row_array(self.lse_name),)
+        if c.return_stats:
+            parts += (fastattn.AttentionStats(*(row_array(n) for n in self.stat_names)),)
+        return parts[0] if len(parts) == 1 else parts

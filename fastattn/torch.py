@@ -38,7 +38,7 @@ except ImportError as _exc:  # torch stays an optional dependency of fastattn
 from torch import Tensor
 
 import fastattn
-from . import _api
+from . import _args
 
 __all__ = ["scaled_dot_product_attention", "sdpa_kernel", "enable", "disable", "is_enabled",
            "attention_fwd", "attention_bwd"]
@@ -50,7 +50,7 @@ _NATIVE = (torch.float32, torch.float64)
 _HALF = (torch.float16, torch.bfloat16)
 # ml_dtypes.bfloat16 where fastattn reads bfloat16 arrays (else bfloat16 is computed on
 # float32 copies); float16 runs natively in inference, in float32 with gradients
-_BF16_NP = getattr(_api, "_BF16", None)
+_BF16_NP = _args.BF16
 _GRAIN = 1 << 19  # multiply-adds (B·Hq·Lq·Lk·2D) below which a call runs on one thread
 
 
@@ -212,7 +212,7 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 class _Plan:
     """One call, checked and in the ops' terms; run() does the work."""
     __slots__ = ("q", "k", "v", "mask", "bias", "alibi", "scale", "causal", "window",
-                 "softcap", "dropout_p", "dtype", "lead", "return_lse")
+                 "softcap", "dropout_p", "dtype", "lead", "return_lse", "logits")
 
     def run(self):
         q, k, v, mask, bias, alibi = self.q, self.k, self.v, self.mask, self.bias, self.alibi
@@ -296,7 +296,30 @@ def _shape_str(*named) -> str:
 def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window,
           alibi_slopes, softcap, causal, return_lse) -> Union[_Plan, Tuple[type, str]]:
     """The checked call, or (exception type, message) of what is wrong with it.  Does no
-    work beyond views, so a caller can still hand the call to PyTorch instead."""
+    work beyond views, so a caller can still hand the call to PyTorch instead.  The
+    checks run in this order: the arguments' types, the tensors (devices, dtypes, ranks),
+    the leading dims, attn_mask, the options, alibi_slopes."""
+    problem = _type_problem(query, key, value, attn_mask)
+    if problem is None:
+        if alibi_slopes is not None and not isinstance(alibi_slopes, Tensor):
+            alibi_slopes = torch.as_tensor(np.asarray(alibi_slopes))
+        problem = _tensor_problem(query, key, value, attn_mask, alibi_slopes)
+    if problem is not None:
+        return problem
+    plan = _Plan()
+    problem = (_broadcast_inputs(plan, query, key, value, enable_gqa)
+               or _split_mask(plan, attn_mask, query.dtype)
+               or _parse_options(plan, query, key, dropout_p, is_causal, causal, scale, window,
+                                 softcap)
+               or _alibi_problem(alibi_slopes, plan.logits))
+    if problem is not None:
+        return problem
+    _finish(plan, alibi_slopes, query.dtype, return_lse)
+    return plan
+
+
+def _type_problem(query, key, value, attn_mask) -> Optional[Tuple[type, str]]:
+    """query, key and value must be tensors, attn_mask a tensor or None."""
     if not (isinstance(query, Tensor) and isinstance(key, Tensor) and isinstance(value, Tensor)):
         name, t = next((n, t) for n, t in (("query", query), ("key", key), ("value", value))
                        if not isinstance(t, Tensor))
@@ -304,8 +327,12 @@ def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
     if attn_mask is not None and not isinstance(attn_mask, Tensor):
         return TypeError, (f"{_FN}: attn_mask must be a torch.Tensor or None, got "
                            f"{type(attn_mask).__name__}")
-    if alibi_slopes is not None and not isinstance(alibi_slopes, Tensor):
-        alibi_slopes = torch.as_tensor(np.asarray(alibi_slopes))
+    return None
+
+
+def _tensor_problem(query, key, value, attn_mask, alibi_slopes) -> Optional[Tuple[type, str]]:
+    """The tensors on the CPU, not nested, of one supported dtype, at least 2-D, with
+    the feature size E of query and key and the length S of key and value equal."""
     problem = _device_problem((("query", query), ("key", key), ("value", value),
                                ("attn_mask", attn_mask), ("alibi_slopes", alibi_slopes)))
     if problem is not None:
@@ -323,14 +350,18 @@ def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
     if len(qs) < 2 or len(ks) < 2 or len(vs) < 2:
         return ValueError, (f"{_FN}: query, key and value must be at least 2-D (..., L, E), "
                             f"got " + _shape_str(("query", query), ("key", key), ("value", value)))
-    E, Lq, Lk = qs[-1], qs[-2], ks[-2]
-    if ks[-1] != E or vs[-2] != Lk:
+    if ks[-1] != qs[-1] or vs[-2] != ks[-2]:
         return ValueError, (f"{_FN}: query and key must share the feature size E and key and "
                             f"value the length S; got " +
                             _shape_str(("query", query), ("key", key), ("value", value)))
+    return None
 
-    # leading dims broadcast as in torch's function; with enable_gqa the head axis (-3)
-    # of key/value may divide query's instead, which fastattn reads without copying
+
+def _broadcast_inputs(plan: _Plan, query, key, value, enable_gqa) -> Optional[Tuple[type, str]]:
+    """plan.q, k, v with their leading dims broadcast as in torch's function (with
+    enable_gqa the head axis (-3) of key/value may divide query's instead, which fastattn
+    reads without copying), and plan.logits, the weights' shape (..., L, S)."""
+    qs, ks, vs = query.shape, key.shape, value.shape
     q, k, v = query, key, value
     axes = 2
     if enable_gqa and len(qs) >= 3 and len(ks) >= 3 and len(vs) >= 3 \
@@ -358,23 +389,35 @@ def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
         k = k.expand(lead + tuple(ks[-axes:]))
     if vs[:-axes] != lead:
         v = v.expand(lead + tuple(vs[-axes:]))
-    logits = lead + tuple(qs[-axes:-1]) + (Lk,)
+    plan.q, plan.k, plan.v = q, k, v
+    plan.logits = lead + tuple(qs[-axes:-1]) + (key.shape[-2],)
+    return None
 
-    mask = bias = None
+
+def _split_mask(plan: _Plan, attn_mask, dt) -> Optional[Tuple[type, str]]:
+    """plan.mask (a bool attn_mask) or plan.bias (a float one, float32 or query's dtype
+    `dt`, torch's rule), checked to broadcast to plan.logits."""
+    plan.mask = plan.bias = None
     if attn_mask is not None:
         md = attn_mask.dtype
         if md == torch.bool:
-            mask = attn_mask
+            plan.mask = attn_mask
         elif md == dt or md == torch.float32:  # torch's rule: bool, float, or query's dtype
-            bias = attn_mask
+            plan.bias = attn_mask
         else:
             return TypeError, (f"{_FN}: attn_mask must be bool (True = attend) or a float mask "
                                f"in float32 or the query's dtype ({dt}), got {md}")
-        if _broadcast(attn_mask.shape, logits) != logits:
+        if _broadcast(attn_mask.shape, plan.logits) != plan.logits:
             return ValueError, (f"{_FN}: attn_mask of shape {tuple(attn_mask.shape)} does not "
-                                f"broadcast to the attention weights' shape {logits}")
+                                f"broadcast to the attention weights' shape {plan.logits}")
+    return None
 
-    # the options
+
+def _parse_options(plan: _Plan, query, key, dropout_p, is_causal, causal, scale, window,
+                   softcap) -> Optional[Tuple[type, str]]:
+    """plan.dropout_p, causal (the ops' code: is_causal and fastattn's causal combined),
+    scale, window and softcap, checked."""
+    E, Lq, Lk = query.shape[-1], query.shape[-2], key.shape[-2]
     if not (type(dropout_p) is float or type(dropout_p) is int
             or isinstance(dropout_p, numbers.Real) and not isinstance(dropout_p, bool)) \
             or not 0.0 <= float(dropout_p) < 1.0:
@@ -403,10 +446,17 @@ def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
         if not math.isfinite(scale_f):
             return ValueError, f"{_FN}: scale must be finite, got {scale!r}"
     try:
-        wl, wr = _api._parse_window(window, "torch.scaled_dot_product_attention")
-        cap = _api._parse_softcap(softcap, "torch.scaled_dot_product_attention")
+        wl, wr = _args.parse_window(window, "torch.scaled_dot_product_attention")
+        cap = _args.parse_softcap(softcap, "torch.scaled_dot_product_attention")
     except (ValueError, TypeError) as e:
         return type(e), str(e)
+    plan.scale, plan.causal, plan.window, plan.softcap = scale_f, code, (wl, wr), cap
+    plan.dropout_p = float(dropout_p)
+    return None
+
+
+def _alibi_problem(alibi_slopes, logits) -> Optional[Tuple[type, str]]:
+    """alibi_slopes (Hq,) or (..., Hq) of the leading dims, real, with no gradient."""
     nd = len(logits)
     if alibi_slopes is not None:
         hq = logits[-3] if nd >= 3 else 1
@@ -419,7 +469,13 @@ def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
         if alibi_slopes.requires_grad and torch.is_grad_enabled():
             return ValueError, (f"{_FN}: alibi_slopes gets no gradient from fastattn; pass "
                                 "alibi_slopes.detach()")
+    return None
 
+
+def _finish(plan: _Plan, alibi_slopes, dt, return_lse) -> None:
+    """The checked plan made what the ops take: float32 copies where fastattn does not
+    compute in `dt`, more than 4 dims flattened into the batch."""
+    q, k, v, mask, bias, logits = plan.q, plan.k, plan.v, plan.mask, plan.bias, plan.logits
     # float16 in training (fastattn has no float16 backward), and bfloat16 where fastattn
     # does not read it: computed on float32 copies, the output cast back
     if (dt == torch.bfloat16 and _BF16_NP is None) or (
@@ -428,10 +484,8 @@ def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
         q, k, v = q.float(), k.float(), v.float()
         if bias is not None:
             bias = bias.float()
-
-    plan = _Plan()
     plan.lead = None
-    if nd > 4:  # fastattn takes (B, H, L, E): the leading dims become the batch
+    if len(logits) > 4:  # fastattn takes (B, H, L, E): the leading dims become the batch
         plan.lead = logits[:-2]
         q, k, v = (t.reshape((-1,) + tuple(t.shape[-3:])) for t in (q, k, v))
         if mask is not None and mask.dim() > 3:
@@ -441,9 +495,7 @@ def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
         if alibi_slopes is not None and alibi_slopes.dim() > 1:
             alibi_slopes = alibi_slopes.reshape(-1, alibi_slopes.shape[-1])
     plan.q, plan.k, plan.v, plan.mask, plan.bias, plan.alibi = q, k, v, mask, bias, alibi_slopes
-    plan.scale, plan.causal, plan.window, plan.softcap = scale_f, code, (wl, wr), cap
-    plan.dropout_p, plan.dtype, plan.return_lse = float(dropout_p), dt, bool(return_lse)
-    return plan
+    plan.dtype, plan.return_lse = dt, bool(return_lse)
 
 
 def scaled_dot_product_attention(

@@ -345,7 +345,7 @@ def test_every_schedule_gives_the_same_bits(kernel, rng, case, dtype):
         kw = dict(bias=rng.standard_normal((1, Hq, Lq, Lk)).astype(dtype), window=(60, 5))
         ds_shape = (B, Hq, Lq, Lk)
     out, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
-    va = fastattn._api._Problem("t", q, k, v, "bhsd").variants(
+    va = fastattn._args.Problem("t", q, k, v, "bhsd").variants(
         kw.get("window"), None, kw.get("bias"), None, None, (kw.get("dropout_p", 0.0), kw.get("seed", 0)))
     results = []
     for passes in (0, 1, 2):

@@ -104,7 +104,7 @@ def test_plan_block_matches_global_semantics():
     for Lq, Lk in [(7, 7), (4, 9), (9, 4), (1, 6), (6, 1)]:
         for causal in (0, 1, 2):
             for window in windows:
-                wl, wr = fastattn._api._parse_window(window, "t")
+                wl, wr = fastattn._args.parse_window(window, "t")
                 full = _visible(Lq, Lk, CAUSAL[causal], window)
                 i = np.arange(Lq)[:, None]
                 j = np.arange(Lk)[None, :]

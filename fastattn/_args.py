@@ -1,0 +1,514 @@
+"""Argument parsing and checking of fastattn's calls, apart from the calls themselves.
+
+Every check raises the error its caller would (a TypeError or ValueError whose
+message starts ``fastattn.<fn>:``, `fn` being the public function's name), so that
+fastattn._api and the adapters report a wrong argument in the same words.
+
+The surface fastattn.dask and fastattn.torch use (documented, no leading underscore;
+the adapters import nothing else from here, nor anything from fastattn._api):
+
+- :func:`as_array`: an argument as an ndarray, or a TypeError naming it;
+- :class:`Problem`: q, k, v of one call checked (dtypes, ranks, axes, layout) and
+  viewed in the "bhsd" order, with :meth:`Problem.variants` for the optional
+  arguments;
+- :func:`parse_flag`, :func:`parse_causal`, :func:`parse_scale`,
+  :func:`parse_threads`, :func:`parse_dropout`, :func:`parse_window`,
+  :func:`parse_softcap`: one scalar argument each, as the kernel takes it;
+- ``BF16``: ml_dtypes' bfloat16 dtype, or None where ml_dtypes is missing.
+
+fastattn._api and fastattn._checks (the checks of one public function each) also use
+``F16``, ``F32``, ``F64``, ``LAYOUTS``, :meth:`Problem.options` (the options every
+public function parses, in one order), :meth:`Problem.user` / :meth:`Problem.bhsd`
+(layouts), :func:`is_float`, :func:`abbreviated`, and :func:`fresh` / :func:`in_place`
+(copies the kernel can read).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import _kernels
+
+__all__ = ["as_array", "Problem", "parse_flag", "parse_causal", "parse_scale", "parse_threads",
+           "parse_dropout", "parse_window", "parse_softcap", "BF16"]
+
+F16 = np.dtype(np.float16)
+F32 = np.dtype(np.float32)
+try:  # bfloat16 arrays come from ml_dtypes (the dtype JAX and others use)
+    import ml_dtypes as _ml_dtypes
+    BF16: np.dtype | None = np.dtype(_ml_dtypes.bfloat16)
+except ImportError:  # then no array can have that dtype
+    BF16 = None
+F64 = np.dtype(np.float64)
+_CAUSAL = {"bottom-right": 1, "top-left": 2}
+LAYOUTS = ("bhsd", "bshd")
+
+
+def _describe(**arrays):
+    return ", ".join(f"{n}{tuple(np.shape(a))}" for n, a in arrays.items())
+
+
+def abbreviated(a):
+    """An int array's entries for a message: all of them up to 20, else the first 20."""
+    return a.tolist() if a.size <= 20 else str(a[:20].tolist()) + '...'
+
+
+def _torch_problem(x, name, fn):
+    """Why NumPy could not view the torch tensor `x`, and the fix; None if `x` is not
+    a torch tensor.  Called only after np.asarray(x) failed, which for a CPU tensor
+    that does not require grad means its dtype has no NumPy equivalent."""
+    if not type(x).__module__.startswith("torch"):
+        return None
+    device = x.device
+    if device.type != "cpu":
+        return (f"fastattn.{fn}: {name} is a torch tensor on device '{device}'; fastattn runs on "
+                f"the CPU: pass {name}.cpu()")
+    if x.requires_grad:
+        return (f"fastattn.{fn}: {name} is a torch tensor that requires grad; the NumPy API "
+                f"does not record gradients: pass {name}.detach() (gradients: "
+                "fastattn.torch.scaled_dot_product_attention, or fastattn.attention_backward)")
+    return (f"fastattn.{fn}: {name} is a torch tensor of dtype {x.dtype}; supported dtypes are "
+            f"float32 and float64 (and float16 for k and v): convert it, e.g. {name}.float()")
+
+
+def as_array(x, name, fn="attention"):
+    """`x` as an ndarray (itself if it is one, else ``np.asarray(x)``); `name` is the
+    argument's name and `fn` the public function's, both for the message.
+
+    Raises
+    ------
+    TypeError
+        If NumPy cannot view `x`; for a torch tensor the message says why (device,
+        requires_grad, dtype) and what to pass instead.
+    """
+    if type(x) is np.ndarray:
+        return x
+    try:
+        return np.asarray(x)
+    except Exception as e:  # noqa: BLE001 -- reported as a TypeError naming the argument
+        why = _torch_problem(x, name, fn)
+        if why is not None:
+            raise TypeError(why) from e
+        raise TypeError(f"fastattn.{fn}: {name} must be an array (or something NumPy can view "
+                        f"as one), got {type(x).__name__}: {e}") from e
+
+
+def is_float(dt):
+    """A float dtype fastattn reads: NumPy's, or ml_dtypes' bfloat16."""
+    return dt.kind == "f" or (BF16 is not None and dt == BF16)
+
+
+def _dtypes(fn, **arrays):
+    """(compute, output, lse) dtypes of a call: all float32, all float64, or 16-bit
+    K/V (float16, or bfloat16 from ml_dtypes) with float32 q or q of the same 16-bit
+    type, which the kernel converts to float32 in registers; the output takes q's
+    dtype, lse is float32 unless float64."""
+    q = arrays["q"]
+    dq, dkv = q.dtype, {a.dtype for n, a in arrays.items() if n != "q"}
+    if dkv == {dq} and (dq == F32 or dq == F64):
+        return dq, dq, dq
+    for half in (F16, BF16):
+        if half is not None and dkv == {half} and (dq == F32 or dq == half):
+            return F32, dq, F32
+    if dq not in (F32, F64, F16, BF16):
+        raise TypeError(f"fastattn.{fn}: q has dtype {dq}; supported dtypes are float32, float64 "
+                        "and, for k and v (with float32 q or q of their dtype), float16 or "
+                        "bfloat16 (ml_dtypes.bfloat16), native byte order")
+    raise TypeError(f"fastattn.{fn}: unsupported dtype combination "
+                    + ", ".join(f"{n} {a.dtype}" for n, a in arrays.items())
+                    + "; q, k and v must share float32 or float64, or k and v be float16 (or "
+                    "bfloat16) with float32 q or q of the same 16-bit type")
+
+
+def _real(x):
+    """Whether `x` is a real number and not a bool (numbers.Real, bools excluded)."""
+    return not isinstance(x, (bool, np.bool_)) and isinstance(x, numbers.Real)
+
+
+def _integral(x):
+    """Whether `x` is an integer and not a bool (numbers.Integral, bools excluded)."""
+    return not isinstance(x, (bool, np.bool_)) and isinstance(x, numbers.Integral)
+
+
+def parse_causal(causal, fn="attention"):
+    """The kernel's causal code of `causal`: 0 for False or None, 1 for True (a NumPy
+    bool too) or 'bottom-right', 2 for 'top-left'.
+
+    Raises
+    ------
+    ValueError
+        For any other value (the message names the public function `fn`).
+    """
+    if causal is False or causal is None:
+        return 0
+    if causal is True:
+        return 1
+    if isinstance(causal, np.bool_):
+        return 1 if causal else 0
+    if isinstance(causal, str) and causal in _CAUSAL:
+        return _CAUSAL[causal]
+    raise ValueError(
+        f"fastattn.{fn}: causal must be False, True, 'bottom-right' or 'top-left', got {causal!r}")
+
+
+def parse_scale(scale, D, fn="attention"):
+    """The logits' scale as a float: `scale`, or ``1 / sqrt(D)`` for None (1 for
+    D = 0), D being the feature size of q and k.
+
+    Raises
+    ------
+    TypeError
+        If `scale` is not a real number (bools are not); `fn` names the function.
+    ValueError
+        If it is not finite.
+    """
+    if scale is None:
+        return 1.0 / math.sqrt(D) if D > 0 else 1.0
+    if type(scale) is float and math.isfinite(scale):
+        return scale
+    if not _real(scale):
+        raise TypeError(f"fastattn.{fn}: scale must be a real number, got {type(scale).__name__}")
+    s = float(scale)
+    if not math.isfinite(s):
+        raise ValueError(f"fastattn.{fn}: scale must be finite, got {scale!r}")
+    return s
+
+
+def parse_softcap(softcap, fn):
+    """The soft-capping constant as a float, 0.0 (off) for None.
+
+    Raises
+    ------
+    TypeError
+        If it is not a real number (bools are not); `fn` names the function.
+    ValueError
+        If it is not finite and > 0.
+    """
+    if softcap is None:
+        return 0.0
+    if not _real(softcap):
+        raise TypeError(f"fastattn.{fn}: softcap must be a real number or None, "
+                        f"got {type(softcap).__name__}")
+    c = float(softcap)
+    if not (math.isfinite(c) and c > 0):
+        raise ValueError(f"fastattn.{fn}: softcap must be finite and > 0, got {softcap!r}")
+    return c
+
+
+def parse_window(window, fn):
+    """The window as ``(left, right)`` ints, -1 for an unbounded side: None, or None
+    or -1 on a side, means unbounded (FlashAttention's convention); sizes are clamped
+    to 2**62.
+
+    Raises
+    ------
+    ValueError
+        If `window` is not a pair, or a side is negative other than -1.
+    TypeError
+        If a side is neither an int nor None (bools are not ints here).
+    """
+    if window is None:
+        return -1, -1
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        raise ValueError(f"fastattn.{fn}: window must be a (left, right) pair, got {window!r}") from None
+    sides = []
+    for name, w in (("left", left), ("right", right)):
+        if w is None:
+            sides.append(-1)
+            continue
+        if not _integral(w):
+            raise TypeError(f"fastattn.{fn}: window {name} size must be an int or None, got {w!r}")
+        if w == -1:
+            sides.append(-1)
+            continue
+        if w < 0:
+            raise ValueError(f"fastattn.{fn}: window {name} size must be >= 0, or -1 or None "
+                             f"for unbounded; got window={window!r}")
+        sides.append(min(int(w), 2**62))
+    return sides[0], sides[1]
+
+
+def parse_dropout(dropout_p, seed, fn):
+    """Dropout's ``(p, seed)``: a float ``0 <= p < 1`` and the seed as an int in
+    [0, 2**64), needed when p > 0 (0 when p = 0 and no seed is given).
+
+    Raises
+    ------
+    TypeError
+        If `dropout_p` is not a real number or `seed` not an int (bools are neither).
+    ValueError
+        If `dropout_p` is outside [0, 1), `seed` outside [0, 2**64), or missing with
+        ``dropout_p > 0``.
+    """
+    if not _real(dropout_p):
+        raise TypeError(f"fastattn.{fn}: dropout_p must be a real number in [0, 1), got "
+                        f"{type(dropout_p).__name__}")
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"fastattn.{fn}: dropout_p must be in [0, 1), got {dropout_p!r}")
+    if seed is None:
+        if p > 0:
+            raise ValueError(f"fastattn.{fn}: dropout_p={dropout_p!r} > 0 needs a seed (an int "
+                             "in [0, 2**64)): the same seed gives the same dropped weights in "
+                             "the forward and the backward")
+        return p, 0
+    if not _integral(seed):
+        raise TypeError(f"fastattn.{fn}: seed must be an int, got {type(seed).__name__}")
+    if not 0 <= int(seed) < 2**64:
+        raise ValueError(f"fastattn.{fn}: seed must be in [0, 2**64), got {seed!r}")
+    return p, int(seed)
+
+
+def parse_threads(num_threads, fn="attention"):
+    """The thread count for the kernel: 0 (OpenMP's default) for None, else the int
+    (>= 1) clamped to 2**16.
+
+    Raises
+    ------
+    TypeError
+        If it is neither an int nor None (bools are not ints here).
+    ValueError
+        If it is < 1.
+    """
+    if num_threads is None:
+        return 0
+    if not _integral(num_threads):
+        raise TypeError(
+            f"fastattn.{fn}: num_threads must be an int or None, got {type(num_threads).__name__}")
+    n = int(num_threads)
+    if n < 1:
+        raise ValueError(f"fastattn.{fn}: num_threads must be >= 1, got {n}")
+    return min(n, 1 << 16)
+
+
+def parse_flag(value, name, fn):
+    """The bool argument `name` (``return_lse``...) of `fn` as a Python bool.
+
+    Raises
+    ------
+    TypeError
+        For anything but a bool or a NumPy bool (0 and 1 included).
+    """
+    if value is not False and value is not True and not isinstance(value, np.bool_):
+        raise TypeError(f"fastattn.{fn}: {name} must be a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+def fresh(a, dtype=None):
+    """A new C-contiguous copy: freshly allocated, so aligned (np.ascontiguousarray
+    returns an unaligned array unchanged when it is already contiguous)."""
+    return np.array(a, dtype=dtype, order="C", copy=True)
+
+
+def _compact(a, dt):
+    """`a` in dtype dt, aligned, with strides of whole elements: the kernel reads it in
+    place.  Called on the caller's own (un-broadcast) array, so a copy is never larger
+    than what the caller passed."""
+    if a.dtype != dt or not a.flags.aligned or any(s % dt.itemsize for s in a.strides):
+        return fresh(a, dt)
+    return a
+
+
+def in_place(a, dt):
+    """`a` as the kernel reads it in place: dtype dt, aligned, whole-element strides and
+    a contiguous last axis (the rule of _kernels' readable check); else a fresh copy."""
+    a = _compact(a, dt)
+    if a.size and a.shape[-1] > 1 and a.strides[-1] != dt.itemsize:
+        return fresh(a)
+    return a
+
+
+def _broadcast4(a, name, full, fn):
+    """A (B, Hq, Lq, Lk) view of `a` broadcast (right-aligned, stride 0) against the
+    logits shape `full` of the user's ndim; nothing is materialized."""
+    try:
+        ok = np.broadcast_shapes(a.shape, full) == full
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"fastattn.{fn}: {name} of shape {a.shape} does not broadcast to the "
+                         f"logits shape {full} (B, Hq, Lq, Lk)")
+    return np.broadcast_to(a, full).reshape((1,) * (4 - len(full)) + full)
+
+
+def _check_axes(fn, layout, nd, qs, ks, vs, shapes):
+    """Raise a ValueError naming the first axis on which q, k and v (as (..., H, L, D)
+    shapes, already in the bhsd order) disagree."""
+    order = "(..., L, H, D)" if layout == "bshd" and nd > 2 else "(..., H, L, D)"
+    tail = f" (q, k, v are {order}; got {shapes})"
+
+    def differ(what, a_name, a, b_name, b):
+        if a != b:
+            raise ValueError(f"fastattn.{fn}: {a_name} has {what}={a} but {b_name} has "
+                             f"{what}={b}" + tail)
+
+    differ("D", "q", qs[-1], "k", ks[-1])
+    if vs is not None:
+        differ("Lk", "k", ks[-2], "v", vs[-2])
+    if nd == 4:
+        differ("B", "q", qs[0], "k", ks[0])
+        if vs is not None:
+            differ("B", "k", ks[0], "v", vs[0])
+    if nd > 2:
+        if vs is not None:
+            differ("Hkv", "k", ks[-3], "v", vs[-3])
+        hq, hkv = qs[-3], ks[-3]
+        if (hkv == 0 and hq != 0) or (hkv and hq % hkv):
+            raise ValueError(f"fastattn.{fn}: q has Hq={hq} heads, which is not a multiple of "
+                             f"the Hkv={hkv} heads of k and v (grouped-query attention needs "
+                             f"Hq % Hkv == 0)" + tail)
+
+
+class Options(NamedTuple):
+    """What :meth:`Problem.options` parsed: the kernel's causal code, the scale as a
+    float, the thread count (0 = OpenMP's default) and the _kernels.Variants (None
+    when every optional argument is off)."""
+    causal: int
+    scale: float
+    threads: int
+    variants: Any
+
+
+class Problem:
+    """q, k, v of one call checked and viewed as (…, H, L, D) arrays in the "bhsd" order.
+
+    Parameters
+    ----------
+    fn : str
+        The public function, as it is named in messages.
+    q, k, v : ndarray (v may be None: the functions without values)
+        (L, D), (H, L, D) or (B, H, L, D) in `layout`, through :func:`as_array` first.
+    layout : {'bhsd', 'bshd'}
+
+    Raises
+    ------
+    ValueError
+        For another layout, ranks other than 2-4 or that differ, or axes that disagree
+        (the message names the first such axis).
+    TypeError
+        For dtypes fastattn does not take together.
+
+    Attributes
+    ----------
+    q, k, v : the arrays as (…, H, L, D) views (v None if not given)
+    dtype, out_dtype, lse_dtype : numpy dtypes of the computation, output and lse
+    B, Hq, Hkv, Lq, Lk, D : the sizes (B and H are 1 where the rank has no such axis)
+    nd, layout, fn : the rank, the layout and the function name
+    logits_shape : (B, Hq, Lq, Lk) cut to the inputs' rank
+    user_shapes : "q(…), k(…), v(…)" as the caller passed them, for messages
+    """
+
+    def __init__(self, fn, q, k, v, layout):
+        if layout not in LAYOUTS:
+            raise ValueError(f"fastattn.{fn}: layout must be 'bhsd' or 'bshd', got {layout!r}")
+        arrays = {"q": q, "k": k} if v is None else {"q": q, "k": k, "v": v}
+        self.dtype, self.out_dtype, self.lse_dtype = _dtypes(fn, **arrays)
+        nd = q.ndim
+        if nd < 2 or nd > 4 or any(a.ndim != nd for a in arrays.values()):
+            odd = [f"{n} is {a.ndim}-D" for n, a in arrays.items() if a.ndim != nd]
+            what = f"q is {nd}-D but " + ", ".join(odd) if odd else f"q is {nd}-D"
+            raise ValueError(f"fastattn.{fn}: q, k and v must all be 2-D (L, D), 3-D (H, L, D) or "
+                             f"4-D (B, H, L, D): {what}; got {_describe(**arrays)}")
+        self.user_shapes = _describe(**arrays)
+        self.swap = layout == "bshd" and nd > 2
+        if self.swap:
+            q, k = q.swapaxes(-2, -3), k.swapaxes(-2, -3)
+            v = None if v is None else v.swapaxes(-2, -3)
+        _check_axes(fn, layout, nd, q.shape, k.shape, None if v is None else v.shape,
+                    self.user_shapes)
+        qs, ks = q.shape, k.shape
+        self.Hq = qs[-3] if nd > 2 else 1
+        self.Hkv = ks[-3] if nd > 2 else 1
+        self.fn, self.nd, self.layout = fn, nd, layout
+        self.q, self.k, self.v = q, k, v
+        self.B = qs[0] if nd == 4 else 1
+        self.Lq, self.D, self.Lk = qs[-2], qs[-1], ks[-2]
+        self.logits_shape = (self.B, self.Hq, self.Lq, self.Lk)[4 - nd:]
+
+    def user(self, shape):
+        """A (…, H, L, X) shape in the caller's layout."""
+        return shape[:-3] + (shape[-2], shape[-3], shape[-1]) if self.swap else shape
+
+    def bhsd(self, a):
+        """An array of the caller's layout viewed in the "bhsd" order."""
+        return a.swapaxes(-2, -3) if self.swap else a
+
+    def seqlens(self, seqlens_k):
+        """seqlens_k checked: an int array (B,) with entries in [0, Lk], as int64."""
+        fn = self.fn
+        a = as_array(seqlens_k, "seqlens_k", fn)
+        if a.dtype.kind not in "iu":
+            raise TypeError(f"fastattn.{fn}: seqlens_k must be an integer array, got dtype {a.dtype}")
+        if a.shape != (self.B,):
+            raise ValueError(f"fastattn.{fn}: seqlens_k must have shape (B,) = ({self.B},), one key "
+                             f"length per sequence, got {a.shape} ({self.user_shapes})")
+        if a.size and (a.min() < 0 or a.max() > self.Lk):
+            raise ValueError(f"fastattn.{fn}: seqlens_k must be in [0, Lk={self.Lk}], got "
+                             f"{abbreviated(a)}")
+        return fresh(a, np.int64)
+
+    def variants(self, window, mask, bias, alibi_slopes, softcap, dropout=(0.0, 0), seqlens_k=None):
+        """The optional arguments, as :func:`fastattn.attention` takes them, checked and
+        made a _kernels.Variants (None if all are off); `dropout` is
+        :func:`parse_dropout`'s ``(p, seed)``.  Mask and bias are broadcast to the logits
+        shape without a copy; bias and slopes are in the compute dtype.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Naming the argument, as :func:`fastattn.attention` does.
+        """
+        fn, dt = self.fn, self.dtype
+        sl = None if seqlens_k is None else self.seqlens(seqlens_k)
+        wl, wr = parse_window(window, fn)
+        cap = parse_softcap(softcap, fn)
+        m = b = al = None
+        if mask is not None:
+            m = as_array(mask, "mask", fn)
+            if m.dtype != np.bool_:
+                raise TypeError(f"fastattn.{fn}: mask must be a bool array (True = attend), got "
+                                f"dtype {m.dtype} with shape {m.shape}")
+            m = _broadcast4(m, "mask", self.logits_shape, fn)
+        if bias is not None:
+            b = as_array(bias, "bias", fn)
+            if not is_float(b.dtype):
+                raise TypeError(f"fastattn.{fn}: bias must be a float array, got dtype {b.dtype} "
+                                f"with shape {b.shape}")
+            b = _broadcast4(_compact(b, dt), "bias", self.logits_shape, fn)
+        if alibi_slopes is not None:
+            al = as_array(alibi_slopes, "alibi_slopes", fn)
+            if al.dtype.kind not in "fiu" and not is_float(al.dtype):
+                raise TypeError(f"fastattn.{fn}: alibi_slopes must be a float array, got dtype "
+                                f"{al.dtype}")
+            shapes = [(self.Hq,)] + ([(self.B, self.Hq)] if self.nd == 4 else [])
+            if al.shape not in shapes:
+                raise ValueError(f"fastattn.{fn}: alibi_slopes must have shape "
+                                 f"{' or '.join(map(str, shapes))}, got {al.shape} ({self.user_shapes})")
+            al = np.broadcast_to(_compact(al, dt), (self.B, self.Hq))
+        if m is None and b is None and al is None and cap == 0 and wl < 0 and wr < 0 \
+                and dropout[0] == 0 and sl is None:
+            return None
+        va = _kernels.Variants(mask=m, bias=b, alibi=al, softcap=cap, window_left=wl,
+                               window_right=wr, dropout_p=dropout[0], seed=dropout[1])
+        va.seqlens_k = sl
+        return va
+
+    def options(self, causal, scale, num_threads, window, mask, bias, alibi_slopes, softcap,
+                dropout_p=0.0, seed=None, seqlens_k=None, always=True):
+        """The options of a call parsed in the order every public function checks them
+        (causal, scale, num_threads, dropout, then :meth:`variants`), as an
+        :class:`Options`; its variants are an empty _kernels.Variants rather than None
+        when `always`."""
+        fn = self.fn
+        code = parse_causal(causal, fn)
+        scale_f = parse_scale(scale, self.D, fn)
+        nth = parse_threads(num_threads, fn)
+        va = self.variants(window, mask, bias, alibi_slopes, softcap,
+                           parse_dropout(dropout_p, seed, fn), seqlens_k)
+        return Options(code, scale_f, nth, va or _kernels.Variants() if always else va)
