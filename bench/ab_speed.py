@@ -3,7 +3,7 @@ backward cases timed in two worker processes, one importing each build, taking t
 call by call (30 ms apart, so neither build's OpenMP threads spin into the other's
 turn), medians and the per-round ratio B/A reported.
 
-    python bench/ab_speed.py OLD_TREE NEW_TREE [--rounds 15] [--threads 2]
+    python bench/ab_speed.py OLD_TREE NEW_TREE [--rounds 15] [--threads 2] [--only decode]
 
 A tree is a source checkout with its extension built in place (``python setup.py
 build_ext --inplace``).  With the same code in both trees, the ratios show the
@@ -77,12 +77,13 @@ def main(argv):
     ap.add_argument("new")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--only", default="", help="run the cases whose name contains this")
     args = ap.parse_args(argv)
     a, fa = start(os.path.abspath(args.old), args.threads)
     b, fb = start(os.path.abspath(args.new), args.threads)
     print(f"A: {fa}\nB: {fb}\n{args.rounds} rounds, {args.threads} threads, alternating A/B (B/A per round)")
     print(f"{'case':34s} {'A median ms':>12s} {'B median ms':>12s} {'B/A median':>11s} {'B/A IQR':>16s}")
-    for name in CASES:
+    for name in (n for n in CASES if args.only in n):
         ta, tb, ratio = [], [], []
         for r in range(args.rounds):
             order = (a, b) if r % 2 == 0 else (b, a)
