@@ -207,6 +207,19 @@ int64_t fa_qblocks(const fa_params *p, const fa_plan *pl, int64_t b)
     return (fa_seq_len(p->cu_q, b, p->Lq) + pl->nqp - 1) / pl->nqp;
 }
 
+/* Varlen: the sequence whose items start at or before item t (the last b with
+ * pl->start[b] <= t), by bisection. */
+static int64_t fa_seq_of_item(const fa_plan *pl, int64_t B, int64_t t)
+{
+    int64_t lo = 0, hi = B - 1;
+    while (lo < hi) {
+        int64_t mid = (lo + hi + 1) / 2;
+        if (pl->start[mid] <= t) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
 /* Item t of the plan.  Within a sequence, query blocks run last first: with causal
  * masking the last blocks see the most keys, so the most expensive items start
  * first and dynamic scheduling balances the rest across threads. */
@@ -215,13 +228,7 @@ void fa_item_of(const fa_params *p, const fa_plan *pl, int64_t t, fa_item *it)
     const int64_t per_qb = p->Hkv * pl->nhc;
     int64_t b, u;
     if (pl->start) {
-        int64_t lo = 0, hi = p->B - 1; /* last b with start[b] <= t */
-        while (lo < hi) {
-            int64_t mid = (lo + hi + 1) / 2;
-            if (pl->start[mid] <= t) lo = mid;
-            else hi = mid - 1;
-        }
-        b = lo;
+        b = fa_seq_of_item(pl, p->B, t);
         u = t - pl->start[b];
     } else {
         const int64_t nbk = p->B * per_qb; /* items per query block index */
@@ -266,13 +273,7 @@ void fa_head_item(const fa_params *p, const fa_plan *pl, int64_t u, fa_item *it)
 {
     int64_t b, w;
     if (pl->start) {
-        int64_t lo = 0, hi = p->B - 1; /* last b with start[b] <= u */
-        while (lo < hi) {
-            int64_t mid = (lo + hi + 1) / 2;
-            if (pl->start[mid] <= u) lo = mid;
-            else hi = mid - 1;
-        }
-        b = lo;
+        b = fa_seq_of_item(pl, p->B, u);
         w = u - pl->start[b];
     } else {
         b = u / pl->per_seq;
