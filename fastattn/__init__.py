@@ -35,8 +35,8 @@ try:
     from . import _kernels
 except ImportError as _exc:
     raise _source_tree_error(_exc) from None
-from ._api import (AttentionStats, attention, attention_backward, attention_weights, key_mass, merge,
-                   varlen_attention)
+from ._api import AttentionStats, attention, attention_backward, attention_weights, key_mass
+from ._varlen import merge, varlen_attention
 from ._config import show_config
 
 __version__ = "0.1.0"

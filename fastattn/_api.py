@@ -1,21 +1,22 @@
-"""fastattn's public entry points: what each passes to the kernel (layout and
-strides, dtype, thread count, the output arrays).  The arguments are parsed and
+"""fastattn's public entry points (merge and varlen_attention are in fastattn._varlen):
+what each passes to the kernel (layout and strides, dtype, thread count, the output
+arrays).  The arguments are parsed and
 checked by fastattn._args (what every function shares) and fastattn._checks (each
 function's own); the maths is in C (src_c/), reached through fastattn._kernels."""
 
 from __future__ import annotations
 
-from typing import Any, Literal, NamedTuple, Sequence, Tuple, Union, overload
+from typing import Any, Literal, NamedTuple, Tuple, Union, overload
 
 import numpy as np
 
 from . import _kernels
 from ._args import BF16, F32, Problem, as_array, fresh, in_place, parse_flag
-from ._checks import backward_flags, check_out, grad_inputs, merge_inputs, varlen_problem
+from ._checks import backward_flags, check_out, grad_inputs
 from ._typing import Array, ArrayLike, Causal, FloatArray, Layout, Window
 
-__all__ = ["attention", "attention_backward", "attention_weights", "key_mass", "merge",
-           "varlen_attention", "AttentionStats"]
+__all__ = ["attention", "attention_backward", "attention_weights", "key_mass", "AttentionStats",
+           "attention_block"]
 
 
 class AttentionStats(NamedTuple):
@@ -46,7 +47,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
               causal: Causal = ..., window: Window = ..., mask: ArrayLike | None = ...,
               bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
               softcap: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
-              seqlens_k: ArrayLike | None = ..., layout: Layout = ..., return_lse: Literal[False] = ...,
+              seqlens_k: ArrayLike | None = ..., q_offset: int | None = ...,
+              k_offset: int | None = ..., layout: Layout = ..., return_lse: Literal[False] = ...,
               return_stats: Literal[False] = ...,
               out: Array | None = ..., num_threads: int | None = ...) -> FloatArray: ...
 
@@ -56,7 +58,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
               causal: Causal = ..., window: Window = ..., mask: ArrayLike | None = ...,
               bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
               softcap: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
-              seqlens_k: ArrayLike | None = ..., layout: Layout = ..., return_lse: Literal[True],
+              seqlens_k: ArrayLike | None = ..., q_offset: int | None = ...,
+              k_offset: int | None = ..., layout: Layout = ..., return_lse: Literal[True],
               return_stats: Literal[False] = ...,
               out: Array | None = ..., num_threads: int | None = ...
               ) -> Tuple[FloatArray, FloatArray]: ...
@@ -67,7 +70,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
               causal: Causal = ..., window: Window = ..., mask: ArrayLike | None = ...,
               bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
               softcap: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
-              seqlens_k: ArrayLike | None = ..., layout: Layout = ..., return_lse: bool = ...,
+              seqlens_k: ArrayLike | None = ..., q_offset: int | None = ...,
+              k_offset: int | None = ..., layout: Layout = ..., return_lse: bool = ...,
               return_stats: bool = ...,
               out: Array | None = ..., num_threads: int | None = ...
               ) -> Union[FloatArray, Tuple[Any, ...]]: ...
@@ -77,7 +81,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
               causal: Causal = False, window: Window = None, mask: ArrayLike | None = None,
               bias: ArrayLike | None = None, alibi_slopes: ArrayLike | None = None,
               softcap: float | None = None, dropout_p: float = 0.0, seed: int | None = None,
-              seqlens_k: ArrayLike | None = None, layout: Layout = "bhsd", return_lse: bool = False,
+              seqlens_k: ArrayLike | None = None, q_offset: int | None = None,
+              k_offset: int | None = None, layout: Layout = "bhsd", return_lse: bool = False,
               return_stats: bool = False,
               out: Array | None = None, num_threads: int | None = None
               ) -> Union[FloatArray, Tuple[Any, ...]]:
@@ -145,6 +150,18 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
         ``seqlens_k[b] - 1``).  Batched decoding of requests at different positions
         then needs no mask and reads only each request's keys.  Entries in
         ``[0, Lk]``; 0 gives zero rows with lse -inf.
+    q_offset, k_offset : int, optional
+        Where the queries and keys sit in a longer sequence: query ``i`` at position
+        ``q_offset + i``, key ``j`` at ``k_offset + j`` (a missing one is 0).  The
+        positions then decide the diagonal ``a = q_offset + i - k_offset`` (in key
+        rows) instead of the lengths: causal hides keys past it, the window is around
+        it, and ALiBi measures ``|a - j|``.  Chunked prefill (a chunk of queries
+        against the first part of a cache, or a cache split into key chunks combined
+        by :func:`merge`) and blocked schedules then need no synthesized mask.  Not
+        with ``causal='top-left'``, which aligns by the lengths; with `seqlens_k`,
+        sequence ``b`` still sees only keys below ``seqlens_k[b]``, on the same
+        diagonal.  Dropout's decision uses the row and key indices ``i, j`` of the
+        call, not the positions.  Integers within ``+-2**53``.
     layout : {'bhsd', 'bshd'}, optional
         Axis order of q, k, v and the output: (batch, heads, sequence, features) or
         (batch, sequence, heads, features).  Any strides with a contiguous last axis
@@ -186,26 +203,45 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
             and window is None and mask is None and bias is None and alibi_slopes is None
             and softcap is None and layout == "bhsd"
             and type(dropout_p) in (float, int) and dropout_p == 0 and return_stats is False
-            and seqlens_k is None
+            and seqlens_k is None and q_offset is None and k_offset is None
             and (num_threads is None or type(num_threads) is int and num_threads >= 1)):
         res = _kernels.attention_common(q, k, v, causal, return_lse, num_threads or 0)
         if res is not None:
             return res
 
     return _attention(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap, dropout_p,
-                      seed, seqlens_k, layout, return_lse, return_stats, out, num_threads)
+                      seed, seqlens_k, layout, return_lse, return_stats, out, num_threads,
+                      (q_offset, k_offset, 0))
+
+
+def attention_block(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, q_offset: int, k_offset: int,
+                    alibi_shift: int = 0, scale: float | None = None, causal: Causal = False,
+                    window: Window = None, mask: ArrayLike | None = None,
+                    bias: ArrayLike | None = None, alibi_slopes: ArrayLike | None = None,
+                    softcap: float | None = None, layout: Layout = "bhsd",
+                    return_lse: bool = False, return_stats: bool = False,
+                    num_threads: int | None = None) -> Union[FloatArray, Tuple[Any, ...]]:
+    """fastattn.dask's entry (a documented internal): :func:`attention` with
+    `q_offset` and `k_offset`, where ALiBi measures from the diagonal moved
+    `alibi_shift` keys right of the causal one, ``|a + alibi_shift - j|``: a block of
+    a problem whose causal convention is top-left passes that problem's ``Lk - Lq``
+    (ALiBi aligns bottom-right whatever the convention, semantics 3)."""
+    return _attention(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap, 0.0,
+                      None, None, layout, return_lse, return_stats, None, num_threads,
+                      (q_offset, k_offset, alibi_shift))
 
 
 def _attention(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap, dropout_p,
-               seed, seqlens_k, layout, return_lse, return_stats, out, num_threads):
+               seed, seqlens_k, layout, return_lse, return_stats, out, num_threads, positions):
     """:func:`attention` past its compiled fast path: every argument checked, the
-    output allocated (or `out` checked), the kernel run, the results assembled."""
+    output allocated (or `out` checked), the kernel run, the results assembled.
+    `positions` is ``(q_offset, k_offset, alibi_shift)``."""
     fn = "attention"
     pr = Problem(fn, as_array(q, "q"), as_array(k, "k"), as_array(v, "v"), layout)
     return_lse = parse_flag(return_lse, "return_lse", fn)
     return_stats = parse_flag(return_stats, "return_stats", fn)
     opt = pr.options(causal, scale, num_threads, window, mask, bias, alibi_slopes, softcap,
-                     dropout_p, seed, seqlens_k, always=False)
+                     dropout_p, seed, seqlens_k, False, *positions)
     variants = opt.variants
     user_shape = pr.user(pr.q.shape[:-1] + (pr.v.shape[-1],))
     if out is None:
@@ -256,8 +292,9 @@ def attention_weights(q: ArrayLike, k: ArrayLike, *, scale: float | None = None,
                       mask: ArrayLike | None = None, bias: ArrayLike | None = None,
                       alibi_slopes: ArrayLike | None = None, softcap: float | None = None,
                       dropout_p: float = 0.0, seed: int | None = None,
-                      seqlens_k: ArrayLike | None = None,
-                      layout: Layout = "bhsd", num_threads: int | None = None) -> FloatArray:
+                      seqlens_k: ArrayLike | None = None, q_offset: int | None = None,
+                      k_offset: int | None = None, layout: Layout = "bhsd",
+                      num_threads: int | None = None) -> FloatArray:
     """The exact attention weights ``softmax(logits)``, shape (..., Hq, Lq, Lk).
 
     Computed by the same logits code as :func:`attention` (same arguments and
@@ -271,7 +308,7 @@ def attention_weights(q: ArrayLike, k: ArrayLike, *, scale: float | None = None,
     fn = "attention_weights"
     pr = Problem(fn, as_array(q, "q", fn), as_array(k, "k", fn), None, layout)
     opt = pr.options(causal, scale, num_threads, window, mask, bias, alibi_slopes, softcap,
-                     dropout_p, seed, seqlens_k)
+                     dropout_p, seed, seqlens_k, q_offset=q_offset, k_offset=k_offset)
     va = opt.variants
     # keys past a sequence's seqlens_k are never visited: their weights are the zeros here
     weights = (np.zeros if seqlens_k is not None else np.empty)(pr.logits_shape, dtype=pr.dtype)
@@ -307,7 +344,8 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
                        window: Window = ..., mask: ArrayLike | None = ...,
                        bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
                        softcap: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
-                       seqlens_k: ArrayLike | None = ..., layout: Layout = ..., return_dbias: Literal[False] = ...,
+                       seqlens_k: ArrayLike | None = ..., q_offset: int | None = ...,
+                       k_offset: int | None = ..., layout: Layout = ..., return_dbias: Literal[False] = ...,
                        num_threads: int | None = ...
                        ) -> Tuple[FloatArray, FloatArray, FloatArray]: ...
 
@@ -318,7 +356,8 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
                        window: Window = ..., mask: ArrayLike | None = ...,
                        bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
                        softcap: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
-                       seqlens_k: ArrayLike | None = ..., layout: Layout = ..., return_dbias: Literal[True],
+                       seqlens_k: ArrayLike | None = ..., q_offset: int | None = ...,
+                       k_offset: int | None = ..., layout: Layout = ..., return_dbias: Literal[True],
                        num_threads: int | None = ...
                        ) -> Tuple[FloatArray, FloatArray, FloatArray, FloatArray]: ...
 
@@ -329,7 +368,8 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
                        window: Window = ..., mask: ArrayLike | None = ...,
                        bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
                        softcap: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
-                       seqlens_k: ArrayLike | None = ..., layout: Layout = ..., return_dbias: bool = ...,
+                       seqlens_k: ArrayLike | None = ..., q_offset: int | None = ...,
+                       k_offset: int | None = ..., layout: Layout = ..., return_dbias: bool = ...,
                        num_threads: int | None = ...
                        ) -> Tuple[FloatArray, ...]: ...
 
@@ -340,8 +380,8 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
                        bias: ArrayLike | None = None, alibi_slopes: ArrayLike | None = None,
                        softcap: float | None = None, dropout_p: float = 0.0,
                        seed: int | None = None, seqlens_k: ArrayLike | None = None,
-                       layout: Layout = "bhsd",
-                       return_dbias: bool = False, num_threads: int | None = None
+                       q_offset: int | None = None, k_offset: int | None = None,
+                       layout: Layout = "bhsd", return_dbias: bool = False, num_threads: int | None = None
                        ) -> Tuple[FloatArray, ...]:
     """Gradients of :func:`attention`: given ``dout = dL/d(out)``, returns
     ``(dq, dk, dv)``, or ``(dq, dk, dv, dbias)`` with ``return_dbias=True``.
@@ -376,13 +416,14 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
         grads = attention_backward(
             dout, qa_.astype(F32), ka_.astype(F32), va_.astype(F32), out, lse, scale=scale,
             causal=causal, window=window, mask=mask, bias=bias, alibi_slopes=alibi_slopes,
-            softcap=softcap, dropout_p=dropout_p, seed=seed, seqlens_k=seqlens_k, layout=layout,
-            return_dbias=return_dbias, num_threads=num_threads)
+            softcap=softcap, dropout_p=dropout_p, seed=seed, seqlens_k=seqlens_k,
+            q_offset=q_offset, k_offset=k_offset, layout=layout, return_dbias=return_dbias,
+            num_threads=num_threads)
         return tuple(g.astype(x.dtype) for g, x in zip(grads, (qa_, ka_, va_))) + grads[3:]
     return_dbias = backward_flags(pr, return_dbias, bias)
     dt = pr.dtype
     opt = pr.options(causal, scale, num_threads, window, mask, bias, alibi_slopes, softcap,
-                     dropout_p, seed, seqlens_k)
+                     dropout_p, seed, seqlens_k, q_offset=q_offset, k_offset=k_offset)
     dout_a, out_a, lse_a = grad_inputs(pr, dout, out, lse)
     dq = np.empty(pr.user(pr.q.shape), dt)
     dk = np.empty(pr.user(pr.k.shape), dt)
@@ -409,7 +450,8 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
 def key_mass(q: ArrayLike, k: ArrayLike, *, scale: float | None = None, causal: Causal = False,
              window: Window = None, mask: ArrayLike | None = None, bias: ArrayLike | None = None,
              alibi_slopes: ArrayLike | None = None, softcap: float | None = None,
-             seqlens_k: ArrayLike | None = None, layout: Layout = "bhsd",
+             seqlens_k: ArrayLike | None = None, q_offset: int | None = None,
+             k_offset: int | None = None, layout: Layout = "bhsd",
              num_threads: int | None = None) -> FloatArray:
     """For each key, the total weight the queries of each head give it:
     ``mass[..., h, j] = sum_i p_hij``, shape ``(..., Hq, Lk)`` in either layout.
@@ -426,7 +468,7 @@ def key_mass(q: ArrayLike, k: ArrayLike, *, scale: float | None = None, causal: 
     fn = "key_mass"
     pr = Problem(fn, as_array(q, "q", fn), as_array(k, "k", fn), None, layout)
     opt = pr.options(causal, scale, num_threads, window, mask, bias, alibi_slopes, softcap,
-                     seqlens_k=seqlens_k)
+                     seqlens_k=seqlens_k, q_offset=q_offset, k_offset=k_offset)
     dt = pr.dtype
     qa, ka = (_column(pr.q, dt), _column(pr.k, dt)) if pr.D == 0 else (pr.q, pr.k)
     qa, ka = (in_place(a, dt) for a in (qa, ka))  # 16-bit inputs: float32 copies
@@ -440,122 +482,3 @@ def key_mass(q: ArrayLike, k: ArrayLike, *, scale: float | None = None, causal: 
     _kernels.key_mass(qa, ka, lse, mass.reshape((pr.B, pr.Hq, pr.Lk)), opt.scale, opt.causal,
                       opt.threads, opt.variants)
     return mass
-
-
-def merge(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike], *,
-          layout: Layout = "bhsd") -> Tuple[FloatArray, FloatArray]:
-    """Combine partial attentions over disjoint key sets into the whole.
-
-    If ``out_p, lse_p = attention(q, k_p, v_p, layout=layout, return_lse=True)`` for
-    key sets ``p = 1..P`` that partition the keys, the merge equals the attention
-    over all of them: ``lse = log(sum_p exp(lse_p))`` and
-    ``out = sum_p exp(lse_p - lse) out_p``.  Pass the parts exactly as
-    :func:`attention` returned them, with the same `layout`.
-
-    Parameters
-    ----------
-    outs : sequence of ndarray, all of one shape
-        ``(..., Hq, Lq, Dv)`` for ``layout="bhsd"``, ``(..., Lq, Hq, Dv)`` for
-        ``"bshd"``; 2-D ``(Lq, Dv)`` in either layout.
-    lses : sequence of ndarray
-        ``(..., Hq, Lq)`` in both layouts: :func:`attention` always puts the heads
-        before the sequence in lse (for ``"bshd"`` that is ``outs[p]`` with its last
-        axis dropped and the next two swapped); 2-D outs take ``(Lq,)``.
-    layout : {'bhsd', 'bshd'}, optional
-        The layout the parts were computed with.
-
-    Returns
-    -------
-    out, lse : ndarrays in the common float dtype of the inputs, in the shapes of
-        ``outs[0]`` and ``lses[0]``.  Stable for parts with ``lse = -inf`` (no
-        visible key: they contribute nothing); if every part is -inf the row is 0
-        with lse -inf.  Parts merge in the order given.
-    """
-    outs_a, lses_a, dt, swap = merge_inputs(outs, lses, layout)
-    shape = outs_a[0].shape
-    rows = int(np.prod(shape[:-1]))
-    O = np.stack([np.ascontiguousarray(o, dtype=dt).reshape(rows, shape[-1]) for o in outs_a])
-    L = np.stack([np.ascontiguousarray(x, dtype=dt).reshape(rows) for x in lses_a])
-    out = np.empty((rows, shape[-1]), dt)
-    lse = np.empty(rows, dt)
-    _kernels.merge(O, L, out, lse)
-    lse_out = lse.reshape(shape[:-1])
-    if swap:
-        lse_out = np.ascontiguousarray(lse_out.swapaxes(-1, -2))
-    return out.reshape(shape), lse_out
-
-
-@overload
-def varlen_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
-                     cu_seqlens_k: ArrayLike, *, scale: float | None = ...,
-                     causal: Causal = ..., window: Window = ...,
-                     alibi_slopes: ArrayLike | None = ..., softcap: float | None = ...,
-                     dropout_p: float = ..., seed: int | None = ...,
-                     return_lse: Literal[False] = ..., num_threads: int | None = ...
-                     ) -> FloatArray: ...
-
-
-@overload
-def varlen_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
-                     cu_seqlens_k: ArrayLike, *, scale: float | None = ...,
-                     causal: Causal = ..., window: Window = ...,
-                     alibi_slopes: ArrayLike | None = ..., softcap: float | None = ...,
-                     dropout_p: float = ..., seed: int | None = ...,
-                     return_lse: Literal[True], num_threads: int | None = ...
-                     ) -> Tuple[FloatArray, FloatArray]: ...
-
-
-@overload
-def varlen_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
-                     cu_seqlens_k: ArrayLike, *, scale: float | None = ...,
-                     causal: Causal = ..., window: Window = ...,
-                     alibi_slopes: ArrayLike | None = ..., softcap: float | None = ...,
-                     dropout_p: float = ..., seed: int | None = ...,
-                     return_lse: bool = ..., num_threads: int | None = ...
-                     ) -> Union[FloatArray, Tuple[FloatArray, FloatArray]]: ...
-
-
-def varlen_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
-                     cu_seqlens_k: ArrayLike, *, scale: float | None = None,
-                     causal: Causal = False, window: Window = None,
-                     alibi_slopes: ArrayLike | None = None, softcap: float | None = None,
-                     dropout_p: float = 0.0, seed: int | None = None,
-                     return_lse: bool = False, num_threads: int | None = None
-                     ) -> Union[FloatArray, Tuple[FloatArray, FloatArray]]:
-    """Attention over a packed ragged batch: each sequence attends only to its own keys.
-
-    Parameters
-    ----------
-    q : ndarray (total_q, Hq, D); k : (total_k, Hkv, D); v : (total_k, Hkv, Dv)
-        The sequences packed one after another (float32 or float64).
-    cu_seqlens_q, cu_seqlens_k : int arrays (nseq + 1,)
-        Cumulative lengths: start at 0, non-decreasing, end at total_q / total_k,
-        the same count.  Sequence s is q rows ``cu_q[s]:cu_q[s+1]`` against key rows
-        ``cu_k[s]:cu_k[s+1]``.
-    scale, causal, window, alibi_slopes (Hq,), softcap, num_threads
-        As for :func:`attention`; causal and window are aligned per sequence
-        (bottom-right: each sequence's last query sees its last key).
-    dropout_p, seed
-        As for :func:`attention`, with b the sequence's index and i, j positions
-        within the sequence.
-    return_lse : bool
-        Also return lse of shape (Hq, total_q).
-
-    Returns
-    -------
-    out : ndarray (total_q, Hq, Dv); lse : (Hq, total_q) with ``return_lse``.
-    """
-    pr, cq, ck = varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    return_lse = parse_flag(return_lse, "return_lse", "varlen_attention")
-    opt = pr.options(causal, scale, num_threads, window, None, None, alibi_slopes, softcap,
-                     dropout_p, seed)
-    va = opt.variants
-    va.cu_q, va.cu_k = cq, ck
-    total_q = pr.q.shape[-2]
-    out = np.empty((total_q, pr.Hq, pr.v.shape[-1]), pr.out_dtype)
-    lse = np.empty((pr.Hq, total_q), pr.lse_dtype) if return_lse else None
-    if cq.size > 1 and (out.size or lse is not None and lse.size):
-        # (1, H, total, D) views: the sequences are offsets on the L axis
-        _run(pr.q[None], pr.k[None], pr.v[None], out.swapaxes(0, 1)[None],
-             None if lse is None else lse[None], opt.scale, opt.causal, opt.threads, va)
-    return out if lse is None else (out, lse)

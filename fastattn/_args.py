@@ -5,7 +5,8 @@ message starts ``fastattn.<fn>:``, `fn` being the public function's name), so th
 fastattn._api and the adapters report a wrong argument in the same words.
 
 The surface fastattn.dask and fastattn.torch use (documented, no leading underscore;
-the adapters import nothing else from here, nor anything from fastattn._api):
+the adapters import nothing else from here, and from fastattn._api only
+:func:`fastattn._api.attention_block`, dask's call of a block placed by offsets):
 
 - :func:`as_array`: an argument as an ndarray, or a TypeError naming it;
 - :class:`Problem`: q, k, v of one call checked (dtypes, ranks, axes, layout) and
@@ -13,7 +14,8 @@ the adapters import nothing else from here, nor anything from fastattn._api):
   arguments;
 - :func:`parse_flag`, :func:`parse_causal`, :func:`parse_scale`,
   :func:`parse_threads`, :func:`parse_dropout`, :func:`parse_window`,
-  :func:`parse_softcap`: one scalar argument each, as the kernel takes it;
+  :func:`parse_softcap`, :func:`parse_offsets`: one scalar argument each (two for
+  the offsets), as the kernel takes it;
 - ``BF16``: ml_dtypes' bfloat16 dtype, or None where ml_dtypes is missing.
 
 fastattn._api and fastattn._checks (the checks of one public function each) also use
@@ -34,7 +36,7 @@ import numpy as np
 from . import _kernels
 
 __all__ = ["as_array", "Problem", "parse_flag", "parse_causal", "parse_scale", "parse_threads",
-           "parse_dropout", "parse_window", "parse_softcap", "BF16"]
+           "parse_dropout", "parse_window", "parse_softcap", "parse_offsets", "BF16"]
 
 F16 = np.dtype(np.float16)
 F32 = np.dtype(np.float32)
@@ -287,6 +289,39 @@ def parse_threads(num_threads, fn="attention"):
     return min(n, 1 << 16)
 
 
+OFFSET_MAX = 1 << 53  # |q_offset|, |k_offset| bound: position arithmetic stays exact
+
+
+def parse_offsets(q_offset, k_offset, causal, fn="attention"):
+    """The positions of the first query and key, ``(q_offset, k_offset)`` as ints (a
+    missing one is 0), or None when both are None (the lengths align the rows);
+    `causal` is :func:`parse_causal`'s code.
+
+    Raises
+    ------
+    TypeError
+        For anything but an int (a NumPy integer too; not a bool) or None.
+    ValueError
+        Beyond ``+-2**53``, or with ``causal='top-left'`` (which aligns by the lengths).
+    """
+    if q_offset is None and k_offset is None:
+        return None
+    offs = []
+    for name, x in (("q_offset", q_offset), ("k_offset", k_offset)):
+        x = 0 if x is None else x
+        if not _integral(x):
+            raise TypeError(f"fastattn.{fn}: {name} must be an int or None, got "
+                            f"{type(x).__name__}")
+        if abs(int(x)) > OFFSET_MAX:
+            raise ValueError(f"fastattn.{fn}: {name} must be in [-2**53, 2**53], got {int(x)}")
+        offs.append(int(x))
+    if causal == 2:
+        raise ValueError(f"fastattn.{fn}: causal='top-left' aligns the rows by the lengths; "
+                         f"with q_offset/k_offset the positions decide the diagonal, so pass "
+                         f"causal=True (got q_offset={q_offset!r}, k_offset={k_offset!r})")
+    return offs[0], offs[1]
+
+
 def parse_flag(value, name, fn):
     """The bool argument `name` (``return_lse``...) of `fn` as a Python bool.
 
@@ -453,11 +488,15 @@ class Problem:
                              f"{abbreviated(a)}")
         return fresh(a, np.int64)
 
-    def variants(self, window, mask, bias, alibi_slopes, softcap, dropout=(0.0, 0), seqlens_k=None):
+    def variants(self, window, mask, bias, alibi_slopes, softcap, dropout=(0.0, 0), seqlens_k=None,
+                 positions=None):
         """The optional arguments, as :func:`fastattn.attention` takes them, checked and
         made a _kernels.Variants (None if all are off); `dropout` is
-        :func:`parse_dropout`'s ``(p, seed)``.  Mask and bias are broadcast to the logits
-        shape without a copy; bias and slopes are in the compute dtype.
+        :func:`parse_dropout`'s ``(p, seed)``, `positions` None or ``(q_offset,
+        k_offset, alibi_shift)`` (offsets from :func:`parse_offsets`; alibi_shift moves
+        ALiBi's diagonal right of the causal one, fastattn.h).  Mask and bias are
+        broadcast to the logits shape without a copy; bias and slopes are in the compute
+        dtype.
 
         Raises
         ------
@@ -492,23 +531,29 @@ class Problem:
                                  f"{' or '.join(map(str, shapes))}, got {al.shape} ({self.user_shapes})")
             al = np.broadcast_to(_compact(al, dt), (self.B, self.Hq))
         if m is None and b is None and al is None and cap == 0 and wl < 0 and wr < 0 \
-                and dropout[0] == 0 and sl is None:
+                and dropout[0] == 0 and sl is None and positions is None:
             return None
         va = _kernels.Variants(mask=m, bias=b, alibi=al, softcap=cap, window_left=wl,
                                window_right=wr, dropout_p=dropout[0], seed=dropout[1])
         va.seqlens_k = sl
+        if positions is not None:
+            va.positions = True
+            va.q_pos0, va.k_pos0, va.alibi_shift = positions
         return va
 
     def options(self, causal, scale, num_threads, window, mask, bias, alibi_slopes, softcap,
-                dropout_p=0.0, seed=None, seqlens_k=None, always=True):
+                dropout_p=0.0, seed=None, seqlens_k=None, always=True, q_offset=None,
+                k_offset=None, alibi_shift=0):
         """The options of a call parsed in the order every public function checks them
-        (causal, scale, num_threads, dropout, then :meth:`variants`), as an
+        (causal, scale, num_threads, the offsets, dropout, then :meth:`variants`), as an
         :class:`Options`; its variants are an empty _kernels.Variants rather than None
-        when `always`."""
+        when `always`.  `alibi_shift` (an int, with offsets only) is fastattn.dask's."""
         fn = self.fn
         code = parse_causal(causal, fn)
         scale_f = parse_scale(scale, self.D, fn)
         nth = parse_threads(num_threads, fn)
+        offs = parse_offsets(q_offset, k_offset, code, fn)
         va = self.variants(window, mask, bias, alibi_slopes, softcap,
-                           parse_dropout(dropout_p, seed, fn), seqlens_k)
+                           parse_dropout(dropout_p, seed, fn), seqlens_k,
+                           None if offs is None else offs + (int(alibi_shift),))
         return Options(code, scale_f, nth, va or _kernels.Variants() if always else va)

@@ -1,7 +1,6 @@
 """The block plan of fastattn.dask, in pure Python (no dask): the chunk offsets, which
-(query chunk, key chunk) blocks of a problem exist, how each block's
-fastattn.attention call re-expresses causal, window and ALiBi in the block's own
-coordinates (:func:`plan_block`), the kv head chunks a GQA split needs
+(query chunk, key chunk) blocks of a problem exist, where each block's call places
+its queries and keys in the whole sequence (:func:`plan_block`), the kv head chunks a GQA split needs
 (:func:`kv_partition`) and the fixed merge tree over key chunks (:func:`tree`)."""
 from __future__ import annotations
 
@@ -29,19 +28,16 @@ class Plan:
 
     keys: how many of the block's keys to pass (a trailing part that every row of
         the block is denied by causal/window is cut off: this changes no bit);
-    causal, window: the arguments of that call, in the block's coordinates;
-    band: None, or (d, left, right) when the band cannot be written as a causal /
-        window argument: key u is visible to row t iff d - left <= u - t <= d + right
-        (None = unbounded), applied as a mask (a strided view, O(lq + lk) bytes);
-    alibi_shift: None when the slopes go to the kernel as they are (the block's own
-        bottom-right distance is the global one), else d_a: the distance of (t, u)
-        is |t - u + d_a|, applied as a bias (a strided view, O(lq + lk) per head).
+    causal, window: the arguments of that call;
+    positions: None for the whole problem (the user's own call), else
+        ``(q_offset, k_offset, alibi_shift)`` of fastattn._api.attention_block: where
+        the block's first query and key sit, so that the kernel applies causal, the
+        window and ALiBi as on the whole problem (no mask or bias is made for them).
     """
     keys: int
     causal: Union[bool, str]
     window: Optional[Tuple[Optional[int], Optional[int]]]
-    band: Optional[Tuple[int, Optional[int], Optional[int]]]
-    alibi_shift: Optional[int]
+    positions: Optional[Tuple[int, int, int]]
 
 
 def band(causal: int, wl: int, wr: int) -> Tuple[Optional[int], Optional[int]]:
@@ -56,17 +52,15 @@ def band(causal: int, wl: int, wr: int) -> Tuple[Optional[int], Optional[int]]:
 
 
 def plan_block(q0: int, q1: int, k0: int, k1: int, Lq: int, Lk: int, causal: int,
-                wl: int, wr: int, alibi: bool) -> Optional[Plan]:
+               wl: int, wr: int, alibi: bool) -> Optional[Plan]:
     """The call for query rows [q0, q1) against keys [k0, k1) of a problem of Lq
     queries and Lk keys, or None when causal/window hide every key of the block from
     every row (such a block is never scheduled; a block with no keys is None too).
 
-    In the block's coordinates (row t = i - q0, key u = j - k0) the diagonal of row t
-    is key t + d with d = q0 + off - k0, off = Lk - Lq (bottom-right, also the
-    alignment of a window without causal) or 0 (top-left).  A call on arrays of lq
-    rows and kk keys aligns its own bottom-right diagonal at t + (kk - lq): when that
-    equals t + d the user's causal/window pass unchanged; otherwise the band is
-    written as a window around the call's diagonal, or a mask.
+    Query i sits at position i + off and key j at j, off = Lk - Lq (bottom-right,
+    also the alignment of a window without causal) or 0 (top-left): the diagonal of
+    block row t = i - q0 is block key t + d, d = q0 + off - k0.  ALiBi measures from
+    the bottom-right diagonal whatever the convention: Lk - Lq - off keys right of it.
     """
     lq, lk = q1 - q0, k1 - k0
     off = 0 if causal == 2 else Lk - Lq
@@ -79,26 +73,12 @@ def plan_block(q0: int, q1: int, k0: int, k1: int, Lq: int, Lk: int, causal: int
             return None          # every key is right of every row's band
         if left is not None and d - left > lk - 1:
             return None          # every key is left of every row's band
-    d_a = q0 + (Lk - Lq) - k0    # ALiBi measures from the bottom-right diagonal always
     window = (None if wl < 0 else wl, None if wr < 0 else wr)
     if (q0, q1, k0, k1) == (0, Lq, 0, Lk):  # the whole problem: the user's own call
-        return Plan(lk, _CAUSAL_ARG[causal], window, None, None)
+        return Plan(lk, _CAUSAL_ARG[causal], window, None)
     kk = lk if right is None else max(1, min(lk, lq + d + right))  # cut keys no row sees
-    c = kk - lq                  # the call's own bottom-right diagonal offset
-    alibi_shift = None if not alibi or c == d_a else d_a
-    if c == d:                   # the call aligns as the whole problem: pass them as given
-        return Plan(kk, bool(causal), window, None, alibi_shift)
-    full = lq == 0 or ((left is None or lq - 1 + d - left <= 0)
-                       and (right is None or d + right >= kk - 1))
-    if full:                     # every row sees every key: no band to pass
-        return Plan(kk, False, None, None, alibi_shift)
-    if causal and d == 0:        # the call's top-left diagonal is the block's
-        return Plan(kk, "top-left", window, None, alibi_shift)
-    sl = None if left is None else left + c - d
-    sr = None if right is None else right + d - c
-    if (sl is None or sl >= 0) and (sr is None or sr >= 0):
-        return Plan(kk, False, (sl, sr), None, alibi_shift)
-    return Plan(kk, False, None, (d, left, right), alibi_shift)
+    shift = Lk - Lq - off if alibi else 0
+    return Plan(kk, bool(causal), window, (q0 + off, k0, shift))
 
 
 def kv_partition(q_head_chunks: Sequence[int], Hkv: int, G: int) -> Tuple[int, ...]:

@@ -41,7 +41,7 @@ cdef extern from "fastattn.h" nogil:
         const int64_t *cu_q
         const int64_t *cu_k
         int positions
-        int64_t q_pos0, k_pos0
+        int64_t q_pos0, k_pos0, alibi_shift
         const int64_t *seqlens_k
         void *weights
         int64_t w_sb, w_sh, w_sq
@@ -283,7 +283,7 @@ cdef class Variants:
     (an int in [0, 2**64))."""
     cdef public object mask, bias, alibi, cu_q, cu_k, weights, entropy, max_weight, seqlens_k
     cdef public double softcap, dropout_p
-    cdef public int64_t window_left, window_right, q_pos0, k_pos0
+    cdef public int64_t window_left, window_right, q_pos0, k_pos0, alibi_shift
     cdef public bint positions
     cdef public uint64_t seed
 
@@ -295,7 +295,7 @@ cdef class Variants:
         self.max_weight = None
         self.seqlens_k = None
         self.positions = False  # q_pos0, k_pos0 give the positions (fastattn.h)
-        self.q_pos0 = self.k_pos0 = 0
+        self.q_pos0 = self.k_pos0 = self.alibi_shift = 0
         self.mask = mask
         self.bias = bias
         self.alibi = alibi
@@ -319,6 +319,7 @@ cdef void _set_variants(fa_params *p, Variants va, int64_t item) except *:
     p.positions = va.positions
     p.q_pos0 = va.q_pos0
     p.k_pos0 = va.k_pos0
+    p.alibi_shift = va.alibi_shift
     if va.mask is not None:
         a = <cnp.ndarray>va.mask
         p.mask = <const uint8_t *>cnp.PyArray_DATA(a)

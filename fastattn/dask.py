@@ -41,6 +41,7 @@ except ImportError as _exc:  # pragma: no cover - exercised only without dask
 
 import fastattn
 from . import _args
+from ._api import attention_block as _attention_block
 from ._blocks import Plan as _Plan, kv_partition as _kv_partition, plan_block as _plan_block, \
     starts as _starts, tree as _tree
 
@@ -80,64 +81,26 @@ def _heads_axis(layout: str, nd: int) -> int:
     return (nd - 2 if layout == "bshd" else nd - 3) if nd > 2 else -1
 
 
-def _toeplitz(w: np.ndarray, lq: int, lk: int) -> np.ndarray:
-    """The (..., lq, lk) view a[..., t, u] = w[..., lq - 1 - t + u] of w (..., lq + lk - 1):
-    strides -1, +1 element on the last two axes, so nothing is materialized and the
-    key axis stays contiguous (what the kernel reads fast)."""
-    item = w.strides[-1]
-    base = w[..., lq - 1:] if lq > 0 else w
-    return np.lib.stride_tricks.as_strided(
-        base, shape=w.shape[:-1] + (lq, lk), strides=w.strides[:-1] + (-item, item),
-        writeable=False)
-
-
-def _band_mask(band, lq, lk):
-    d, left, right = band
-    m = np.arange(lq + lk - 1, dtype=np.int64) - (lq - 1)   # m = u - t
-    w = np.ones(m.shape, bool)
-    if left is not None:
-        w &= m >= d - left
-    if right is not None:
-        w &= m <= d + right
-    return _toeplitz(w, lq, lk)
-
-
-def _alibi_bias(slopes, d_a, lq, lk, nd, cdt):
-    """-slope * |t - u + d_a| as a strided (…, lq, lk) view, computed as the kernel
-    does: the distance exactly, then one product in the compute dtype."""
-    dist = np.abs((lq - 1) - np.arange(lq + lk - 1, dtype=np.int64) + d_a).astype(cdt)
-    s = np.asarray(slopes, cdt)
-    w = -(s[..., None] * dist)
-    view = _toeplitz(np.ascontiguousarray(w), lq, lk)
-    return view[0] if nd == 2 else view
-
-
 def _one_call(q, k, v, mask, bias, slopes, p: _Plan, call: _Call):
     kk = p.keys
-    lq = q.shape[-2] if (call.layout == "bhsd" or call.nd == 2) else q.shape[-3]
-    if kk != k.shape[-2 if (call.layout == "bhsd" or call.nd == 2) else -3]:
-        sl = (Ellipsis, slice(0, kk), slice(None)) if (call.layout == "bhsd" or call.nd == 2) \
-            else (Ellipsis, slice(0, kk), slice(None), slice(None))
+    kax = -2 if (call.layout == "bhsd" or call.nd == 2) else -3
+    if kk != k.shape[kax]:
+        sl = (Ellipsis, slice(0, kk)) + (slice(None),) * (-kax - 1)
         k, v = k[sl], v[sl]
         if mask is not None and mask.shape[-1] != 1:
             mask = mask[..., :kk]
         if bias is not None and bias.shape[-1] != 1:
             bias = bias[..., :kk]
-    if p.band is not None:
-        band = _band_mask(p.band, lq, kk)
-        mask = band if mask is None else np.logical_and(mask, band)
-    alibi = slopes
-    if slopes is not None and p.alibi_shift is not None:
-        ab = _alibi_bias(slopes, p.alibi_shift, lq, kk, call.nd, call.cdt)
-        bias = ab if bias is None else np.asarray(bias, call.cdt) + ab
-        alibi = None
     if call.upcast:
         q = q.astype(np.float32)
-    kw = dict(return_stats=True) if call.stats else {}
-    res = fastattn.attention(q, k, v, scale=call.scale, causal=p.causal, window=p.window,
-                             mask=mask, bias=bias, alibi_slopes=alibi, softcap=call.softcap,
-                             layout=call.layout, return_lse=True, num_threads=call.num_threads,
-                             **kw)
+    kw = dict(scale=call.scale, causal=p.causal, window=p.window, mask=mask, bias=bias,
+              alibi_slopes=slopes, softcap=call.softcap, layout=call.layout, return_lse=True,
+              return_stats=call.stats, num_threads=call.num_threads)
+    if p.positions is None:
+        res = fastattn.attention(q, k, v, **kw)
+    else:
+        q_off, k_off, shift = p.positions
+        res = _attention_block(q, k, v, q_offset=q_off, k_offset=k_off, alibi_shift=shift, **kw)
     if call.stats:
         out, lse, st = res
         return out, lse, st.entropy, st.max_weight
@@ -366,16 +329,14 @@ def attention(q, k, v, *, scale: float | None = None, causal=False, window=None,
     merge tree is fixed).  With k and v in one chunk along the key axis the output
     and lse equal :func:`fastattn.attention`'s bitwise (fastattn's batch invariance:
     a row's bits do not depend on which rows share its call), whatever the batch,
-    head and query chunks, except for ALiBi without causal when q has several query
-    chunks (the slopes then go in as a bias); otherwise, and with key chunks, they
-    agree within rounding (float32: ~1e-7 relative).  Blocks that causal/window hide
-    entirely are not in the graph.
+    head and query chunks; with key chunks they agree within rounding (float32:
+    ~1e-7 relative).  Blocks that causal/window hide entirely are not in the graph.
 
     Each block task holds its q chunk, its K and V chunks and one output chunk (plus
-    a mask or bias chunk); a band that no causal/window argument can express, and
-    ALiBi whose distances the block's call would measure from another diagonal, are
-    passed as strided views of O(lq + lk) elements (a mask, a bias), never as
-    lq x lk arrays (unless combined with a mask or bias of the user's).
+    a chunk of the user's mask or bias).  A block's call is told where its queries
+    and keys sit in the whole problem (``q_offset``/``k_offset``), so the kernel
+    applies causal, the window and ALiBi as it does on the whole problem: no mask or
+    bias is made for them.
     """
     c = _check_args(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap,
                     dropout_p, seed, seqlens_k, layout, return_lse, return_stats, out,
@@ -430,9 +391,10 @@ def _check_args(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softca
     if p_drop > 0:
         raise NotImplementedError(
             f"fastattn.{_FN}: dropout_p > 0 is not supported: the keep decision of weight "
-            "(b, h, i, j) is keyed by positions within one fastattn.attention call, and a "
-            "block's call cannot be told its global offsets; apply dropout with "
-            "fastattn.attention on whole sequences")
+            "(b, h, i, j) is keyed by the batch, head, row and key indices within one "
+            "fastattn.attention call (not by q_offset/k_offset), so a block's call would "
+            "drop other weights than the whole call; apply dropout with fastattn.attention "
+            "on whole sequences")
     maskd = biasd = None
     if mask is not None:
         maskd = _as_dask(mask, "mask")

@@ -207,10 +207,10 @@ static inline int64_t fa_diag0(const fa_params *p, int64_t Lq, int64_t Lk)
 }
 
 /* ALiBi's diagonal of row 0 (distance |i + this - j|): bottom-right whatever the
- * causal convention (semantics 3), or the given positions'. */
+ * causal convention (semantics 3), or the given positions' moved by alibi_shift. */
 static inline int64_t fa_alibi0(const fa_params *p, int64_t Lq, int64_t Lk)
 {
-    return p->positions ? p->q_pos0 - p->k_pos0 : Lk - Lq;
+    return p->positions ? p->q_pos0 - p->k_pos0 + p->alibi_shift : Lk - Lq;
 }
 
 /* Is an array stored in one of the 16-bit types (enum fa_storage)? */

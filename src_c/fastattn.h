@@ -110,6 +110,11 @@ typedef struct fa_params {
                            of a longer sequence: chunked prefill, fastattn.dask).
                            Not with causal top-left.                               */
     int64_t q_pos0, k_pos0;
+    int64_t alibi_shift;/* with positions: ALiBi measures from the diagonal moved this
+                           many keys right, |a + alibi_shift - j| (0 for a block of one
+                           sequence; fastattn.dask passes Lk - Lq of the whole problem
+                           for its blocks of a top-left causal one, since ALiBi aligns
+                           bottom-right whatever the causal convention)             */
     const int64_t *seqlens_k; /* (B,): sequence b sees keys [0, seqlens_k[b]) of its
                            k and v (each in [0, Lk]); causal, window and ALiBi align to
                            that length; NULL: all Lk (not with cu_k)               */

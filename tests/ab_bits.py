@@ -4,7 +4,7 @@ prefill, decode and split-KV, varlen, weights, backward, key mass, stats, merge,
 variant and combination, every dtype pair, both layouts, strided views, 1-3 threads,
 each CPU kernel this machine runs), recorded under one build and compared with another.
 
-    python tests/ab_bits.py record before.json [--cases 600] [--seed 7]
+    python tests/ab_bits.py record before.json [--cases 600] [--seed 7] [--no-offsets]
     (rebuild)
     python tests/ab_bits.py record after.json
     python tests/ab_bits.py compare before.json after.json   # exit 1 if any bit differs
@@ -32,10 +32,11 @@ def digest(x):
     return h.hexdigest()
 
 
-def record(n, seed):
-    """{case index: {output name: digest}} for cases 0..n-1 of the sweep's (n, seed)."""
+def record(n, seed, offsets=True):
+    """{case index: {output name: digest}} for cases 0..n-1 of the sweep's (n, seed)
+    (without q_offset/k_offset when not `offsets`: builds before them)."""
     out = {}
-    for c in guard_sweep.cases(n, seed):
+    for c in guard_sweep.cases(n, seed, offsets):
         c2, nat, _ = guard_sweep.prepare(c)
         res = guard_sweep.call(c2, dict(nat, native=nat), None)
         out[str(c["i"])] = {name: digest(x) for name, x in res}
@@ -59,14 +60,16 @@ def main(argv):
     r.add_argument("file")
     r.add_argument("--cases", type=int, default=600)
     r.add_argument("--seed", type=int, default=7)
+    r.add_argument("--no-offsets", action="store_true",
+                   help="leave out q_offset/k_offset (to compare with a build before them)")
     cmp_ = sub.add_parser("compare")
     cmp_.add_argument("a")
     cmp_.add_argument("b")
     args = ap.parse_args(argv)
     if args.cmd == "record":
         doc = {"fastattn": fastattn.__file__, "cases": args.cases, "seed": args.seed,
-               "kernels": fastattn._kernels.supported_kernels(),
-               "digests": record(args.cases, args.seed)}
+               "offsets": not args.no_offsets, "kernels": fastattn._kernels.supported_kernels(),
+               "digests": record(args.cases, args.seed, not args.no_offsets)}
         with open(args.file, "w") as f:
             json.dump(doc, f, indent=0, sort_keys=True)
         outputs = sum(len(d) for d in doc["digests"].values())
@@ -77,11 +80,12 @@ def main(argv):
     for path in (args.a, args.b):
         with open(path) as f:
             docs.append(json.load(f))
-    if (docs[0]["cases"], docs[0]["seed"]) != (docs[1]["cases"], docs[1]["seed"]):
-        print("the two recordings are of different calls (cases/seed differ)")
+    calls = [(d["cases"], d["seed"], d.get("offsets", True)) for d in docs]
+    if calls[0] != calls[1]:
+        print("the two recordings are of different calls (cases/seed/offsets differ)")
         return 2
     bad = compare(docs[0]["digests"], docs[1]["digests"])
-    cases = guard_sweep.cases(docs[0]["cases"], docs[0]["seed"])
+    cases = guard_sweep.cases(*calls[0])
     for i, names in bad[:50]:
         print(f"case {i}: {', '.join(names)} differ: {guard_sweep.describe(cases[int(i)])}")
     total = sum(len(d) for d in docs[0]["digests"].values())

@@ -8,7 +8,7 @@ kernel (each one this machine runs, in turn), the dtypes (float32, float64, floa
 and bfloat16 caches, 16-bit q), the layout and rank, GQA, the memory layout of each
 array (contiguous, strided rows, swapped axes, a reversed L axis), the variants and
 their combinations (causal both ways, windows, masks and biases of every broadcast
-shape, ALiBi, softcap, dropout, seqlens_k), Lq != Lk both ways, L = 0 / 1 and lengths
+shape, ALiBi, softcap, dropout, seqlens_k, q_offset/k_offset), Lq != Lk both ways, L = 0 / 1 and lengths
 off every block grid, decode shapes for the split-KV path, 1-3 threads, out=.
 
 `run(case)` performs one call twice, with every array flush against the guard page
@@ -56,9 +56,11 @@ def _dtypes_for(fn, r):
     return opts[r.integers(len(opts))]
 
 
-def cases(n, seed):
-    """n calls, the same for the same (n, seed)."""
+def cases(n, seed, offsets=True):
+    """n calls, the same for the same (n, seed); without q_offset/k_offset when not
+    `offsets` (and otherwise the same calls)."""
     r = np.random.default_rng(seed)
+    ro = np.random.default_rng([seed, 7])
     kernels = _kernels.supported_kernels()
     out = []
     for i in range(n):
@@ -97,6 +99,14 @@ def cases(n, seed):
                 and dkv != "f16":
             kw["dropout_p"] = float(r.choice([0.1, 0.5]))
             kw["seed"] = int(r.integers(2 ** 40))
+        # positions in a longer sequence, from their own stream (`offsets` False leaves
+        # the other draws as they were, for tests/ab_bits.py against older builds)
+        qo, ko = int(ro.choice([0, 3, 17, 200, 5000, -9])), int(ro.choice([0, 5, 64, 300, -4]))
+        if ro.random() < 0.2 and offsets and fn not in ("varlen", "merge") \
+                and kw.get("causal") != "top-left":
+            kw["q_offset"] = qo
+            if ro.random() < 0.7:
+                kw["k_offset"] = ko
         if r.random() < 0.25 and c["nd"] == 4 and fn not in ("varlen", "merge"):
             c["seqlens_k"] = [int(x) for x in r.integers(0, Lk + 1, B)]
         if fn in ("attention", "varlen") and r.random() < 0.5:

@@ -80,16 +80,35 @@ def _visible(Lq, Lk, causal, window):
 
 
 def _call_visible(plan, lq):
+    """What the block's call sees: the call's own alignment without positions, else
+    the diagonal a = q_offset + t - k_offset (fastattn.h's positions)."""
     kk = plan.keys
-    vis = _visible(lq, kk, plan.causal, plan.window)
-    if plan.band is not None:
-        d, left, right = plan.band
-        m = np.arange(kk)[None, :] - np.arange(lq)[:, None]
-        if left is not None:
-            vis &= m >= d - left
-        if right is not None:
-            vis &= m <= d + right
+    if plan.positions is None:
+        return _visible(lq, kk, plan.causal, plan.window)
+    q_off, k_off, _ = plan.positions
+    t = np.arange(lq)[:, None]
+    u = np.arange(kk)[None, :]
+    a = q_off + t - k_off
+    vis = np.ones((lq, kk), bool)
+    if plan.causal:
+        vis &= u <= a
+    left, right = plan.window if plan.window is not None else (None, None)
+    if left is not None:
+        vis &= u >= a - left
+    if right is not None:
+        vis &= u <= a + right
     return vis
+
+
+def _call_alibi_distance(plan, lq):
+    """|a + alibi_shift - u|, the distance the block's call gives ALiBi."""
+    kk = plan.keys
+    t = np.arange(lq)[:, None]
+    u = np.arange(kk)[None, :]
+    if plan.positions is None:
+        return np.abs(t + kk - lq - u)
+    q_off, k_off, shift = plan.positions
+    return np.abs(q_off + t - k_off + shift - u)
 
 
 CAUSAL = {0: False, 1: True, 2: "top-left"}
@@ -122,13 +141,10 @@ def test_plan_block_matches_global_semantics():
                     np.testing.assert_array_equal(got, want[:, :plan.keys])
                     assert not want[:, plan.keys:].any()
                     # ALiBi: |i + Lk - Lq - j| in global positions
-                    lq, kk = q1 - q0, plan.keys
-                    t = np.arange(lq)[:, None]
-                    u = np.arange(kk)[None, :]
-                    dist = (np.abs(t - u + plan.alibi_shift) if plan.alibi_shift is not None
-                            else np.abs(t + kk - lq - u))
+                    kk = plan.keys
                     np.testing.assert_array_equal(
-                        dist, np.abs(i + Lk - Lq - j)[q0:q1, k0:k0 + kk])
+                        _call_alibi_distance(plan, q1 - q0),
+                        np.abs(i + Lk - Lq - j)[q0:q1, k0:k0 + kk])
     assert n > 5000
 
 
@@ -136,13 +152,16 @@ def test_plan_block_passes_arguments_through_when_aligned():
     # the whole problem: the call is fastattn.attention's own
     for causal, window in [(1, (-1, -1)), (2, (3, 0)), (0, (4, 2)), (2, (-1, 5))]:
         p = fdask._plan_block(0, 50, 0, 60, 50, 60, causal, *window, True)
-        assert (p.keys, p.causal, p.band, p.alibi_shift) == (60, CAUSAL[causal], None, None)
+        assert (p.keys, p.causal, p.positions) == (60, CAUSAL[causal], None)
         assert p.window == tuple(None if w < 0 else w for w in window)
     # causal, query chunk against all keys: the keys past the chunk's diagonal are cut,
-    # and the call is a plain causal call (the same bits as the whole call)
+    # and the call places its rows at their positions
     p = fdask._plan_block(100, 200, 0, 400, 400, 400, 1, -1, -1, True)
-    assert (p.keys, p.causal, p.window, p.band, p.alibi_shift) == (200, True, (None, None),
-                                                                    None, None)
+    assert (p.keys, p.causal, p.window, p.positions) == (200, True, (None, None), (100, 0, 0))
+    # top-left with more keys than queries: ALiBi's diagonal is Lk - Lq right of causal's
+    p = fdask._plan_block(10, 20, 5, 30, 40, 50, 2, -1, -1, True)
+    assert (p.causal, p.positions) == (True, (10, 5, 10))
+    assert fdask._plan_block(10, 20, 5, 30, 40, 50, 2, -1, -1, False).positions == (10, 5, 0)
 
 
 def test_kv_partition_and_tree():
@@ -208,12 +227,9 @@ CHUNKS = [(None, None, HQ), (12, None, 2), (5, None, 4), (None, 11, 4), (9, 13, 
 
 
 def promised_bitwise(kw, Lq, qc, Lk, kc):
-    """Where the module promises fastattn.attention's bits (its docstring)."""
-    if kc is not None and kc < Lk:
-        return False
-    if qc is None or qc >= Lq:
-        return True
-    return not (kw.get("alibi_slopes") is not None and not kw.get("causal"))
+    """Where the module promises fastattn.attention's bits (its docstring): k and v in
+    one key chunk, whatever the other chunks and variants."""
+    return kc is None or kc >= Lk
 
 
 def _dask_kw(kw, Lq, Lk, qc, kc, hc):

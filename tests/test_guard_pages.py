@@ -182,7 +182,7 @@ def test_sweep_reaches_every_path():
             have["how " + h] += 1
         for key in ("mask", "bias", "alibi", "seqlens_k", "out"):
             have[key] += key in c
-        for key in ("causal", "window", "softcap", "dropout_p", "return_lse"):
+        for key in ("causal", "window", "softcap", "dropout_p", "return_lse", "q_offset"):
             have[key] += key in c["kw"]
         have["Lq>Lk"] += c["Lq"] > c["Lk"]
         have["Lq<Lk"] += c["Lq"] < c["Lk"]
@@ -198,7 +198,7 @@ def test_sweep_reaches_every_path():
                "dtypes f32/bf16", "layout bhsd", "layout bshd"]
             + [f"how {h}" for h in ("contig", "rows", "swapped", "reversed")]
             + ["mask", "bias", "alibi", "seqlens_k", "out", "causal", "window", "softcap", "dropout_p",
-               "return_lse", "Lq>Lk", "Lq<Lk", "L=0", "L=1", "decode split", "GQA",
+               "return_lse", "q_offset", "Lq>Lk", "Lq<Lk", "L=0", "L=1", "decode split", "GQA",
                "top-left window Lq>Lk", "threads 1", "threads 2", "threads 3"])
     thin = {w: have[w] for w in want if have[w] < 10}
     assert not thin, f"the sweep barely reaches {thin}"
