@@ -2,7 +2,7 @@
  * kern_common.h -- part of the kernel template (kernels_tmpl.h): what every other
  * piece uses.  The K/V access macros' defaults (K/V stored as FA_T), the switch cases
  * that give each register-tile shape its own unrolled code, the decode-row thresholds
- * (FA_DOT_ROWS, FA_DOT_PREFETCH), and the forward's per-thread scratch: its layout
+ * (FA_DOT_ROWS), and the forward's per-thread scratch: its layout
  * (fa_layout, fa_carve) and size (fa_scratch_bytes).
  *
  * Needs from the including ISA file: FA_T, FA_V, FA_VL, FA_NAME and, for 16-bit K/V,
@@ -33,11 +33,11 @@
 
 static inline int64_t FA_NAME(fa_round_up)(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-#ifndef FA_DOT_PREFETCH
-#define FA_DOT_PREFETCH 16 /* key rows ahead */
-#endif
 #ifndef FA_DOT_ROWS
 #define FA_DOT_ROWS 8 /* blocks of up to this many rows take fa_qk_keys for QK^T */
+#define FA_PRAGMA(x) _Pragma(#x)
+#define FA_PRAGMA_UNROLL(n) FA_PRAGMA(GCC unroll n)
+#define FA_PV_SEQ_ROWS 4 /* P.V of up to this many rows: keys outermost (fa_pv_rows_seq) */
 #endif
 
 /* The scratch of one thread, carved from one allocation into FA_ALIGN-aligned

@@ -64,13 +64,99 @@ static void FA_NAME(fa_qk_tile)(const FA_T *FA_RESTRICT qt, int nv, const FA_KV 
 #undef FA_QK_CASE
 
 /* The logits of a block of at most FA_DOT_ROWS rows (decoding: one position, or a
- * GQA group's heads at one position) with the keys on the lanes: each group of
- * FA_VL keys is transposed (kt[d][lane] = k[j0 + lane][d]) and s[j][r] accumulates
- * k[j][d] * qt[d][r] over d in order, starting from 0 -- exactly the chain of
- * fa_qk_micro, so a logit has the same bits whether its row was decoded or part of
- * a prefill block (fa_qk_tile on few rows would leave most lanes empty: 4-5x
- * slower decoding, measured).  The K stream is the cost here: rows a few groups
- * ahead are prefetched. */
+ * GQA group's heads at one position) with the keys on the lanes: lane i of a group
+ * of FA_VL keys accumulates k[j0 + i][d] * qt[d][r] over d in order, starting from
+ * 0 -- exactly the chain of fa_qk_micro, so a logit has the same bits whether its
+ * row was decoded or part of a prefill block (fa_qk_tile on few rows would leave
+ * most lanes empty: 4-5x slower decoding, measured).
+ *
+ * With a register transpose (FA_HAVE_TRANSPOSE), the group's FA_VL rows are loaded
+ * FA_VL features at a time, transposed in registers and multiplied at once; nothing
+ * goes through memory, and the rows two groups ahead are asked for line by line as
+ * this loop first reaches the same lines (the hardware does not follow reads spread
+ * over FA_VL rows on its own).  Measured on the AMD EPYC Zen 3, 1 thread, against
+ * the product that stored the transposed rows (kt) and read them back: 1.4x faster
+ * from L3 (B=1 H=1 Lk=8192 D=128); several groups side by side (more independent
+ * chains) were slower both from L3 and from memory, the wider spread of rows
+ * costing more than the FMA latency they hide.  Without a transpose (the generic
+ * kernel), the group is transposed into kt element by element. */
+#ifdef FA_HAVE_TRANSPOSE
+FA_ALWAYS_INLINE void FA_NAME(fa_qk_keys_micro)(const int R, const FA_T *FA_RESTRICT qt, int64_t brp,
+                                                const FA_KV *FA_RESTRICT k, int64_t k_sl,
+                                                int64_t nj, int64_t D, FA_T *FA_RESTRICT s,
+                                                int64_t ks, int64_t rs)
+{
+    /* (unrolled by pragmas: left to GCC's heuristics the accumulators went through
+     * memory, measured) */
+    FA_V acc[FA_DOT_ROWS];
+    FA_PRAGMA_UNROLL(8)
+    for (int r = 0; r < R; r++) acc[r] = FA_VZERO();
+    for (int64_t d0 = 0; d0 < D; d0 += FA_VL) {
+        const int nd = (int)(D - d0 < FA_VL ? D - d0 : FA_VL);
+        const FA_T *q = qt + d0 * brp;
+        const FA_KV *kd = k + d0;
+        FA_V t[FA_VL];
+        if ((d0 * (int64_t)sizeof(FA_KV)) % 64 == 0) {
+            FA_PRAGMA_UNROLL(16)
+            for (int i = 0; i < FA_VL; i++)
+                __builtin_prefetch((const void *)(kd + (2 * FA_VL + i) * k_sl));
+        }
+        if (nj == FA_VL && nd == FA_VL) {
+            FA_PRAGMA_UNROLL(16)
+            for (int i = 0; i < FA_VL; i++) t[i] = FA_KV_LOADU(kd + i * k_sl);
+        } else {
+            for (int i = 0; i < FA_VL; i++)
+                t[i] = i >= nj ? FA_VZERO() : nd == FA_VL ? FA_KV_LOADU(kd + i * k_sl)
+                                                          : FA_KV_LOADU_N(kd + i * k_sl, nd);
+        }
+        FA_VTRANSPOSE_REGS(t); /* t[e] lane i: feature d0 + e of key i */
+        if (nd == FA_VL) {
+            FA_PRAGMA_UNROLL(16)
+            for (int e = 0; e < FA_VL; e++) {
+                FA_PRAGMA_UNROLL(8)
+                for (int r = 0; r < R; r++) acc[r] = FA_VFMA(t[e], FA_VSET1(q[e * brp + r]), acc[r]);
+            }
+        } else {
+            for (int e = 0; e < nd; e++) {
+                FA_PRAGMA_UNROLL(8)
+                for (int r = 0; r < R; r++) acc[r] = FA_VFMA(t[e], FA_VSET1(q[e * brp + r]), acc[r]);
+            }
+        }
+    }
+    FA_PRAGMA_UNROLL(8)
+    for (int r = 0; r < R; r++) {
+        if (ks == 1 && nj == FA_VL) { /* key-major: the lanes are the row's next keys */
+            FA_VSTOREU(s + r * rs, acc[r]);
+            continue;
+        }
+        FA_T lanes[FA_VL];
+        FA_VSTOREU(lanes, acc[r]);
+        for (int64_t i = 0; i < nj; i++) s[i * ks + r * rs] = lanes[i];
+    }
+}
+
+/* ... logit (row r, key j) stored at s[j * ks + r * rs]: query-major (ks = brp, rs =
+ * 1) or key-major (ks = 1, rs = the row stride).  kt is not used here. */
+static void FA_NAME(fa_qk_keys)(const FA_T *FA_RESTRICT qt, int64_t brp, int64_t nr,
+                                const FA_KV *FA_RESTRICT k, int64_t k_sl, int64_t nk, int64_t D,
+                                FA_T *FA_RESTRICT s, FA_T *FA_RESTRICT kt, int64_t ks, int64_t rs)
+{
+    (void)kt;
+    for (int64_t j0 = 0; j0 < nk; j0 += FA_VL) {
+        const int64_t nj = nk - j0 < FA_VL ? nk - j0 : FA_VL;
+        const FA_KV *kj = k + j0 * k_sl;
+        FA_T *sj = s + j0 * ks;
+        switch (nr) {
+#define FA_KEYS_CASE(R) \
+    case R: FA_NAME(fa_qk_keys_micro)(R, qt, brp, kj, k_sl, nj, D, sj, ks, rs); break;
+            FA_KEYS_CASE(1) FA_KEYS_CASE(2) FA_KEYS_CASE(3) FA_KEYS_CASE(4)
+            FA_KEYS_CASE(5) FA_KEYS_CASE(6) FA_KEYS_CASE(7) FA_KEYS_CASE(8)
+#undef FA_KEYS_CASE
+            default: break;
+        }
+    }
+}
+#else
 /* R rows (a constant after inlining) of one transposed key group: lane i of acc[r]
  * accumulates kt[d][i] * qt[d][r] over d in order; each kt vector is loaded once
  * for all the rows. */
@@ -86,52 +172,21 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_keys_micro)(const int R, const FA_T *FA_REST
         for (int r = 0; r < R; r++) acc[r] = FA_VFMA(kv, FA_VSET1(qt[d * brp + r]), acc[r]);
     }
     for (int r = 0; r < R; r++) {
-        if (ks == 1 && nj == FA_VL) { /* key-major: the lanes are the row's next keys */
-            FA_VSTOREU(s + r * rs, acc[r]);
-            continue;
-        }
         FA_T lanes[FA_VL];
         FA_VSTOREU(lanes, acc[r]);
         for (int64_t i = 0; i < nj; i++) s[i * ks + r * rs] = lanes[i];
     }
 }
 
-/* ... logit (row r, key j) stored at s[j * ks + r * rs]: query-major (ks = brp, rs =
- * 1) or key-major (ks = 1, rs = the row stride). */
 static void FA_NAME(fa_qk_keys)(const FA_T *FA_RESTRICT qt, int64_t brp, int64_t nr,
                                 const FA_KV *FA_RESTRICT k, int64_t k_sl, int64_t nk, int64_t D,
                                 FA_T *FA_RESTRICT s, FA_T *FA_RESTRICT kt, int64_t ks, int64_t rs)
 {
     for (int64_t j0 = 0; j0 < nk; j0 += FA_VL) {
         const int64_t nj = nk - j0 < FA_VL ? nk - j0 : FA_VL;
-        for (int64_t i = 0; i < nj; i++)
-            for (int64_t c = 0; c < D; c += 64 / (int64_t)sizeof(FA_KV))
-                __builtin_prefetch((const void *)(k + (j0 + i + FA_DOT_PREFETCH) * k_sl + c));
-#ifdef FA_HAVE_TRANSPOSE
-        for (int64_t d0 = 0; d0 < D; d0 += FA_VL) {
-            const int nd = (int)(D - d0 < FA_VL ? D - d0 : FA_VL);
-            const FA_T *rows[FA_VL];
-#ifndef FA_KV_HALF
-            if (nj == FA_VL && nd == FA_VL) { /* whole float rows: transposed in place */
-                for (int64_t i = 0; i < FA_VL; i++) rows[i] = k + (j0 + i) * k_sl;
-                FA_VTRANSPOSE(rows, d0, kt + d0 * FA_VL, FA_VL);
-                continue;
-            }
-#endif
-            FA_T tmp[FA_VL * FA_VL];
-            for (int64_t i = 0; i < FA_VL; i++) {
-                const FA_KV *kr = k + (j0 + i) * k_sl + d0;
-                const FA_V x = i >= nj ? FA_VZERO() : nd == FA_VL ? FA_KV_LOADU(kr) : FA_KV_LOADU_N(kr, nd);
-                FA_VSTOREU(tmp + i * FA_VL, x);
-                rows[i] = tmp + i * FA_VL;
-            }
-            FA_VTRANSPOSE(rows, 0, kt + d0 * FA_VL, FA_VL);
-        }
-#else
         for (int64_t d = 0; d < D; d++)
             for (int64_t i = 0; i < FA_VL; i++)
                 kt[d * FA_VL + i] = i < nj ? (FA_T)FA_KV_SCALAR(k[(j0 + i) * k_sl + d]) : (FA_T)0;
-#endif
         FA_T *sj = s + j0 * ks;
         switch (nr) {
 #define FA_KEYS_CASE(R) \
@@ -143,6 +198,7 @@ static void FA_NAME(fa_qk_keys)(const FA_T *FA_RESTRICT qt, int64_t brp, int64_t
         }
     }
 }
+#endif
 
 /* o[i][c0 ...] = alpha[i] * o[i][c0 ...] + sum_j p[j][i] * v[j][c0 ...] for R query
  * rows and NC value vectors (the last one `tail` lanes wide when tail > 0), with
@@ -193,6 +249,40 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_micro)(const int R, const int NC, const FA_T
             FA_NAME(fa_pv_micro)(R, NC, p + i * rs, vc, v_sl, nk, tail, o + i * dvp + c0, dvp, alpha + i, ks, rs); \
         break;
 
+/* P.V of a few rows (decoding) with the keys outermost: each V row is read once, whole
+ * and in order, and every row's output is updated from it in place (o stays in L1).
+ * The same operations per output element as fa_pv_micro: one rescale by alpha, then
+ * o = p * v + o key after key.  Column chunks over the tile (fa_pv_micro's order)
+ * read the V rows in strided pieces, which the hardware prefetchers follow poorly:
+ * 30% slower at the memory's speed on the AMD EPYC Zen 3 (a C model of the loop,
+ * B=1 H=32 Lk=8192 D=128), and 1.1-1.2x slower decoding in fastattn itself. */
+FA_ALWAYS_INLINE void FA_NAME(fa_pv_rows_seq)(const FA_T *FA_RESTRICT p, int64_t nq, int64_t nk,
+                                              const FA_KV *FA_RESTRICT v, int64_t v_sl,
+                                              int64_t Dv, FA_T *FA_RESTRICT o, int64_t dvp,
+                                              const FA_T *FA_RESTRICT alpha, int64_t ks,
+                                              int64_t rs)
+{
+    const int64_t full = Dv / FA_VL * FA_VL;
+    const int tail = (int)(Dv - full);
+    for (int64_t r = 0; r < nq; r++)
+        if (alpha[r] != (FA_T)1) {
+            const FA_V a = FA_VSET1(alpha[r]);
+            for (int64_t c = 0; c < dvp; c += FA_VL)
+                FA_VSTORE(o + r * dvp + c, FA_VMUL(FA_VLOAD(o + r * dvp + c), a));
+        }
+    for (int64_t j = 0; j < nk; j++) {
+        const FA_KV *vj = v + j * v_sl;
+        for (int64_t r = 0; r < nq; r++) {
+            const FA_V pb = FA_VSET1(p[j * ks + r * rs]);
+            FA_T *orow = o + r * dvp;
+            int64_t c = 0;
+            for (; c < full; c += FA_VL)
+                FA_VSTORE(orow + c, FA_VFMA(pb, FA_KV_LOADU(vj + c), FA_VLOAD(orow + c)));
+            if (tail) FA_VSTORE(orow + c, FA_VFMA(pb, FA_KV_LOADU_N(vj + c, tail), FA_VLOAD(orow + c)));
+        }
+    }
+}
+
 /* Rescale the running output of nq rows and add this key block's P.V.  Blocks of
  * one or two rows (decoding) take twice as many value vectors per pass, since
  * their accumulators leave registers free: fewer passes over the V tile. */
@@ -202,6 +292,10 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_tile_strided)(const FA_T *FA_RESTRICT p, int
                                                   const FA_T *FA_RESTRICT alpha, int64_t ks,
                                                   int64_t rs)
 {
+    if (nq <= FA_PV_SEQ_ROWS) {
+        FA_NAME(fa_pv_rows_seq)(p, nq, nk, v, v_sl, Dv, o, dvp, alpha, ks, rs);
+        return;
+    }
     const int64_t chunk = (int64_t)(nq <= 2 ? 2 * FA_PV_NC : FA_PV_NC) * FA_VL;
     /* Value columns outer, query rows inner: one column chunk of the V tile stays in
      * L1 while every row group of the block streams it. */

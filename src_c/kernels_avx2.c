@@ -137,13 +137,14 @@ static inline __m256d fa_mask_bytes_pd(__m256d x, const uint8_t *p)
  * dst[t * ds + i] = rows[i][off + t] for an 8 x 8 float or 4 x 4 double block
  * (unpacks within 128-bit halves, then the halves exchanged). */
 #define FA_HAVE_TRANSPOSE 1
-static inline void fa_transpose_ps(const float *const *rows, int64_t off, float *dst, int64_t ds)
+/* x[t] lane i <- x[i] lane t, in registers (the decode product transposes key rows
+ * this way; fa_transpose_ps stores the same for bias tiles). */
+static inline void fa_transpose_regs_ps(__m256 *x)
 {
-    __m256 a[8], b[8], c[8];
-    for (int i = 0; i < 8; i++) a[i] = _mm256_loadu_ps(rows[i] + off);
+    __m256 b[8], c[8];
     for (int i = 0; i < 4; i++) { /* half H: rows 2i, 2i+1 at columns 4H, 4H+1 | 4H+2, 4H+3 */
-        b[2 * i] = _mm256_unpacklo_ps(a[2 * i], a[2 * i + 1]);
-        b[2 * i + 1] = _mm256_unpackhi_ps(a[2 * i], a[2 * i + 1]);
+        b[2 * i] = _mm256_unpacklo_ps(x[2 * i], x[2 * i + 1]);
+        b[2 * i + 1] = _mm256_unpackhi_ps(x[2 * i], x[2 * i + 1]);
     }
     for (int g = 0; g < 2; g++) { /* c[4g + m], half H: column 4H + m of rows 4g .. 4g+3 */
         const __m256d x0 = _mm256_castps_pd(b[4 * g]), x1 = _mm256_castps_pd(b[4 * g + 1]),
@@ -154,22 +155,35 @@ static inline void fa_transpose_ps(const float *const *rows, int64_t off, float 
         c[4 * g + 3] = _mm256_castpd_ps(_mm256_unpackhi_pd(x1, x3));
     }
     for (int m = 0; m < 4; m++) {
-        _mm256_store_ps(dst + m * ds, _mm256_permute2f128_ps(c[m], c[4 + m], 0x20));
-        _mm256_store_ps(dst + (4 + m) * ds, _mm256_permute2f128_ps(c[m], c[4 + m], 0x31));
+        x[m] = _mm256_permute2f128_ps(c[m], c[4 + m], 0x20);
+        x[4 + m] = _mm256_permute2f128_ps(c[m], c[4 + m], 0x31);
+    }
+}
+static inline void fa_transpose_ps(const float *const *rows, int64_t off, float *dst, int64_t ds)
+{
+    __m256 a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm256_loadu_ps(rows[i] + off);
+    fa_transpose_regs_ps(a);
+    for (int t = 0; t < 8; t++) _mm256_store_ps(dst + t * ds, a[t]);
+}
+static inline void fa_transpose_regs_pd(__m256d *x)
+{
+    __m256d b[4];
+    for (int i = 0; i < 2; i++) { /* half H: column 2H (lo) or 2H+1 (hi) of rows 2i, 2i+1 */
+        b[2 * i] = _mm256_unpacklo_pd(x[2 * i], x[2 * i + 1]);
+        b[2 * i + 1] = _mm256_unpackhi_pd(x[2 * i], x[2 * i + 1]);
+    }
+    for (int m = 0; m < 2; m++) {
+        x[m] = _mm256_permute2f128_pd(b[m], b[2 + m], 0x20);
+        x[2 + m] = _mm256_permute2f128_pd(b[m], b[2 + m], 0x31);
     }
 }
 static inline void fa_transpose_pd(const double *const *rows, int64_t off, double *dst, int64_t ds)
 {
-    __m256d a[4], b[4];
+    __m256d a[4];
     for (int i = 0; i < 4; i++) a[i] = _mm256_loadu_pd(rows[i] + off);
-    for (int i = 0; i < 2; i++) { /* half H: column 2H (lo) or 2H+1 (hi) of rows 2i, 2i+1 */
-        b[2 * i] = _mm256_unpacklo_pd(a[2 * i], a[2 * i + 1]);
-        b[2 * i + 1] = _mm256_unpackhi_pd(a[2 * i], a[2 * i + 1]);
-    }
-    for (int m = 0; m < 2; m++) {
-        _mm256_store_pd(dst + m * ds, _mm256_permute2f128_pd(b[m], b[2 + m], 0x20));
-        _mm256_store_pd(dst + (2 + m) * ds, _mm256_permute2f128_pd(b[m], b[2 + m], 0x31));
-    }
+    fa_transpose_regs_pd(a);
+    for (int t = 0; t < 4; t++) _mm256_store_pd(dst + t * ds, a[t]);
 }
 static inline float fa_reduce_ps(__m256 x)
 {
@@ -214,6 +228,7 @@ static inline double fa_reduce_pd(__m256d x)
 #define FA_VIN_RANGE(x, j, lo, hi) fa_in_range_ps((x), (j), (lo), (hi))
 #define FA_VMASK_BYTES(x, p) fa_mask_bytes_ps((x), (p))
 #define FA_VTRANSPOSE(r, o, d, s) fa_transpose_ps((r), (o), (d), (s))
+#define FA_VTRANSPOSE_REGS(x) fa_transpose_regs_ps(x)
 #include "kernels_tmpl.h"
 
 /* ---------------- float32 with float16 K/V (decoding caches) ---------------- */
@@ -288,6 +303,7 @@ static inline __m256 fa_bf16_loadu_n(const uint16_t *p, int n)
 #define FA_VIN_RANGE(x, j, lo, hi) fa_in_range_pd((x), (j), (lo), (hi))
 #define FA_VMASK_BYTES(x, p) fa_mask_bytes_pd((x), (p))
 #define FA_VTRANSPOSE(r, o, d, s) fa_transpose_pd((r), (o), (d), (s))
+#define FA_VTRANSPOSE_REGS(x) fa_transpose_regs_pd(x)
 #include "kernels_tmpl.h"
 #include "kernels_undef.h"
 

@@ -111,13 +111,12 @@ static inline __m512d fa_mask_bytes_pd(__m512d x, const uint8_t *p)
         o2 = sh(u1, u3, 0x88);                                                                   \
         o3 = sh(u1, u3, 0xDD);                                                                   \
     } while (0)
-static inline void fa_transpose_ps(const float *const *rows, int64_t off, float *dst, int64_t ds)
+static inline void fa_transpose_regs_ps(__m512 *x)
 {
-    __m512 a[16], b[16], c[16];
-    for (int i = 0; i < 16; i++) a[i] = _mm512_loadu_ps(rows[i] + off);
+    __m512 b[16], c[16];
     for (int i = 0; i < 8; i++) { /* lane L: row 2i, 2i+1 at columns 4L, 4L+1 | 4L+2, 4L+3 */
-        b[2 * i] = _mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]);
-        b[2 * i + 1] = _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]);
+        b[2 * i] = _mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]);
+        b[2 * i + 1] = _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]);
     }
     for (int g = 0; g < 4; g++) { /* c[4g + m], lane L: column 4L + m of rows 4g .. 4g+3 */
         const __m512d x0 = _mm512_castps_pd(b[4 * g]), x1 = _mm512_castps_pd(b[4 * g + 1]),
@@ -127,31 +126,34 @@ static inline void fa_transpose_ps(const float *const *rows, int64_t off, float 
         c[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(x1, x3));
         c[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(x1, x3));
     }
-    for (int m = 0; m < 4; m++) {
-        __m512 o0, o1, o2, o3;
-        FA_LANES_4X4(_mm512_shuffle_f32x4, c[m], c[4 + m], c[8 + m], c[12 + m], o0, o1, o2, o3);
-        _mm512_store_ps(dst + (0 + m) * ds, o0);
-        _mm512_store_ps(dst + (4 + m) * ds, o1);
-        _mm512_store_ps(dst + (8 + m) * ds, o2);
-        _mm512_store_ps(dst + (12 + m) * ds, o3);
+    for (int m = 0; m < 4; m++)
+        FA_LANES_4X4(_mm512_shuffle_f32x4, c[m], c[4 + m], c[8 + m], c[12 + m], x[m], x[4 + m],
+                     x[8 + m], x[12 + m]);
+}
+static inline void fa_transpose_ps(const float *const *rows, int64_t off, float *dst, int64_t ds)
+{
+    __m512 a[16];
+    for (int i = 0; i < 16; i++) a[i] = _mm512_loadu_ps(rows[i] + off);
+    fa_transpose_regs_ps(a);
+    for (int t = 0; t < 16; t++) _mm512_store_ps(dst + t * ds, a[t]);
+}
+static inline void fa_transpose_regs_pd(__m512d *x)
+{
+    __m512d b[8];
+    for (int i = 0; i < 4; i++) { /* lane L: column 2L (lo) or 2L+1 (hi) of rows 2i, 2i+1 */
+        b[2 * i] = _mm512_unpacklo_pd(x[2 * i], x[2 * i + 1]);
+        b[2 * i + 1] = _mm512_unpackhi_pd(x[2 * i], x[2 * i + 1]);
     }
+    for (int m = 0; m < 2; m++)
+        FA_LANES_4X4(_mm512_shuffle_f64x2, b[m], b[2 + m], b[4 + m], b[6 + m], x[m], x[2 + m],
+                     x[4 + m], x[6 + m]);
 }
 static inline void fa_transpose_pd(const double *const *rows, int64_t off, double *dst, int64_t ds)
 {
-    __m512d a[8], b[8];
+    __m512d a[8];
     for (int i = 0; i < 8; i++) a[i] = _mm512_loadu_pd(rows[i] + off);
-    for (int i = 0; i < 4; i++) { /* lane L: column 2L (lo) or 2L+1 (hi) of rows 2i, 2i+1 */
-        b[2 * i] = _mm512_unpacklo_pd(a[2 * i], a[2 * i + 1]);
-        b[2 * i + 1] = _mm512_unpackhi_pd(a[2 * i], a[2 * i + 1]);
-    }
-    for (int m = 0; m < 2; m++) {
-        __m512d o0, o1, o2, o3;
-        FA_LANES_4X4(_mm512_shuffle_f64x2, b[m], b[2 + m], b[4 + m], b[6 + m], o0, o1, o2, o3);
-        _mm512_store_pd(dst + (0 + m) * ds, o0);
-        _mm512_store_pd(dst + (2 + m) * ds, o1);
-        _mm512_store_pd(dst + (4 + m) * ds, o2);
-        _mm512_store_pd(dst + (6 + m) * ds, o3);
-    }
+    fa_transpose_regs_pd(a);
+    for (int t = 0; t < 8; t++) _mm512_store_pd(dst + t * ds, a[t]);
 }
 
 /* ---------------- float32 ---------------- */
@@ -184,6 +186,7 @@ static inline void fa_transpose_pd(const double *const *rows, int64_t off, doubl
 #define FA_VIN_RANGE(x, j, lo, hi) fa_in_range_ps((x), (j), (lo), (hi))
 #define FA_VMASK_BYTES(x, p) fa_mask_bytes_ps((x), (p))
 #define FA_VTRANSPOSE(r, o, d, s) fa_transpose_ps((r), (o), (d), (s))
+#define FA_VTRANSPOSE_REGS(x) fa_transpose_regs_ps(x)
 #include "kernels_tmpl.h"
 
 /* ---------------- float32 with float16 K/V (decoding caches) ---------------- */
@@ -258,6 +261,7 @@ static inline __m512 fa_bf16_loadu_n(const uint16_t *p, int n)
 #define FA_VIN_RANGE(x, j, lo, hi) fa_in_range_pd((x), (j), (lo), (hi))
 #define FA_VMASK_BYTES(x, p) fa_mask_bytes_pd((x), (p))
 #define FA_VTRANSPOSE(r, o, d, s) fa_transpose_pd((r), (o), (d), (s))
+#define FA_VTRANSPOSE_REGS(x) fa_transpose_regs_pd(x)
 #include "kernels_tmpl.h"
 #include "kernels_undef.h"
 

@@ -24,9 +24,11 @@
  * and, optionally, for K/V stored in another type FA_KV (float16 K/V: FA_KV_HALF,
  * computing in float32; default FA_KV = FA_T):
  *   FA_KV_BCAST(p) FA_KV_LOADU(p) FA_KV_LOADU_N(p, n)   converting loads
- * and, optionally (FA_HAVE_TRANSPOSE), a register transpose for bias tiles:
+ * and, optionally (FA_HAVE_TRANSPOSE), register transposes for bias tiles and the
+ * decode product's key rows:
  *   FA_VTRANSPOSE(rows, off, dst, ds)  dst[t * ds + i] = rows[i][off + t] for
  *                               i, t < FA_VL (dst aligned; rows: FA_VL pointers)
+ *   FA_VTRANSPOSE_REGS(x)       x[t] lane i <- x[i] lane t for FA_V x[FA_VL]
  *
  * Layout: the query axis is the SIMD axis.  A query block is packed transposed
  * (qt[d][i], pre-multiplied by scale), so S^T = K qt is computed with one key

@@ -28,6 +28,7 @@
 #undef FA_VIN_RANGE
 #undef FA_VMASK_BYTES
 #undef FA_VTRANSPOSE
+#undef FA_VTRANSPOSE_REGS
 #undef FA_VREDUCE
 #undef FA_KV
 #undef FA_KV_BCAST
