@@ -84,8 +84,9 @@ static void FA_NAME(fa_qk_tile)(const FA_T *FA_RESTRICT qt, int nv, const FA_KV 
 FA_ALWAYS_INLINE void FA_NAME(fa_qk_keys_micro)(const int R, const FA_T *FA_RESTRICT qt, int64_t brp,
                                                 const FA_KV *FA_RESTRICT k, int64_t k_sl,
                                                 int64_t nj, int64_t D, FA_T *FA_RESTRICT s,
-                                                int64_t ks, int64_t rs)
+                                                int64_t ks, int64_t rs, FA_T *FA_RESTRICT kt)
 {
+    (void)kt;
     /* (unrolled by pragmas: left to GCC's heuristics the accumulators went through
      * memory, measured) */
     FA_V acc[FA_DOT_ROWS];
@@ -135,36 +136,18 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_keys_micro)(const int R, const FA_T *FA_REST
     }
 }
 
-/* ... logit (row r, key j) stored at s[j * ks + r * rs]: query-major (ks = brp, rs =
- * 1) or key-major (ks = 1, rs = the row stride).  kt is not used here. */
-static void FA_NAME(fa_qk_keys)(const FA_T *FA_RESTRICT qt, int64_t brp, int64_t nr,
-                                const FA_KV *FA_RESTRICT k, int64_t k_sl, int64_t nk, int64_t D,
-                                FA_T *FA_RESTRICT s, FA_T *FA_RESTRICT kt, int64_t ks, int64_t rs)
-{
-    (void)kt;
-    for (int64_t j0 = 0; j0 < nk; j0 += FA_VL) {
-        const int64_t nj = nk - j0 < FA_VL ? nk - j0 : FA_VL;
-        const FA_KV *kj = k + j0 * k_sl;
-        FA_T *sj = s + j0 * ks;
-        switch (nr) {
-#define FA_KEYS_CASE(R) \
-    case R: FA_NAME(fa_qk_keys_micro)(R, qt, brp, kj, k_sl, nj, D, sj, ks, rs); break;
-            FA_KEYS_CASE(1) FA_KEYS_CASE(2) FA_KEYS_CASE(3) FA_KEYS_CASE(4)
-            FA_KEYS_CASE(5) FA_KEYS_CASE(6) FA_KEYS_CASE(7) FA_KEYS_CASE(8)
-#undef FA_KEYS_CASE
-            default: break;
-        }
-    }
-}
 #else
-/* R rows (a constant after inlining) of one transposed key group: lane i of acc[r]
- * accumulates kt[d][i] * qt[d][r] over d in order; each kt vector is loaded once
- * for all the rows. */
+/* R rows (a constant after inlining) of one key group, transposed into kt first:
+ * lane i of acc[r] accumulates kt[d][i] * qt[d][r] over d in order; each kt vector
+ * is loaded once for all the rows. */
 FA_ALWAYS_INLINE void FA_NAME(fa_qk_keys_micro)(const int R, const FA_T *FA_RESTRICT qt, int64_t brp,
-                                                const FA_T *FA_RESTRICT kt, int64_t D,
-                                                FA_T *FA_RESTRICT s, int64_t nj, int64_t ks,
-                                                int64_t rs)
+                                                const FA_KV *FA_RESTRICT k, int64_t k_sl,
+                                                int64_t nj, int64_t D, FA_T *FA_RESTRICT s,
+                                                int64_t ks, int64_t rs, FA_T *FA_RESTRICT kt)
 {
+    for (int64_t d = 0; d < D; d++)
+        for (int64_t i = 0; i < FA_VL; i++)
+            kt[d * FA_VL + i] = i < nj ? (FA_T)FA_KV_SCALAR(k[i * k_sl + d]) : (FA_T)0;
     FA_V acc[FA_DOT_ROWS];
     for (int r = 0; r < R; r++) acc[r] = FA_VZERO();
     for (int64_t d = 0; d < D; d++) {
@@ -178,19 +161,22 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_keys_micro)(const int R, const FA_T *FA_REST
     }
 }
 
+#endif
+
+/* ... logit (row r, key j) stored at s[j * ks + r * rs]: query-major (ks = brp, rs =
+ * 1) or key-major (ks = 1, rs = the row stride); kt (D x FA_VL) is the scratch of the
+ * kernels without a register transpose. */
 static void FA_NAME(fa_qk_keys)(const FA_T *FA_RESTRICT qt, int64_t brp, int64_t nr,
                                 const FA_KV *FA_RESTRICT k, int64_t k_sl, int64_t nk, int64_t D,
                                 FA_T *FA_RESTRICT s, FA_T *FA_RESTRICT kt, int64_t ks, int64_t rs)
 {
     for (int64_t j0 = 0; j0 < nk; j0 += FA_VL) {
         const int64_t nj = nk - j0 < FA_VL ? nk - j0 : FA_VL;
-        for (int64_t d = 0; d < D; d++)
-            for (int64_t i = 0; i < FA_VL; i++)
-                kt[d * FA_VL + i] = i < nj ? (FA_T)FA_KV_SCALAR(k[(j0 + i) * k_sl + d]) : (FA_T)0;
+        const FA_KV *kj = k + j0 * k_sl;
         FA_T *sj = s + j0 * ks;
         switch (nr) {
 #define FA_KEYS_CASE(R) \
-    case R: FA_NAME(fa_qk_keys_micro)(R, qt, brp, kt, D, sj, nj, ks, rs); break;
+    case R: FA_NAME(fa_qk_keys_micro)(R, qt, brp, kj, k_sl, nj, D, sj, ks, rs, kt); break;
             FA_KEYS_CASE(1) FA_KEYS_CASE(2) FA_KEYS_CASE(3) FA_KEYS_CASE(4)
             FA_KEYS_CASE(5) FA_KEYS_CASE(6) FA_KEYS_CASE(7) FA_KEYS_CASE(8)
 #undef FA_KEYS_CASE
@@ -198,7 +184,6 @@ static void FA_NAME(fa_qk_keys)(const FA_T *FA_RESTRICT qt, int64_t brp, int64_t
         }
     }
 }
-#endif
 
 /* o[i][c0 ...] = alpha[i] * o[i][c0 ...] + sum_j p[j][i] * v[j][c0 ...] for R query
  * rows and NC value vectors (the last one `tail` lanes wide when tail > 0), with
