@@ -63,12 +63,11 @@ def compute_both(client, lazies, on_cluster):
 # The block plan, checked exhaustively against the global semantics (no dask run)
 # ---------------------------------------------------------------------------------
 
-def _visible(Lq, Lk, causal, window):
-    """The global visibility (Lq, Lk) of docs/semantics.md §2-3 (no mask)."""
-    i = np.arange(Lq)[:, None]
-    j = np.arange(Lk)[None, :]
-    a = i if causal == "top-left" else i + (Lk - Lq)
-    vis = np.ones((Lq, Lk), bool)
+def _band(a, n, causal, window):
+    """Which of keys 0..n-1 each row sees, a (rows, 1) being the rows' diagonals:
+    docs/semantics.md §2-3 (no mask)."""
+    j = np.arange(n)[None, :]
+    vis = np.ones((a.shape[0], n), bool)
     if causal:
         vis &= j <= a
     left, right = window if window is not None else (None, None)
@@ -79,25 +78,19 @@ def _visible(Lq, Lk, causal, window):
     return vis
 
 
+def _visible(Lq, Lk, causal, window):
+    """The global visibility (Lq, Lk)."""
+    i = np.arange(Lq)[:, None]
+    return _band(i if causal == "top-left" else i + (Lk - Lq), Lk, causal, window)
+
+
 def _call_visible(plan, lq):
     """What the block's call sees: the call's own alignment without positions, else
     the diagonal a = q_offset + t - k_offset (fastattn.h's positions)."""
-    kk = plan.keys
     if plan.positions is None:
-        return _visible(lq, kk, plan.causal, plan.window)
+        return _visible(lq, plan.keys, plan.causal, plan.window)
     q_off, k_off, _ = plan.positions
-    t = np.arange(lq)[:, None]
-    u = np.arange(kk)[None, :]
-    a = q_off + t - k_off
-    vis = np.ones((lq, kk), bool)
-    if plan.causal:
-        vis &= u <= a
-    left, right = plan.window if plan.window is not None else (None, None)
-    if left is not None:
-        vis &= u >= a - left
-    if right is not None:
-        vis &= u <= a + right
-    return vis
+    return _band(q_off + np.arange(lq)[:, None] - k_off, plan.keys, plan.causal, plan.window)
 
 
 def _call_alibi_distance(plan, lq):
