@@ -37,10 +37,12 @@ except ImportError as _exc:
     raise _source_tree_error(_exc) from None
 from ._api import AttentionStats, attention, attention_backward, attention_weights, key_mass
 from ._varlen import merge, varlen_attention
+from ._cache import QuantizedKV, dequantize_kv, quantize_kv
 from ._config import show_config
 
 __version__ = "0.1.0"
 __all__ = ["attention", "attention_backward", "attention_weights", "key_mass", "AttentionStats", "merge", "varlen_attention", "show_config",
+           "QuantizedKV", "quantize_kv", "dequantize_kv",
            "reference", "__version__"]
 
 _kernels.select_kernel(_os.environ.get("FASTATTN_DISABLE_CPU_FEATURES", ""))

@@ -12,6 +12,7 @@ import numpy as np
 
 from . import _kernels
 from ._args import BF16, F32, Problem, as_array, fresh, in_place, parse_flag
+from ._cache import Source, kv_source
 from ._checks import backward_flags, check_out, grad_inputs
 from ._typing import Array, ArrayLike, Causal, FloatArray, Layout, Window
 
@@ -48,7 +49,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
               bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
               softcap: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
               seqlens_k: ArrayLike | None = ..., q_offset: int | None = ...,
-              k_offset: int | None = ..., layout: Layout = ..., return_lse: Literal[False] = ...,
+              k_offset: int | None = ..., block_table: ArrayLike | None = ...,
+              layout: Layout = ..., return_lse: Literal[False] = ...,
               return_stats: Literal[False] = ...,
               out: Array | None = ..., num_threads: int | None = ...) -> FloatArray: ...
 
@@ -59,7 +61,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
               bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
               softcap: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
               seqlens_k: ArrayLike | None = ..., q_offset: int | None = ...,
-              k_offset: int | None = ..., layout: Layout = ..., return_lse: Literal[True],
+              k_offset: int | None = ..., block_table: ArrayLike | None = ...,
+              layout: Layout = ..., return_lse: Literal[True],
               return_stats: Literal[False] = ...,
               out: Array | None = ..., num_threads: int | None = ...
               ) -> Tuple[FloatArray, FloatArray]: ...
@@ -71,7 +74,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
               bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
               softcap: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
               seqlens_k: ArrayLike | None = ..., q_offset: int | None = ...,
-              k_offset: int | None = ..., layout: Layout = ..., return_lse: bool = ...,
+              k_offset: int | None = ..., block_table: ArrayLike | None = ...,
+              layout: Layout = ..., return_lse: bool = ...,
               return_stats: bool = ...,
               out: Array | None = ..., num_threads: int | None = ...
               ) -> Union[FloatArray, Tuple[Any, ...]]: ...
@@ -82,7 +86,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
               bias: ArrayLike | None = None, alibi_slopes: ArrayLike | None = None,
               softcap: float | None = None, dropout_p: float = 0.0, seed: int | None = None,
               seqlens_k: ArrayLike | None = None, q_offset: int | None = None,
-              k_offset: int | None = None, layout: Layout = "bhsd", return_lse: bool = False,
+              k_offset: int | None = None, block_table: ArrayLike | None = None,
+              layout: Layout = "bhsd", return_lse: bool = False,
               return_stats: bool = False,
               out: Array | None = None, num_threads: int | None = None
               ) -> Union[FloatArray, Tuple[Any, ...]]:
@@ -107,6 +112,13 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
         heads of a group share each K/V tile the kernel loads).
     v : ndarray, shape (Lk, Dv), (Hkv, Lk, Dv) or (B, Hkv, Lk, Dv)
         Values, same dtype, ndim and layout; ``Dv`` may differ from ``D``.
+
+        k and v may instead both be :class:`fastattn.QuantizedKV` (an int8 cache with
+        float32 group scales, from :func:`fastattn.quantize_kv`), read in place and
+        dequantized tile by tile: the result has the bits of attention over
+        ``dequantize_kv(k)``, ``dequantize_kv(v)``.  q is then float32, float16 or
+        bfloat16 (computed in float32; the output has q's dtype).  Every variant,
+        GQA, `seqlens_k` and both layouts; not :func:`attention_backward`.
     scale : float, optional
         Multiplies ``q . k``.  Default ``1 / sqrt(D)``.  Any finite value: 0 gives
         the plain mean of the visible values, negative values are allowed.
@@ -162,6 +174,17 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
         sequence ``b`` still sees only keys below ``seqlens_k[b]``, on the same
         diagonal.  Dropout's decision uses the row and key indices ``i, j`` of the
         call, not the positions.  Integers within ``+-2**53``.
+    block_table : int array (B, max_blocks), optional
+        A paged KV cache (vLLM's layout): k and v are pools of pages, shape
+        ``(num_blocks, block_size, Hkv, D)`` and ``(num_blocks, block_size, Hkv,
+        Dv)`` (float arrays, or QuantizedKV of such data), and key ``j`` of sequence
+        ``b`` is row ``j % block_size`` of page ``block_table[b, j // block_size]``;
+        q is 4-D.  The keys are ``max_blocks * block_size`` per sequence, or
+        `seqlens_k` (the usual call: causal then aligns bottom-right to each length,
+        for decoding and chunked prefill).  The entries a sequence's keys fill must
+        be pages of the pool (a ValueError names the sequence and the entry); the
+        others are never read.  The result has the bits of the same keys in a
+        contiguous cache.
     layout : {'bhsd', 'bshd'}, optional
         Axis order of q, k, v and the output: (batch, heads, sequence, features) or
         (batch, sequence, heads, features).  Any strides with a contiguous last axis
@@ -203,12 +226,17 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
             and window is None and mask is None and bias is None and alibi_slopes is None
             and softcap is None and layout == "bhsd"
             and type(dropout_p) in (float, int) and dropout_p == 0 and return_stats is False
-            and seqlens_k is None and q_offset is None and k_offset is None
+            and seqlens_k is None and q_offset is None and k_offset is None and block_table is None
             and (num_threads is None or type(num_threads) is int and num_threads >= 1)):
         res = _kernels.attention_common(q, k, v, causal, return_lse, num_threads or 0)
         if res is not None:
             return res
 
+    src = kv_source("attention", q, k, v, block_table, seqlens_k, layout)
+    if src is not None:
+        return cache_attention(src, q, scale, causal, window, mask, bias, alibi_slopes, softcap,
+                               dropout_p, seed, seqlens_k, layout, return_lse, return_stats, out,
+                               num_threads, (q_offset, k_offset, 0))
     return _attention(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap, dropout_p,
                       seed, seqlens_k, layout, return_lse, return_stats, out, num_threads,
                       (q_offset, k_offset, 0))
@@ -231,12 +259,37 @@ def attention_block(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, q_offset: int, 
                       (q_offset, k_offset, alibi_shift))
 
 
+def cache_attention(src, q, scale, causal, window, mask, bias, alibi_slopes, softcap, dropout_p,
+                    seed, seqlens_k, layout, return_lse, return_stats, out, num_threads, positions):
+    """:func:`attention` over an int8 or paged cache (a fastattn._cache.Source): q of
+    a 16-bit type with an int8 cache is computed in float32 and the output converted."""
+    qa = as_array(q, "q")
+    if src.k.dtype.itemsize == 1 and qa.dtype != F32 and qa.dtype.itemsize == 2:
+        res = _attention(qa.astype(F32), src, None, scale, causal, window, mask, bias,
+                         alibi_slopes, softcap, dropout_p, seed, seqlens_k, layout, return_lse,
+                         return_stats, None, num_threads, positions)
+        o = res[0] if isinstance(res, tuple) else res
+        if out is not None:
+            check_out(out, o.shape, qa.dtype, {"q": q})
+        o16 = o.astype(qa.dtype) if out is None else out
+        if out is not None:
+            out[...] = o
+        return (o16,) + res[1:] if isinstance(res, tuple) else o16
+    return _attention(qa, src, None, scale, causal, window, mask, bias, alibi_slopes, softcap,
+                      dropout_p, seed, seqlens_k, layout, return_lse, return_stats, out,
+                      num_threads, positions)
+
+
 def _attention(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap, dropout_p,
                seed, seqlens_k, layout, return_lse, return_stats, out, num_threads, positions):
     """:func:`attention` past its compiled fast path: every argument checked, the
     output allocated (or `out` checked), the kernel run, the results assembled.
-    `positions` is ``(q_offset, k_offset, alibi_shift)``."""
+    `positions` is ``(q_offset, k_offset, alibi_shift)``; `k` may be a cache's
+    fastattn._cache.Source (`v` None), whose arrays the kernel reads."""
     fn = "attention"
+    src = k if isinstance(k, Source) else None
+    if src is not None:
+        k, v = src.k_shape, src.v_shape
     pr = Problem(fn, as_array(q, "q"), as_array(k, "k"), as_array(v, "v"), layout)
     return_lse = parse_flag(return_lse, "return_lse", fn)
     return_stats = parse_flag(return_stats, "return_stats", fn)
@@ -253,8 +306,13 @@ def _attention(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap
         variants = variants or _kernels.Variants()
         variants.entropy, variants.max_weight = (np.zeros(pr.q.shape[:-1], pr.lse_dtype)
                                                  for _ in range(2))
+    kk, vv = (pr.k, pr.v) if src is None else (src.k, src.v)
+    if src is not None:
+        variants = variants or _kernels.Variants()
+        for name, value in src.fields.items():
+            setattr(variants, name, value)
     if out.size or lse is not None and lse.size:
-        _run(pr.q, pr.k, pr.v, pr.bhsd(out), lse, opt.scale, opt.causal, opt.threads, variants)
+        _run(pr.q, kk, vv, pr.bhsd(out), lse, opt.scale, opt.causal, opt.threads, variants)
     parts: Tuple[Any, ...] = (out,) + ((lse,) if return_lse else ())
     if return_stats:
         parts += (_stats(variants.entropy, variants.max_weight, lse),)

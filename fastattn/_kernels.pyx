@@ -5,7 +5,7 @@ codes into exceptions.  No maths here."""
 
 cimport numpy as cnp
 from libc.math cimport sqrt
-from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memset
 
 cnp.import_array()
@@ -49,6 +49,11 @@ cdef extern from "fastattn.h" nogil:
         void *max_weight
         double dropout_p
         uint64_t seed
+        const float *k_scale
+        const float *v_scale
+        int64_t ks_sb, ks_sh, ks_sl, vs_sb, vs_sh, vs_sl, k_group, v_group
+        const int32_t *block_table
+        int64_t bt_sb, max_blocks, page_size, num_pages
     ctypedef struct fa_bwd_params:
         fa_params f
         const void *dout
@@ -67,7 +72,7 @@ cdef extern from "fastattn.h" nogil:
     int fa_dropout_keep(uint64_t seed, uint32_t threshold, int64_t b, int64_t h, int64_t i, int64_t j)
     uint32_t fa_dropout_threshold(double p)
     int FA_OK, FA_ERR_NOMEM, FA_ERR_ARG, FA_F32, FA_F64, FA_ISA_COUNT
-    int FA_STORE_F32, FA_STORE_F64, FA_STORE_F16, FA_STORE_BF16
+    int FA_STORE_F32, FA_STORE_F64, FA_STORE_F16, FA_STORE_BF16, FA_STORE_I8
     int fa_attention_forward(const fa_params *p)
     int fa_merge(int dtype, int64_t parts, int64_t rows, int64_t dv, const void *outs,
                  const void *lses, void *out, void *lse)
@@ -221,6 +226,8 @@ cdef inline int _storage(cnp.ndarray a):
         return FA_STORE_F64
     if cnp.PyArray_TYPE(a) == cnp.NPY_FLOAT16:
         return FA_STORE_F16
+    if cnp.PyArray_TYPE(a) == cnp.NPY_INT8:
+        return FA_STORE_I8
     if cnp.PyArray_ITEMSIZE(a) == 2:
         return FA_STORE_BF16
     return FA_STORE_F32
@@ -280,8 +287,13 @@ cdef class Variants:
     off), window sides (-1 = unbounded), cu_q/cu_k int64 (varlen; q, k, v are then
     (1, H, total, D) views and the sequence count is len(cu_q) - 1), weights
     (B, Hq, Lq, Lk) output for attention_weights, dropout_p in [0, 1) and its seed
-    (an int in [0, 2**64))."""
+    (an int in [0, 2**64)); k_scale, v_scale (float32, int8 K/V: laid out like k and
+    v with the group axis last) and block_table (int32 (B, max_blocks), contiguous
+    rows; k and v are then (pages, Hkv, page_size, D) views of the pools) with the
+    pool's page count num_pages, all checked by fastattn._cache."""
     cdef public object mask, bias, alibi, cu_q, cu_k, weights, entropy, max_weight, seqlens_k
+    cdef public object k_scale, v_scale, block_table
+    cdef public int64_t num_pages
     cdef public double softcap, dropout_p
     cdef public int64_t window_left, window_right, q_pos0, k_pos0, alibi_shift
     cdef public bint positions
@@ -294,6 +306,8 @@ cdef class Variants:
         self.entropy = None
         self.max_weight = None
         self.seqlens_k = None
+        self.k_scale = self.v_scale = self.block_table = None
+        self.num_pages = 0
         self.positions = False  # q_pos0, k_pos0 give the positions (fastattn.h)
         self.q_pos0 = self.k_pos0 = self.alibi_shift = 0
         self.mask = mask
@@ -346,6 +360,25 @@ cdef void _set_variants(fa_params *p, Variants va, int64_t item) except *:
         p.q_sb = p.k_sb = p.v_sb = p.o_sb = p.lse_sb = 0
     if va.seqlens_k is not None:  # int64, (B,), contiguous, checked by fastattn._api
         p.seqlens_k = <const int64_t *>cnp.PyArray_DATA(<cnp.ndarray>va.seqlens_k)
+    if va.k_scale is not None:  # float32, (B or pages, Hkv, L, groups), group axis contiguous
+        a = <cnp.ndarray>va.k_scale
+        p.k_scale = <const float *>cnp.PyArray_DATA(a)
+        _dims(a, 4, sh, st)
+        p.ks_sb = st[0]; p.ks_sh = st[1]; p.ks_sl = st[2]
+        p.k_group = p.D // sh[3]
+        a = <cnp.ndarray>va.v_scale
+        p.v_scale = <const float *>cnp.PyArray_DATA(a)
+        _dims(a, 4, sh, st)
+        p.vs_sb = st[0]; p.vs_sh = st[1]; p.vs_sl = st[2]
+        p.v_group = p.Dv // sh[3]
+    if va.block_table is not None:  # int32 (B, max_blocks): k, v are the pools' pages
+        a = <cnp.ndarray>va.block_table
+        p.block_table = <const int32_t *>cnp.PyArray_DATA(a)
+        p.bt_sb = cnp.PyArray_STRIDES(a)[0] // 4
+        p.max_blocks = cnp.PyArray_DIM(a, 1)
+        p.page_size = p.Lk
+        p.Lk = p.max_blocks * p.page_size
+        p.num_pages = va.num_pages
     if va.entropy is not None:  # laid out like lse (the kernel uses lse's strides)
         p.entropy = cnp.PyArray_DATA(<cnp.ndarray>va.entropy)
         p.max_weight = cnp.PyArray_DATA(<cnp.ndarray>va.max_weight)

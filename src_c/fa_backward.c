@@ -41,7 +41,7 @@ static int fa_bwd_check(const fa_bwd_params *bp)
     const fa_params *p = &bp->f;
     int rc = fa_check(p);
     if (rc != FA_OK) return rc;
-    if (fa_store16(p->kv_store) || fa_store16(p->q_store) || fa_store16(p->out_store) || p->weights ||
+    if (fa_store16(p->kv_store) || fa_kv_staged(p) || fa_store16(p->q_store) || fa_store16(p->out_store) || p->weights ||
         p->cu_q || !p->lse || !p->out)
         return FA_ERR_ARG;
     if (!bp->dout || !bp->dq || !bp->dk || !bp->dv) return FA_ERR_ARG;

@@ -183,6 +183,7 @@ int fa_attention_forward(const fa_params *p)
     fa_plan pl;
     rc = fa_make_plan(kern, p, &pl);
     if (rc != FA_OK) return rc;
+    /* int8 K/V are dequantized into float32 tiles: the float32 kernel reads them */
     const int ki = p->kv_store == FA_STORE_BF16 ? FA_KVB16 : p->kv_store == FA_STORE_F16 ? FA_KV16 : p->dtype;
     const fa_qblock_fn qblock = kern->qblock[ki];
     const size_t scratch_bytes = kern->scratch_bytes[ki](p, &pl.bl);

@@ -216,6 +216,25 @@ static inline int64_t fa_alibi0(const fa_params *p, int64_t Lq, int64_t Lk)
 /* Is an array stored in one of the 16-bit types (enum fa_storage)? */
 static inline int fa_store16(int store) { return store == FA_STORE_F16 || store == FA_STORE_BF16; }
 
+/* K/V that the kernels stage tile by tile rather than read in place: int8 (dequantized)
+ * or paged (rows gathered from pages), see kern_source.h. */
+static inline int fa_kv_staged(const fa_params *p)
+{
+    return p->kv_store == FA_STORE_I8 || p->block_table != NULL;
+}
+
+/* The element offset of key row j of sequence b, kv head g, in an array addressed
+ * with strides (sb, sh, sl): of its page through the block table, or directly. */
+static inline int64_t fa_kv_row_at(const fa_params *p, int64_t b, int64_t g, int64_t j, int64_t sb,
+                                   int64_t sh, int64_t sl)
+{
+    if (p->block_table) {
+        const int64_t page = p->block_table[b * p->bt_sb + j / p->page_size];
+        return page * sb + g * sh + (j % p->page_size) * sl;
+    }
+    return b * sb + g * sh + j * sl;
+}
+
 /* The key range [lo, hi) that some row may see, made safe to index: within [0, Lk],
  * and an empty range (nothing visible: windows past the keys, more queries than keys
  * with a top-left diagonal, Lk = 0) always [0, 0), so that no rounding of lo down to

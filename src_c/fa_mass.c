@@ -11,7 +11,7 @@ int fa_key_mass(const fa_params *p_in, void *mass, int64_t m_sb, int64_t m_sh)
     fa_last_threads = 0;
     int rc = fa_check(p_in);
     if (rc != FA_OK) return rc;
-    if (fa_store16(p_in->kv_store) || p_in->weights || p_in->cu_q || !p_in->lse || !mass) return FA_ERR_ARG;
+    if (fa_store16(p_in->kv_store) || fa_kv_staged(p_in) || p_in->weights || p_in->cu_q || !p_in->lse || !mass) return FA_ERR_ARG;
     const fa_kernel *kern = fa_kernel_for_isa(p_in->isa < 0 ? fa_default_isa() : p_in->isa);
     if (!kern || (p_in->isa >= 0 && !(fa_cpu_supported_isas() & (1u << p_in->isa)))) return FA_ERR_ARG;
     if (p_in->B == 0 || p_in->Hq == 0 || p_in->Lk == 0) return FA_OK;

@@ -97,10 +97,26 @@ int fa_check(const fa_params *p)
     /* each array in the compute type, or (float32 compute only) in the 16-bit type
      * of k and v */
     const int stores[3] = {p->q_store, p->kv_store, p->out_store};
-    for (int a = 0; a < 3; a++)
-        if (stores[a] != p->dtype &&
-            !(p->dtype == FA_F32 && fa_store16(stores[a]) && stores[a] == p->kv_store))
+    if (p->kv_store == FA_STORE_I8) { /* float32 q, out and scales */
+        if (p->dtype != FA_F32 || p->q_store != FA_STORE_F32 || p->out_store != FA_STORE_F32 ||
+            !p->k_scale || !p->v_scale || p->k_group < 1 || p->v_group < 1 || p->D % p->k_group ||
+            p->Dv % p->v_group)
             return FA_ERR_ARG;
+    } else
+        for (int a = 0; a < 3; a++)
+            if (stores[a] != p->dtype &&
+                !(p->dtype == FA_F32 && fa_store16(stores[a]) && stores[a] == p->kv_store))
+                return FA_ERR_ARG;
+    if (p->block_table) { /* every page a sequence reads is in the pool */
+        if (p->cu_k || p->page_size < 1 || p->max_blocks < 0 || p->Lk != p->max_blocks * p->page_size)
+            return FA_ERR_ARG;
+        for (int64_t b = 0; b < p->B; b++) {
+            const int64_t used = (fa_key_len(p, b) + p->page_size - 1) / p->page_size;
+            for (int64_t e = 0; e < used; e++)
+                if (p->block_table[b * p->bt_sb + e] < 0 || p->block_table[b * p->bt_sb + e] >= p->num_pages)
+                    return FA_ERR_ARG;
+        }
+    }
     if ((p->entropy == NULL) != (p->max_weight == NULL) || (p->entropy && !p->lse)) return FA_ERR_ARG;
     return FA_OK;
 }
@@ -258,12 +274,13 @@ void fa_item_of(const fa_params *p, const fa_plan *pl, int64_t t, fa_item *it)
 /* Bytes per element of K and V. */
 size_t fa_kv_item(const fa_params *p)
 {
-    return fa_store16(p->kv_store) ? 2 : p->dtype == FA_F64 ? 8 : 4;
+    return p->kv_store == FA_STORE_I8 ? 1 : fa_store16(p->kv_store) ? 2 : p->dtype == FA_F64 ? 8 : 4;
 }
 
 int fa_use_head_tasks(const fa_params *p, const fa_plan *pl)
 {
-    if ((p->k_sl == p->D && p->v_sl == p->Dv) || p->weights) return 0;
+    /* staged K/V (int8, paged) are read a tile at a time, never copied whole */
+    if ((p->k_sl == p->D && p->v_sl == p->Dv) || p->weights || fa_kv_staged(p)) return 0;
     return pl->items >= 2 * p->B * p->Hkv * pl->nhc; /* some head has 2 or more blocks */
 }
 

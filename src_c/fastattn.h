@@ -37,13 +37,16 @@ enum fa_dtype { FA_F32 = 0, FA_F64 = 1 };
  * kv_store, out_store).  FA_STORE_F32 / FA_STORE_F64: the compute type itself (it
  * must be dtype's).  The 16-bit types are read (and out written) converted to and
  * from float32, with dtype FA_F32 only; a 16-bit q or out needs k and v of the same
- * 16-bit type.  A new cache type (int8 with per-group scales, paged K/V) is a new
- * case here and in the kernels' K/V loads, not another flag. */
+ * 16-bit type.  FA_STORE_I8: k and v are int8 with float32 scales (k_scale,
+ * v_scale below), read as float32 data * scale and computed in float32 (dtype,
+ * q_store and out_store FA_F32).  A paged cache (block_table) is not a storage type
+ * but an addressing rule, combined with any of them. */
 enum fa_storage {
     FA_STORE_F32 = 0,  /* float32 (= FA_F32)  */
     FA_STORE_F64 = 1,  /* float64 (= FA_F64)  */
     FA_STORE_F16 = 2,  /* IEEE half           */
-    FA_STORE_BF16 = 3  /* bfloat16            */
+    FA_STORE_BF16 = 3, /* bfloat16            */
+    FA_STORE_I8 = 4    /* int8, one float32 scale per group of channels per row */
 };
 
 /* Causal convention (DESIGN.md, semantics 5). */
@@ -129,12 +132,28 @@ typedef struct fa_params {
                            undropped softmax.  The decision for (b, h, i, j) is
                            fa_dropout_keep(seed, ...), so it depends on nothing else */
     uint64_t seed;
+
+    /* ---- K/V caches beyond a strided array of one float type ---- */
+    const float *k_scale, *v_scale; /* kv_store FA_STORE_I8: element c of row j is
+                           data[j][c] * scale[j][c / group], one float32 multiply (the
+                           bits of fastattn.dequantize_kv); scales addressed like k and
+                           v, (b or page, h, l, c / group), element strides below   */
+    int64_t ks_sb, ks_sh, ks_sl, vs_sb, vs_sh, vs_sl;
+    int64_t k_group, v_group; /* channels per scale; they divide D and Dv          */
+    const int32_t *block_table; /* paged K/V (vLLM's pools): key j of sequence b is row
+                           j % page_size of page block_table[b * bt_sb + j / page_size];
+                           k, v (and the scales) are then addressed (page, h, row, d):
+                           k_sb, v_sb, ks_sb, vs_sb step over pages.  Lk is
+                           max_blocks * page_size; each sequence's pages below its key
+                           length (seqlens_k, else Lk) must be in [0, num_pages)   */
+    int64_t bt_sb, max_blocks, page_size, num_pages;
 } fa_params;
 
 /* The backward pass: gradients of sum(dout * out) with respect to q, k, v (and the
  * logits, for the bias's gradient), where out, lse are what fa_attention_forward
  * returned for the same f.  f.out must point to that output and f.lse to its lse
- * (strides as in the forward); f.weights, 16-bit storage and varlen are not allowed. */
+ * (strides as in the forward); f.weights, 16-bit or int8 storage, paged K/V and varlen are not
+ * allowed. */
 typedef struct fa_bwd_params {
     fa_params f;
     const void *dout;   /* (B, Hq, Lq, Dv), the gradient of out                   */
@@ -163,7 +182,8 @@ int fa_attention_backward(const fa_bwd_params *bp);
 /* key_mass: mass[b, h, j] = sum_i p_ij, the total weight the queries of head h give
  * key j (B, Hq, Lk; element strides m_sb, m_sh, keys contiguous), computed from
  * p->lse (required: the forward's lse for the same arguments), deterministic.  p->v,
- * p->out, dropout and stats are ignored; 16-bit storage, varlen and weights are refused. */
+ * p->out, dropout and stats are ignored; 16-bit or int8 storage, paged K/V, varlen and weights are
+ * refused. */
 int fa_key_mass(const fa_params *p, void *mass, int64_t m_sb, int64_t m_sh);
 
 /* The dropout decision (1 = keep) of weight (b, h, i, j) for a threshold

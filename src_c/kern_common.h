@@ -60,7 +60,9 @@ static inline int64_t FA_NAME(fa_round_up)(int64_t x, int64_t m) { return (x + m
  *   lo hi              brp int64: a row's visible key range [lo, hi]
  *   bt      bc x brp   bias tile, transposed (with a bias only)
  *   mt      bc x brp   mask tile as bytes, transposed (with a mask only)
- *   mrow brow orow     brp pointers: a row's mask, bias and output rows */
+ *   mrow brow orow     brp pointers: a row's mask, bias and output rows
+ *   kst vst bc x D, bc x Dv  FA_KV: a staged K and V tile (int8 or paged K/V only,
+ *                      fa_kv_tile; vst not for attention_weights), else NULL */
 typedef struct FA_NAME(fa_scratch) {
     FA_T *qt, *kt, *s, *s2, *o, *m, *l, *alpha, *rlo, *rhi, *slope, *apos, *bt;
     FA_T *u; /* return_stats: sum_j p_j (s_j - m), rescaled with l; NULL otherwise */
@@ -77,6 +79,7 @@ typedef struct FA_NAME(fa_scratch) {
     const uint8_t **mrow;
     const FA_T **brow;
     void **orow; /* FA_T, or float16 bits for a float16 output */
+    FA_KV *kst, *vst;
 } FA_NAME(fa_scratch);
 
 static inline void *FA_NAME(fa_carve)(char **cur, size_t bytes)
@@ -127,6 +130,10 @@ static size_t FA_NAME(fa_layout)(const fa_params *p, const fa_blocks *bl, void *
     sc->brow = (const FA_T **)FA_NAME(fa_carve)(&cur, brp * sizeof(void *));
     sc->orow = (void **)FA_NAME(fa_carve)(&cur, brp * sizeof(void *));
     sc->o2 = (FA_T *)FA_NAME(fa_carve)(&cur, (size_t)FA_DOT_ROWS * dvp * t);
+    sc->kst = fa_kv_staged(p) ? (FA_KV *)FA_NAME(fa_carve)(&cur, bc * (size_t)p->D * sizeof(FA_KV)) : NULL;
+    sc->vst = fa_kv_staged(p) && !p->weights
+                  ? (FA_KV *)FA_NAME(fa_carve)(&cur, bc * (size_t)p->Dv * sizeof(FA_KV))
+                  : NULL;
     return (size_t)(cur - first);
 }
 

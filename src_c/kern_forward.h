@@ -57,7 +57,7 @@ static int FA_NAME(fa_all_finite)(const FA_T *FA_RESTRICT x, int64_t n)
 static void FA_NAME(fa_pv_tile_nonfinite)(const fa_params *p, const fa_item *it, int64_t nr, int nv,
                                           int64_t j0, int64_t nk, int64_t lo_max, int64_t hi_min,
                                           int64_t brp, FA_NAME(fa_scratch) *sc, const FA_KV *v,
-                                          int64_t dvp)
+                                          int64_t v_sl, int64_t dvp)
 {
     FA_T *prob = sc->s;
     const int64_t pk = sc->key_major ? 1 : brp, pr = sc->key_major ? sc->bcp : 1;
@@ -71,7 +71,7 @@ static void FA_NAME(fa_pv_tile_nonfinite)(const fa_params *p, const fa_item *it,
         for (int64_t jj = 0; jj < nk; jj++) {
             if (sc->s2[jj * brp + r] == -(FA_T)INFINITY) continue;
             const FA_T pj = prob[jj * pk + r * pr];
-            const FA_KV *vr = v + jj * p->v_sl;
+            const FA_KV *vr = v + jj * v_sl;
             for (int64_t c = 0; c < p->Dv; c++) o[c] += pj * (FA_T)FA_KV_SCALAR(vr[c]);
         }
     }
@@ -111,7 +111,6 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
     FA_NAME(fa_scratch) sc;
     FA_NAME(fa_layout)(p, bl, scratch, &sc);
     FA_NAME(fa_setup_rows)(p, it, nr, nvl, brp, bc, &sc);
-    const FA_KV *v = (const FA_KV *)p->v + it->b * p->v_sb + it->g * p->v_sh + it->koff * p->v_sl;
 
     int64_t lo_max = INT64_MIN, hi_min = INT64_MAX;
     for (int64_t r = 0; r < nr; r++) {
@@ -143,10 +142,13 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
             /* float16 decoding: ask for this tile's V rows now, so that they arrive while
              * QK^T and the softmax run (measured: 3-7% faster; for float32 V, twice the
              * bytes, the same prefetches were 9% slower than the hardware's) */
-            if (nr <= FA_DOT_ROWS)
+            if (nr <= FA_DOT_ROWS && !sc.vst) {
+                const FA_KV *v = (const FA_KV *)p->v + it->b * p->v_sb + it->g * p->v_sh +
+                                 (it->koff + j0) * p->v_sl;
                 for (int64_t j = 0; j < nk; j++)
                     for (int64_t c = 0; c < Dv; c += 64 / (int64_t)sizeof(FA_KV))
-                        __builtin_prefetch(v + (j0 + j) * p->v_sl + c);
+                        __builtin_prefetch(v + j * p->v_sl + c);
+            }
 #endif
             if (!FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, 0)) continue;
             if (sc.key_major)
@@ -165,7 +167,8 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
             if (p->dropout_p > 0) /* after the softmax's sums: lse is that of the undropped weights */
                 FA_NAME(fa_dropout_apply)(p, it, nr, j0, nk, sc.s, sc.key_major ? 1 : brp,
                                           sc.key_major ? sc.bcp : 1);
-            const FA_KV *vt = v + j0 * p->v_sl;
+            int64_t v_sl;
+            const FA_KV *vt = FA_NAME(fa_kv_tile)(p, it, j0, nk, 1, sc.vst, &v_sl);
             if (nr <= FA_DOT_ROWS) {
                 /* Few rows: a check of V before P.V would cost as much as P.V itself.  So
                  * P.V runs first, and if the rows it produced are not all finite (an inf
@@ -173,17 +176,19 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
                  * and the tile goes through the careful path. */
                 memcpy(sc.o2, sc.o, (size_t)(nr * dvp) * sizeof(FA_T));
                 if (sc.key_major)
-                    FA_NAME(fa_pv_tile_rows)(sc.s, nr, nk, vt, p->v_sl, Dv, sc.o, dvp, sc.alpha, sc.bcp);
+                    FA_NAME(fa_pv_tile_rows)(sc.s, nr, nk, vt, v_sl, Dv, sc.o, dvp, sc.alpha, sc.bcp);
                 else
-                    FA_NAME(fa_pv_tile)(sc.s, nr, nk, vt, p->v_sl, Dv, sc.o, dvp, sc.alpha, brp);
+                    FA_NAME(fa_pv_tile)(sc.s, nr, nk, vt, v_sl, Dv, sc.o, dvp, sc.alpha, brp);
                 if (!FA_NAME(fa_all_finite)(sc.o, nr * dvp)) {
                     memcpy(sc.o, sc.o2, (size_t)(nr * dvp) * sizeof(FA_T));
-                    FA_NAME(fa_pv_tile_nonfinite)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, vt, dvp);
+                    FA_NAME(fa_pv_tile_nonfinite)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, vt,
+                                                  v_sl, dvp);
                 }
-            } else if (FA_NAME(fa_v_finite)(vt, p->v_sl, nk, Dv))
-                FA_NAME(fa_pv_tile)(sc.s, nr, nk, vt, p->v_sl, Dv, sc.o, dvp, sc.alpha, brp);
+            } else if (FA_NAME(fa_v_finite)(vt, v_sl, nk, Dv))
+                FA_NAME(fa_pv_tile)(sc.s, nr, nk, vt, v_sl, Dv, sc.o, dvp, sc.alpha, brp);
             else
-                FA_NAME(fa_pv_tile_nonfinite)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, vt, dvp);
+                FA_NAME(fa_pv_tile_nonfinite)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, vt, v_sl,
+                                              dvp);
         }
         FA_NAME(fa_fold_chunk)(&sc, nr, Dv, dvp);
     }

@@ -211,9 +211,10 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
                               int64_t j0, int64_t nk, int64_t lo_max, int64_t hi_min,
                               int64_t brp, FA_NAME(fa_scratch) *sc, int logits)
 {
-    const FA_KV *k = (const FA_KV *)p->k + it->b * p->k_sb + it->g * p->k_sh + it->koff * p->k_sl;
     sc->mask_state = p->mask ? FA_NAME(fa_mask_tile)(p, nr, j0, nk, brp, sc) : 2;
     if (sc->mask_state == 0) return 0;
+    int64_t k_sl;
+    const FA_KV *k = FA_NAME(fa_kv_tile)(p, it, j0, nk, 0, sc->kst, &k_sl);
     sc->need_range = lo_max > j0 || hi_min < j0 + nk - 1;
     /* A few rows (decoding) and no logit step on this tile: the logits are stored
      * key-major, row r at s + r * bcp, for fa_softmax_row (the same bits). */
@@ -221,10 +222,10 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
                     sc->mask_state == 2 && !sc->need_range && !(p->softcap > 0) && !p->alibi &&
                     !p->bias;
     if (nr <= FA_DOT_ROWS) /* a few rows (decoding): keys on the lanes, the same bits */
-        FA_NAME(fa_qk_keys)(sc->qt, brp, nr, k + j0 * p->k_sl, p->k_sl, nk, p->D, sc->s, sc->kt,
+        FA_NAME(fa_qk_keys)(sc->qt, brp, nr, k, k_sl, nk, p->D, sc->s, sc->kt,
                             sc->key_major ? 1 : brp, sc->key_major ? sc->bcp : 1);
     else
-        FA_NAME(fa_qk_tile)(sc->qt, nv, k + j0 * p->k_sl, p->k_sl, nk, p->D, sc->s, brp);
+        FA_NAME(fa_qk_tile)(sc->qt, nv, k, k_sl, nk, p->D, sc->s, brp);
     if (sc->need_range) {
         const int64_t nvl = (int64_t)nv * FA_VL;
         for (int64_t r = 0; r < nvl; r++) { /* exact small integers in FA_T */

@@ -42,6 +42,7 @@
  * their dependencies (each file's opening comment says what it holds and what it
  * needs from the including file):
  *   kern_common.h    defaults, tile-shape switches, the forward's scratch layout
+ *   kern_source.h    a key tile's K/V rows: in place, or staged (int8, paged)
  *   kern_products.h  QK^T tiles, the keys-on-lanes decode product, P.V tiles
  *   kern_softmax.h   the online softmax, the chunk merge and the statistics
  *   kern_logits.h    row set-up, mask/bias tiles, the logit steps, fa_scores
@@ -49,6 +50,7 @@
  *   kern_backward.h  the backward and key mass
  */
 #include "kern_common.h"
+#include "kern_source.h"
 #include "kern_products.h"
 #include "kern_softmax.h"
 #include "kern_logits.h"

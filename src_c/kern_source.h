@@ -1,0 +1,52 @@
+/*
+ * kern_source.h -- part of the kernel template (kernels_tmpl.h): where a key tile's
+ * K and V rows come from.
+ *   fa_kv_tile       rows j0 .. j0+nk-1 of an item's K or V as the products read them
+ *                    (a pointer and a row stride): in place for a strided array, and
+ *                    for a paged pool of FA_KV whose page holds the whole tile; else
+ *                    staged into the thread's tile buffer: an int8 cache dequantized
+ *                    (data * scale, one float32 multiply per element, the bits of
+ *                    fastattn.dequantize_kv), pages' rows gathered.
+ *
+ * A staged tile holds exactly the values the in-place read would give (for int8: the
+ * dequantized cache's), so the products, the softmax and the merge see the same
+ * numbers in the same order: a paged cache gives the contiguous cache's bits, an int8
+ * cache those of the float32 cache dequantize_kv returns.
+ *
+ * Needs from the including ISA file: FA_KV (float for int8, as the float32
+ * instantiation has it).
+ */
+
+static const FA_KV *FA_NAME(fa_kv_tile)(const fa_params *p, const fa_item *it, int64_t j0,
+                                        int64_t nk, int kv, FA_KV *FA_RESTRICT buf,
+                                        int64_t *stride)
+{
+    const int64_t sb = kv ? p->v_sb : p->k_sb, sh = kv ? p->v_sh : p->k_sh;
+    const int64_t sl = kv ? p->v_sl : p->k_sl, width = kv ? p->Dv : p->D;
+    const int64_t j = it->koff + j0;
+    const int quant = p->kv_store == FA_STORE_I8;
+    if (!quant && (!p->block_table || j % p->page_size + nk <= p->page_size)) {
+        *stride = sl;
+        return (const FA_KV *)(kv ? p->v : p->k) + fa_kv_row_at(p, it->b, it->g, j, sb, sh, sl);
+    }
+    *stride = width;
+    for (int64_t r = 0; r < nk; r++) {
+        FA_KV *FA_RESTRICT dst = buf + r * width;
+        const int64_t at = fa_kv_row_at(p, it->b, it->g, j + r, sb, sh, sl);
+        if (!quant) {
+            memcpy(dst, (const FA_KV *)(kv ? p->v : p->k) + at, (size_t)width * sizeof(FA_KV));
+            continue;
+        }
+        const int8_t *FA_RESTRICT src = (const int8_t *)(kv ? p->v : p->k) + at;
+        const float *FA_RESTRICT scale =
+            (kv ? p->v_scale : p->k_scale) +
+            fa_kv_row_at(p, it->b, it->g, j + r, kv ? p->vs_sb : p->ks_sb, kv ? p->vs_sh : p->ks_sh,
+                         kv ? p->vs_sl : p->ks_sl);
+        const int64_t group = kv ? p->v_group : p->k_group;
+        for (int64_t c0 = 0, gi = 0; c0 < width; c0 += group, gi++) {
+            const float f = scale[gi];
+            for (int64_t c = c0; c < c0 + group; c++) dst[c] = (FA_KV)((float)src[c] * f);
+        }
+    }
+    return buf;
+}
