@@ -264,7 +264,11 @@ def cache_attention(src, q, scale, causal, window, mask, bias, alibi_slopes, sof
     """:func:`attention` over an int8 or paged cache (a fastattn._cache.Source): q of
     a 16-bit type with an int8 cache is computed in float32 and the output converted."""
     qa = as_array(q, "q")
-    if src.k.dtype.itemsize == 1 and qa.dtype != F32 and qa.dtype.itemsize == 2:
+    int8 = src.k.dtype.itemsize == 1
+    if int8 and not (qa.dtype == F32 or qa.dtype == np.float16 or (BF16 is not None and qa.dtype == BF16)):
+        raise TypeError(f"fastattn.attention: with an int8 cache (QuantizedKV k and v) q must be "
+                        f"float32, float16 or bfloat16, got dtype {qa.dtype}")
+    if int8 and qa.dtype != F32:
         res = _attention(qa.astype(F32), src, None, scale, causal, window, mask, bias,
                          alibi_slopes, softcap, dropout_p, seed, seqlens_k, layout, return_lse,
                          return_stats, None, num_threads, positions)

@@ -17,6 +17,10 @@
  * instantiation has it).
  */
 
+#ifndef FA_STAGE_AHEAD
+#define FA_STAGE_AHEAD 16
+#endif
+
 static const FA_KV *FA_NAME(fa_kv_tile)(const fa_params *p, const fa_item *it, int64_t j0,
                                         int64_t nk, int kv, FA_KV *FA_RESTRICT buf,
                                         int64_t *stride)
@@ -30,11 +34,23 @@ static const FA_KV *FA_NAME(fa_kv_tile)(const fa_params *p, const fa_item *it, i
         return (const FA_KV *)(kv ? p->v : p->k) + fa_kv_row_at(p, it->b, it->g, j, sb, sh, sl);
     }
     *stride = width;
-    for (int64_t r = 0; r < nk; r++) {
+    /* row j0 + r + FA_STAGE_AHEAD is asked for as row j0 + r is copied (the rows of a
+     * paged or strided cache are too far apart for the hardware to follow), and the
+     * first FA_STAGE_AHEAD rows at the item's first tile */
+    const size_t item = quant ? 1 : sizeof(FA_KV), bytes = (size_t)width * item;
+    const char *base = (const char *)(kv ? p->v : p->k);
+    for (int64_t r = j0 <= it->kv0 ? -FA_STAGE_AHEAD : 0; r < nk; r++) {
+        const int64_t ja = j0 + r + FA_STAGE_AHEAD;
+        if (ja < it->kv1) {
+            const char *row = base + (size_t)fa_kv_row_at(p, it->b, it->g, it->koff + ja, sb, sh, sl) * item;
+            for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off);
+        }
+        if (r < 0) continue;
         FA_KV *FA_RESTRICT dst = buf + r * width;
         const int64_t at = fa_kv_row_at(p, it->b, it->g, j + r, sb, sh, sl);
-        if (!quant) {
-            memcpy(dst, (const FA_KV *)(kv ? p->v : p->k) + at, (size_t)width * sizeof(FA_KV));
+        if (!quant) { /* a loop, not memcpy: rows are short, the call costs more */
+            const FA_KV *FA_RESTRICT src = (const FA_KV *)(kv ? p->v : p->k) + at;
+            for (int64_t c = 0; c < width; c++) dst[c] = src[c];
             continue;
         }
         const int8_t *FA_RESTRICT src = (const int8_t *)(kv ? p->v : p->k) + at;
