@@ -42,7 +42,7 @@ class QuantizedKV(NamedTuple):
     data: Any
     scale: Any
 
-    def __getitem__(self, key):  # type: ignore[override]
+    def __getitem__(self, key):
         if isinstance(key, (int, np.integer)):
             return tuple.__getitem__(self, key)
         data, scale = self.data[key], self.scale[key]

@@ -8,6 +8,9 @@ support, and a drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
   route ``torch.nn.functional.scaled_dot_product_attention`` on CPU tensors through
   fastattn, so existing models switch with one line; anything fastattn does not
   take goes to PyTorch's own function, unchanged.
+- :func:`attention` and :func:`quantize_kv` are :func:`fastattn.attention` and
+  :func:`fastattn.quantize_kv` on tensors, for inference against the caches servers
+  keep (int8 QuantizedKV of tensors, paged pools with a block table), read in place.
 - ``torch.ops.fastattn.attention_fwd`` and ``torch.ops.fastattn.attention_bwd``
   are the registered ops (``torch.library.custom_op``, CPU), each with a fake
   implementation, so ``torch.compile(fullgraph=True)`` traces them without a graph
@@ -41,7 +44,7 @@ import fastattn
 from . import _args
 
 __all__ = ["scaled_dot_product_attention", "sdpa_kernel", "enable", "disable", "is_enabled",
-           "attention_fwd", "attention_bwd"]
+           "attention_fwd", "attention_bwd", "attention", "quantize_kv"]
 
 _FN = "fastattn.torch.scaled_dot_product_attention"
 # causal codes of the ops: 0 none, 1 bottom-right, 2 top-left (PyTorch's is_causal)
@@ -667,3 +670,46 @@ def sdpa_kernel(enabled: bool = True) -> Iterator[None]:
     finally:
         with _lock:
             (enable if was else disable)()
+
+
+# --------------------------------------------------------------------------------------
+# Serving caches: fastattn.attention and fastattn.quantize_kv on tensors (inference).
+
+def _cache_np(x: Any, name: str) -> Any:
+    """A tensor (or a QuantizedKV of tensors) as NumPy views of the same memory."""
+    if isinstance(x, fastattn.QuantizedKV):
+        return fastattn.QuantizedKV(_cache_np(x.data, f"{name}.data"), _cache_np(x.scale, f"{name}.scale"))
+    if x is None or not isinstance(x, Tensor):
+        return x
+    if x.device.type != "cpu":
+        raise ValueError(f"fastattn.torch.attention: {name} is on {x.device}; fastattn runs on CPU tensors")
+    if x.dtype == torch.bfloat16 and _BF16_NP is None:
+        raise TypeError("fastattn.torch.attention: bfloat16 tensors need ml_dtypes (pip install ml_dtypes)")
+    return _np(x)
+
+
+def attention(query: Tensor, key: Any, value: Any, **kwargs: Any) -> Any:
+    """:func:`fastattn.attention` on CPU tensors, for inference: `key` and `value` are
+    tensors, :class:`fastattn.QuantizedKV` of tensors (int8 data, float32 scale; see
+    :func:`quantize_kv`), or pools ``(num_blocks, block_size, Hkv, D)`` with
+    ``block_table=`` an int32 tensor (B, max_blocks) and ``seqlens_k=`` a tensor, as
+    :func:`fastattn.attention` takes them.  Every array is read in place (no copy);
+    every other keyword is :func:`fastattn.attention`'s.  The result is a tensor (with
+    ``return_lse``, a tuple of tensors) that does not require grad: use
+    :func:`scaled_dot_product_attention` to train."""
+    args = {n: _cache_np(x, n) for n, x in (("query", query), ("key", key), ("value", value))}
+    kw = {n: _cache_np(x, n) for n, x in kwargs.items()}
+    res = fastattn.attention(args["query"], args["key"], args["value"], **kw)
+    if isinstance(res, tuple):
+        return tuple(_pt(r) if isinstance(r, np.ndarray) else r for r in res)
+    return _pt(res)
+
+
+def quantize_kv(x: Tensor, *, group_size: int = 32,
+                out: Optional[fastattn.QuantizedKV] = None) -> fastattn.QuantizedKV:
+    """:func:`fastattn.quantize_kv` of a CPU tensor: a QuantizedKV of tensors (int8
+    data, float32 scale), or written into `out` (a QuantizedKV of tensors, e.g. a
+    slice of a preallocated cache, ``out=cache[..., t0:t1, :]``) and returned."""
+    res = fastattn.quantize_kv(_cache_np(x, "x"), group_size=group_size,
+                               out=None if out is None else _cache_np(out, "out"))
+    return out if out is not None else fastattn.QuantizedKV(_pt(res.data), _pt(res.scale))

@@ -392,3 +392,46 @@ def test_caches_read_nothing_outside_their_arrays(kernel_name):
     r = subprocess.run([sys.executable, "-c", GUARDED.format(kernel=kernel_name)], cwd=HERE,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "done" in r.stdout, (r.returncode, r.stderr[-3000:])
+
+
+# ---------------------------------------------------------------- fastattn.torch
+
+def test_torch_takes_the_same_caches_in_place(rng):
+    torch = pytest.importorskip("torch")
+    import fastattn.torch as ft
+    B, Hq, Hkv, L, D = 2, 4, 2, 700, 64
+    k, v = _normal(rng, (B, Hkv, L, D)), _normal(rng, (B, Hkv, L, D))
+    q = _normal(rng, (B, Hq, 1, D))
+    cache_k = QuantizedKV(torch.zeros((B, Hkv, 1024, D), dtype=torch.int8), torch.zeros((B, Hkv, 1024, 2)))
+    cache_v = QuantizedKV(torch.zeros((B, Hkv, 1024, D), dtype=torch.int8), torch.zeros((B, Hkv, 1024, 2)))
+    ptr = cache_k.data.data_ptr()
+    for t0, t1 in ((0, 500), (500, L)):  # append tokens in place
+        ft.quantize_kv(torch.from_numpy(k[:, :, t0:t1]), out=cache_k[..., t0:t1, :])
+        ft.quantize_kv(torch.from_numpy(v[:, :, t0:t1]), out=cache_v[..., t0:t1, :])
+    assert cache_k.data.data_ptr() == ptr
+    want_k = quantize_kv(k)
+    np.testing.assert_array_equal(cache_k.data[:, :, :L].numpy(), want_k.data)
+    np.testing.assert_array_equal(cache_k.scale[:, :, :L].numpy(), want_k.scale)
+    sl = np.array([L, 333])
+    want = fastattn.attention(q, want_k, quantize_kv(v), seqlens_k=sl, causal=True)
+    got = ft.attention(torch.from_numpy(q), cache_k, cache_v, seqlens_k=torch.tensor(sl), causal=True)
+    assert isinstance(got, torch.Tensor) and not got.requires_grad
+    np.testing.assert_array_equal(got.numpy(), want)
+    if BF16 is not None:  # bfloat16 queries against the int8 cache
+        qb = torch.from_numpy(q).to(torch.bfloat16)
+        o, lse = ft.attention(qb, cache_k, cache_v, seqlens_k=torch.tensor(sl), causal=True, return_lse=True)
+        assert o.dtype == torch.bfloat16 and lse.dtype == torch.float32
+        np.testing.assert_array_equal(
+            o.view(torch.int16).numpy().view(BF16),
+            fastattn.attention(qb.view(torch.int16).numpy().view(BF16), want_k, quantize_kv(v),
+                               seqlens_k=sl, causal=True))
+    # a paged pool of tensors with an int32 tensor block table
+    kp, table = _paged(np.random.default_rng(4), k, 16)
+    vp, _ = _paged(np.random.default_rng(4), v, 16)
+    want = fastattn.attention(q, kp, vp, block_table=table, seqlens_k=sl, causal=True)
+    got = ft.attention(torch.from_numpy(q), torch.from_numpy(kp), torch.from_numpy(vp),
+                       block_table=torch.from_numpy(table), seqlens_k=torch.tensor(sl), causal=True)
+    np.testing.assert_array_equal(got.numpy(), want)
+    with pytest.raises(ValueError, match="block_table"):
+        ft.attention(torch.from_numpy(q), torch.from_numpy(kp), torch.from_numpy(vp),
+                     block_table=torch.from_numpy(table + 1000), seqlens_k=torch.tensor(sl))
