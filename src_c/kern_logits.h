@@ -213,14 +213,25 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
 {
     sc->mask_state = p->mask ? FA_NAME(fa_mask_tile)(p, nr, j0, nk, brp, sc) : 2;
     if (sc->mask_state == 0) return 0;
-    int64_t k_sl;
-    const FA_KV *k = FA_NAME(fa_kv_tile)(p, it, j0, nk, 0, sc->kst, &k_sl);
+    const int8_t *k8;
+    const float *ks8;
+    int64_t k_sl, ks8_sl;
+    int gshift;
+    /* an int8 tile of a few rows: read in registers; else in place or staged */
+    const int regs8 = nr <= FA_DOT_ROWS && FA_NAME(fa_i8_tile)(p, it, j0, nk, 0, &k8, &k_sl, &ks8, &ks8_sl, &gshift);
+    const FA_KV *k = regs8 ? NULL : FA_NAME(fa_kv_tile)(p, it, j0, nk, 0, sc->kst, &k_sl);
     sc->need_range = lo_max > j0 || hi_min < j0 + nk - 1;
     /* A few rows (decoding) and no logit step on this tile: the logits are stored
      * key-major, row r at s + r * bcp, for fa_softmax_row (the same bits). */
     sc->key_major = nr <= FA_DOT_ROWS && !logits && !sc->query_major && !p->weights && !p->entropy &&
                     sc->mask_state == 2 && !sc->need_range && !(p->softcap > 0) && !p->alibi &&
                     !p->bias;
+#ifdef FA_HAVE_I8_PRODUCTS
+    if (regs8)
+        FA_NAME(fa_qk_keys_i8)(sc->qt, brp, nr, k8, k_sl, ks8, ks8_sl, gshift, nk, p->D, sc->s,
+                               sc->key_major ? 1 : brp, sc->key_major ? sc->bcp : 1);
+    else
+#endif
     if (nr <= FA_DOT_ROWS) /* a few rows (decoding): keys on the lanes, the same bits */
         FA_NAME(fa_qk_keys)(sc->qt, brp, nr, k, k_sl, nk, p->D, sc->s, sc->kt,
                             sc->key_major ? 1 : brp, sc->key_major ? sc->bcp : 1);

@@ -80,13 +80,32 @@ static void FA_NAME(fa_qk_tile)(const FA_T *FA_RESTRICT qt, int nv, const FA_KV 
  * chains) were slower both from L3 and from memory, the wider spread of rows
  * costing more than the FMA latency they hide.  Without a transpose (the generic
  * kernel), the group is transposed into kt element by element. */
+/* FA_VL values of a K or V row from column c: FA_KV converted, or with I8 (a constant
+ * after inlining) int8 times the scale of its channel group, srow[c >> gshift] (groups
+ * of a power of two >= FA_VL channels): the float32 multiply of dequantize_kv, so the
+ * products see the values a staged tile (kern_source.h) holds. */
+FA_ALWAYS_INLINE FA_V FA_NAME(fa_row_load)(const int I8, const void *row, int64_t c,
+                                           const float *srow, int gshift)
+{
+#ifdef FA_I8_LOADU
+    if (I8) return FA_VMUL(FA_I8_LOADU((const int8_t *)row + c), FA_VSET1(srow[c >> gshift]));
+#endif
+    (void)I8;
+    (void)srow;
+    (void)gshift;
+    return FA_KV_LOADU((const FA_KV *)row + c);
+}
+
 #ifdef FA_HAVE_TRANSPOSE
-FA_ALWAYS_INLINE void FA_NAME(fa_qk_keys_micro)(const int R, const FA_T *FA_RESTRICT qt, int64_t brp,
-                                                const FA_KV *FA_RESTRICT k, int64_t k_sl,
+/* (I8: k is int8 with scales ks8 (row stride ks8_sl), D a multiple of FA_VL) */
+FA_ALWAYS_INLINE void FA_NAME(fa_qk_keys_micro)(const int R, const int I8, const FA_T *FA_RESTRICT qt,
+                                                int64_t brp, const void *FA_RESTRICT k, int64_t k_sl,
+                                                const float *ks8, int64_t ks8_sl, int gshift,
                                                 int64_t nj, int64_t D, FA_T *FA_RESTRICT s,
                                                 int64_t ks, int64_t rs, FA_T *FA_RESTRICT kt)
 {
     (void)kt;
+    const int64_t esz = I8 ? 1 : (int64_t)sizeof(FA_KV), row = k_sl * esz;
     /* (unrolled by pragmas: left to GCC's heuristics the accumulators went through
      * memory, measured) */
     FA_V acc[FA_DOT_ROWS];
@@ -95,20 +114,25 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_keys_micro)(const int R, const FA_T *FA_REST
     for (int64_t d0 = 0; d0 < D; d0 += FA_VL) {
         const int nd = (int)(D - d0 < FA_VL ? D - d0 : FA_VL);
         const FA_T *q = qt + d0 * brp;
-        const FA_KV *kd = k + d0;
+        const char *kd = (const char *)k + d0 * esz;
         FA_V t[FA_VL];
-        if ((d0 * (int64_t)sizeof(FA_KV)) % 64 == 0) {
+        if ((d0 * esz) % 64 == 0) {
             FA_PRAGMA_UNROLL(16)
-            for (int i = 0; i < FA_VL; i++)
-                __builtin_prefetch((const void *)(kd + (2 * FA_VL + i) * k_sl));
+            for (int i = 0; i < FA_VL; i++) {
+                __builtin_prefetch((const void *)(kd + (2 * FA_VL + i) * row));
+                if (I8 && d0 == 0) __builtin_prefetch((const void *)(ks8 + (2 * FA_VL + i) * ks8_sl));
+            }
         }
         if (nj == FA_VL && nd == FA_VL) {
             FA_PRAGMA_UNROLL(16)
-            for (int i = 0; i < FA_VL; i++) t[i] = FA_KV_LOADU(kd + i * k_sl);
+            for (int i = 0; i < FA_VL; i++)
+                t[i] = FA_NAME(fa_row_load)(I8, kd + i * row, 0, I8 ? ks8 + i * ks8_sl + (d0 >> gshift) : ks8, 0);
         } else {
             for (int i = 0; i < FA_VL; i++)
-                t[i] = i >= nj ? FA_VZERO() : nd == FA_VL ? FA_KV_LOADU(kd + i * k_sl)
-                                                          : FA_KV_LOADU_N(kd + i * k_sl, nd);
+                t[i] = i >= nj ? FA_VZERO()
+                       : nd == FA_VL ? FA_NAME(fa_row_load)(I8, kd + i * row, 0,
+                                                            I8 ? ks8 + i * ks8_sl + (d0 >> gshift) : ks8, 0)
+                                     : FA_KV_LOADU_N((const FA_KV *)(const void *)(kd + i * row), nd);
         }
         FA_VTRANSPOSE_REGS(t); /* t[e] lane i: feature d0 + e of key i */
         if (nd == FA_VL) {
@@ -140,11 +164,17 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_keys_micro)(const int R, const FA_T *FA_REST
 /* R rows (a constant after inlining) of one key group, transposed into kt first:
  * lane i of acc[r] accumulates kt[d][i] * qt[d][r] over d in order; each kt vector
  * is loaded once for all the rows. */
-FA_ALWAYS_INLINE void FA_NAME(fa_qk_keys_micro)(const int R, const FA_T *FA_RESTRICT qt, int64_t brp,
-                                                const FA_KV *FA_RESTRICT k, int64_t k_sl,
+FA_ALWAYS_INLINE void FA_NAME(fa_qk_keys_micro)(const int R, const int I8, const FA_T *FA_RESTRICT qt,
+                                                int64_t brp, const void *FA_RESTRICT kv, int64_t k_sl,
+                                                const float *ks8, int64_t ks8_sl, int gshift,
                                                 int64_t nj, int64_t D, FA_T *FA_RESTRICT s,
                                                 int64_t ks, int64_t rs, FA_T *FA_RESTRICT kt)
 {
+    const FA_KV *k = (const FA_KV *)kv; /* (no int8 here: I8 is 0) */
+    (void)I8;
+    (void)ks8;
+    (void)ks8_sl;
+    (void)gshift;
     for (int64_t d = 0; d < D; d++)
         for (int64_t i = 0; i < FA_VL; i++)
             kt[d * FA_VL + i] = i < nj ? (FA_T)FA_KV_SCALAR(k[i * k_sl + d]) : (FA_T)0;
@@ -166,17 +196,21 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_keys_micro)(const int R, const FA_T *FA_REST
 /* ... logit (row r, key j) stored at s[j * ks + r * rs]: query-major (ks = brp, rs =
  * 1) or key-major (ks = 1, rs = the row stride); kt (D x FA_VL) is the scratch of the
  * kernels without a register transpose. */
-static void FA_NAME(fa_qk_keys)(const FA_T *FA_RESTRICT qt, int64_t brp, int64_t nr,
-                                const FA_KV *FA_RESTRICT k, int64_t k_sl, int64_t nk, int64_t D,
-                                FA_T *FA_RESTRICT s, FA_T *FA_RESTRICT kt, int64_t ks, int64_t rs)
+FA_ALWAYS_INLINE void FA_NAME(fa_qk_keys_any)(const int I8, const FA_T *FA_RESTRICT qt, int64_t brp,
+                                              int64_t nr, const void *FA_RESTRICT k, int64_t k_sl,
+                                              const float *ks8, int64_t ks8_sl, int gshift,
+                                              int64_t nk, int64_t D, FA_T *FA_RESTRICT s,
+                                              FA_T *FA_RESTRICT kt, int64_t ks, int64_t rs)
 {
+    const int64_t row = k_sl * (I8 ? 1 : (int64_t)sizeof(FA_KV));
     for (int64_t j0 = 0; j0 < nk; j0 += FA_VL) {
         const int64_t nj = nk - j0 < FA_VL ? nk - j0 : FA_VL;
-        const FA_KV *kj = k + j0 * k_sl;
+        const char *kj = (const char *)k + j0 * row;
+        const float *sj8 = I8 ? ks8 + j0 * ks8_sl : ks8;
         FA_T *sj = s + j0 * ks;
         switch (nr) {
 #define FA_KEYS_CASE(R) \
-    case R: FA_NAME(fa_qk_keys_micro)(R, qt, brp, kj, k_sl, nj, D, sj, ks, rs, kt); break;
+    case R: FA_NAME(fa_qk_keys_micro)(R, I8, qt, brp, kj, k_sl, sj8, ks8_sl, gshift, nj, D, sj, ks, rs, kt); break;
             FA_KEYS_CASE(1) FA_KEYS_CASE(2) FA_KEYS_CASE(3) FA_KEYS_CASE(4)
             FA_KEYS_CASE(5) FA_KEYS_CASE(6) FA_KEYS_CASE(7) FA_KEYS_CASE(8)
 #undef FA_KEYS_CASE
@@ -184,6 +218,28 @@ static void FA_NAME(fa_qk_keys)(const FA_T *FA_RESTRICT qt, int64_t brp, int64_t
         }
     }
 }
+
+static void FA_NAME(fa_qk_keys)(const FA_T *FA_RESTRICT qt, int64_t brp, int64_t nr,
+                                const FA_KV *FA_RESTRICT k, int64_t k_sl, int64_t nk, int64_t D,
+                                FA_T *FA_RESTRICT s, FA_T *FA_RESTRICT kt, int64_t ks, int64_t rs)
+{
+    FA_NAME(fa_qk_keys_any)(0, qt, brp, nr, k, k_sl, NULL, 0, 0, nk, D, s, kt, ks, rs);
+}
+
+#if defined(FA_I8_LOADU) && defined(FA_HAVE_TRANSPOSE)
+#define FA_HAVE_I8_PRODUCTS 1
+/* The decode products reading an int8 tile in registers (fa_row_load): the logits of
+ * fa_qk_keys and the P.V of fa_pv_rows_seq, with the same bits as on the tile
+ * dequantized (k8 and v8 rows of k_sl / v_sl bytes, their scales' rows ks8_sl / vs8_sl
+ * floats apart; D, Dv multiples of FA_VL). */
+static void FA_NAME(fa_qk_keys_i8)(const FA_T *FA_RESTRICT qt, int64_t brp, int64_t nr,
+                                   const int8_t *FA_RESTRICT k8, int64_t k_sl, const float *ks8,
+                                   int64_t ks8_sl, int gshift, int64_t nk, int64_t D,
+                                   FA_T *FA_RESTRICT s, int64_t ks, int64_t rs)
+{
+    FA_NAME(fa_qk_keys_any)(1, qt, brp, nr, k8, k_sl, ks8, ks8_sl, gshift, nk, D, s, NULL, ks, rs);
+}
+#endif
 
 /* o[i][c0 ...] = alpha[i] * o[i][c0 ...] + sum_j p[j][i] * v[j][c0 ...] for R query
  * rows and NC value vectors (the last one `tail` lanes wide when tail > 0), with
@@ -241,12 +297,18 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_micro)(const int R, const int NC, const FA_T
  * read the V rows in strided pieces, which the hardware prefetchers follow poorly:
  * 30% slower at the memory's speed on the AMD EPYC Zen 3 (a C model of the loop,
  * B=1 H=32 Lk=8192 D=128), and 1.1-1.2x slower decoding in fastattn itself. */
-FA_ALWAYS_INLINE void FA_NAME(fa_pv_rows_seq)(const FA_T *FA_RESTRICT p, int64_t nq, int64_t nk,
-                                              const FA_KV *FA_RESTRICT v, int64_t v_sl,
+FA_ALWAYS_INLINE void FA_NAME(fa_pv_rows_seq)(const int I8, const FA_T *FA_RESTRICT p, int64_t nq,
+                                              int64_t nk, const void *FA_RESTRICT v, int64_t v_sl,
+                                              const float *vs8, int64_t vs8_sl, int gshift,
                                               int64_t Dv, FA_T *FA_RESTRICT o, int64_t dvp,
                                               const FA_T *FA_RESTRICT alpha, int64_t ks,
                                               int64_t rs)
 {
+    const int64_t row = v_sl * (I8 ? 1 : (int64_t)sizeof(FA_KV));
+#define FA_VROW(j) ((const char *)v + (j) * row)
+#define FA_SROW(j) (I8 ? vs8 + (j) * vs8_sl : vs8)
+#define FA_LD(r, sr, c) FA_NAME(fa_row_load)(I8, (r), (c), (sr), gshift)
+#define FA_LDN(r, c) FA_KV_LOADU_N((const FA_KV *)(const void *)(r) + (c), tail)
     const int64_t full = Dv / FA_VL * FA_VL;
     const int tail = (int)(Dv - full);
     for (int64_t r = 0; r < nq; r++)
@@ -262,7 +324,8 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_rows_seq)(const FA_T *FA_RESTRICT p, int64_t
      * stores (this: 0.94x the time there, B=1 Hq=32 Hkv=8 Lk=8192); one row is not,
      * and reads four V rows at once 1.09x slower (both on the AMD EPYC Zen 3). */
     for (; nq >= 2 && j + 4 <= nk; j += 4) {
-        const FA_KV *v0 = v + j * v_sl, *v1 = v0 + v_sl, *v2 = v1 + v_sl, *v3 = v2 + v_sl;
+        const char *v0 = FA_VROW(j), *v1 = FA_VROW(j + 1), *v2 = FA_VROW(j + 2), *v3 = FA_VROW(j + 3);
+        const float *s0 = FA_SROW(j), *s1 = FA_SROW(j + 1), *s2 = FA_SROW(j + 2), *s3 = FA_SROW(j + 3);
         for (int64_t r = 0; r < nq; r++) {
             const FA_T *pr = p + j * ks + r * rs;
             const FA_V p0 = FA_VSET1(pr[0]), p1 = FA_VSET1(pr[ks]), p2 = FA_VSET1(pr[2 * ks]),
@@ -270,31 +333,46 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_rows_seq)(const FA_T *FA_RESTRICT p, int64_t
             FA_T *orow = o + r * dvp;
             int64_t c = 0;
             for (; c < full; c += FA_VL) {
-                FA_V x = FA_VFMA(p0, FA_KV_LOADU(v0 + c), FA_VLOAD(orow + c));
-                x = FA_VFMA(p1, FA_KV_LOADU(v1 + c), x);
-                x = FA_VFMA(p2, FA_KV_LOADU(v2 + c), x);
-                FA_VSTORE(orow + c, FA_VFMA(p3, FA_KV_LOADU(v3 + c), x));
+                FA_V x = FA_VFMA(p0, FA_LD(v0, s0, c), FA_VLOAD(orow + c));
+                x = FA_VFMA(p1, FA_LD(v1, s1, c), x);
+                x = FA_VFMA(p2, FA_LD(v2, s2, c), x);
+                FA_VSTORE(orow + c, FA_VFMA(p3, FA_LD(v3, s3, c), x));
             }
-            if (tail) {
-                FA_V x = FA_VFMA(p0, FA_KV_LOADU_N(v0 + c, tail), FA_VLOAD(orow + c));
-                x = FA_VFMA(p1, FA_KV_LOADU_N(v1 + c, tail), x);
-                x = FA_VFMA(p2, FA_KV_LOADU_N(v2 + c, tail), x);
-                FA_VSTORE(orow + c, FA_VFMA(p3, FA_KV_LOADU_N(v3 + c, tail), x));
+            if (tail) { /* (not with I8: Dv is a multiple of FA_VL there) */
+                FA_V x = FA_VFMA(p0, FA_LDN(v0, c), FA_VLOAD(orow + c));
+                x = FA_VFMA(p1, FA_LDN(v1, c), x);
+                x = FA_VFMA(p2, FA_LDN(v2, c), x);
+                FA_VSTORE(orow + c, FA_VFMA(p3, FA_LDN(v3, c), x));
             }
         }
     }
     for (; j < nk; j++) {
-        const FA_KV *vj = v + j * v_sl;
+        const char *vj = FA_VROW(j);
+        const float *sj = FA_SROW(j);
         for (int64_t r = 0; r < nq; r++) {
             const FA_V pb = FA_VSET1(p[j * ks + r * rs]);
             FA_T *orow = o + r * dvp;
             int64_t c = 0;
             for (; c < full; c += FA_VL)
-                FA_VSTORE(orow + c, FA_VFMA(pb, FA_KV_LOADU(vj + c), FA_VLOAD(orow + c)));
-            if (tail) FA_VSTORE(orow + c, FA_VFMA(pb, FA_KV_LOADU_N(vj + c, tail), FA_VLOAD(orow + c)));
+                FA_VSTORE(orow + c, FA_VFMA(pb, FA_LD(vj, sj, c), FA_VLOAD(orow + c)));
+            if (tail) FA_VSTORE(orow + c, FA_VFMA(pb, FA_LDN(vj, c), FA_VLOAD(orow + c)));
         }
     }
+#undef FA_VROW
+#undef FA_SROW
+#undef FA_LD
+#undef FA_LDN
 }
+
+#ifdef FA_HAVE_I8_PRODUCTS
+static void FA_NAME(fa_pv_rows_i8)(const FA_T *FA_RESTRICT p, int64_t nq, int64_t nk,
+                                   const int8_t *FA_RESTRICT v8, int64_t v_sl, const float *vs8,
+                                   int64_t vs8_sl, int gshift, int64_t Dv, FA_T *FA_RESTRICT o,
+                                   int64_t dvp, const FA_T *FA_RESTRICT alpha, int64_t ks, int64_t rs)
+{
+    FA_NAME(fa_pv_rows_seq)(1, p, nq, nk, v8, v_sl, vs8, vs8_sl, gshift, Dv, o, dvp, alpha, ks, rs);
+}
+#endif
 
 /* Rescale the running output of nq rows and add this key block's P.V.  Blocks of
  * one or two rows (decoding) take twice as many value vectors per pass, since
@@ -306,7 +384,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_tile_strided)(const FA_T *FA_RESTRICT p, int
                                                   int64_t rs)
 {
     if (nq <= FA_PV_SEQ_ROWS) {
-        FA_NAME(fa_pv_rows_seq)(p, nq, nk, v, v_sl, Dv, o, dvp, alpha, ks, rs);
+        FA_NAME(fa_pv_rows_seq)(0, p, nq, nk, v, v_sl, NULL, 0, 0, Dv, o, dvp, alpha, ks, rs);
         return;
     }
     const int64_t chunk = (int64_t)(nq <= 2 ? 2 * FA_PV_NC : FA_PV_NC) * FA_VL;

@@ -7,6 +7,9 @@
  *                    staged into the thread's tile buffer: an int8 cache dequantized
  *                    (data * scale, one float32 multiply per element, the bits of
  *                    fastattn.dequantize_kv), pages' rows gathered.
+ *   fa_i8_tile       where an int8 tile's rows and scales are, when the decode
+ *                    products can read it in registers instead (fa_qk_keys_i8,
+ *                    fa_pv_rows_i8 of kern_products.h: the same values, no staging)
  *
  * A staged tile holds exactly the values the in-place read would give (for int8: the
  * dequantized cache's), so the products, the softmax and the merge see the same
@@ -65,4 +68,38 @@ static const FA_KV *FA_NAME(fa_kv_tile)(const fa_params *p, const fa_item *it, i
         }
     }
     return buf;
+}
+
+/* Can the decode products read rows j0 .. j0+nk-1 of an int8 K (kv 0) or V (kv 1) in
+ * registers?  Yes where the ISA file has FA_I8_LOADU and a register transpose, the
+ * width is a multiple of FA_VL and the group a power of two of at least FA_VL
+ * channels (the default 32, with D = 64 or 128: every such cache), and, paged, the
+ * tile is inside one page.  Then *rows and *scale point at the tile's first row and
+ * its scales, with the arrays' row strides (*sl bytes, *ssl floats), and *gshift is
+ * log2 of the group. */
+static int FA_NAME(fa_i8_tile)(const fa_params *p, const fa_item *it, int64_t j0, int64_t nk, int kv,
+                               const int8_t **rows, int64_t *sl, const float **scale,
+                               int64_t *ssl, int *gshift)
+{
+#if defined(FA_I8_LOADU) && defined(FA_HAVE_TRANSPOSE)
+    const int64_t width = kv ? p->Dv : p->D, group = kv ? p->v_group : p->k_group;
+    const int64_t j = it->koff + j0;
+    if (p->kv_store != FA_STORE_I8 || width % FA_VL || group % FA_VL || (group & (group - 1)) ||
+        (p->block_table && j % p->page_size + nk > p->page_size))
+        return 0;
+    *rows = (const int8_t *)(kv ? p->v : p->k) +
+            fa_kv_row_at(p, it->b, it->g, j, kv ? p->v_sb : p->k_sb, kv ? p->v_sh : p->k_sh,
+                         kv ? p->v_sl : p->k_sl);
+    *sl = kv ? p->v_sl : p->k_sl;
+    *scale = (kv ? p->v_scale : p->k_scale) +
+             fa_kv_row_at(p, it->b, it->g, j, kv ? p->vs_sb : p->ks_sb, kv ? p->vs_sh : p->ks_sh,
+                          kv ? p->vs_sl : p->ks_sl);
+    *ssl = kv ? p->vs_sl : p->ks_sl;
+    *gshift = __builtin_ctzll((unsigned long long)group);
+    return 1;
+#else
+    (void)p, (void)it, (void)j0, (void)nk, (void)kv, (void)rows, (void)sl, (void)scale, (void)ssl,
+        (void)gshift;
+    return 0;
+#endif
 }

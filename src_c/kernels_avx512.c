@@ -187,6 +187,8 @@ static inline void fa_transpose_pd(const double *const *rows, int64_t off, doubl
 #define FA_VMASK_BYTES(x, p) fa_mask_bytes_ps((x), (p))
 #define FA_VTRANSPOSE(r, o, d, s) fa_transpose_ps((r), (o), (d), (s))
 #define FA_VTRANSPOSE_REGS(x) fa_transpose_regs_ps(x)
+/* 16 int8 of an int8 cache as float32 (exact) */
+#define FA_I8_LOADU(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p))))
 #include "kernels_tmpl.h"
 
 /* ---------------- float32 with float16 K/V (decoding caches) ---------------- */

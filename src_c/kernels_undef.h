@@ -38,3 +38,5 @@
 #undef FA_KV_SCALAR
 #undef FA_16_TO_FLOAT
 #undef FA_FLOAT_TO_16
+#undef FA_I8_LOADU
+#undef FA_HAVE_I8_PRODUCTS
