@@ -62,7 +62,8 @@ static inline int64_t FA_NAME(fa_round_up)(int64_t x, int64_t m) { return (x + m
  *   mt      bc x brp   mask tile as bytes, transposed (with a mask only)
  *   mrow brow orow     brp pointers: a row's mask, bias and output rows
  *   kst vst bc x D, bc x Dv  FA_KV: a staged K and V tile (int8 or paged K/V only,
- *                      fa_kv_tile; vst not for attention_weights), else NULL */
+ *                      fa_kv_tile; vst not for attention_weights), else NULL
+ *   ones    brp        ones: no rescale (with kst) */
 typedef struct FA_NAME(fa_scratch) {
     FA_T *qt, *kt, *s, *s2, *o, *m, *l, *alpha, *rlo, *rhi, *slope, *apos, *bt;
     FA_T *u; /* return_stats: sum_j p_j (s_j - m), rescaled with l; NULL otherwise */
@@ -80,6 +81,7 @@ typedef struct FA_NAME(fa_scratch) {
     const FA_T **brow;
     void **orow; /* FA_T, or float16 bits for a float16 output */
     FA_KV *kst, *vst;
+    FA_T *ones; /* brp ones (no rescale), with kst */
 } FA_NAME(fa_scratch);
 
 static inline void *FA_NAME(fa_carve)(char **cur, size_t bytes)
@@ -134,6 +136,9 @@ static size_t FA_NAME(fa_layout)(const fa_params *p, const fa_blocks *bl, void *
     sc->vst = fa_kv_staged(p) && !p->weights
                   ? (FA_KV *)FA_NAME(fa_carve)(&cur, bc * (size_t)p->Dv * sizeof(FA_KV))
                   : NULL;
+    sc->ones = fa_kv_staged(p) ? (FA_T *)FA_NAME(fa_carve)(&cur, brp * t) : NULL;
+    if (base && sc->ones)
+        for (size_t i = 0; i < brp; i++) sc->ones[i] = (FA_T)1;
     return (size_t)(cur - first);
 }
 

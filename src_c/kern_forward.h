@@ -167,22 +167,31 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
             if (p->dropout_p > 0) /* after the softmax's sums: lse is that of the undropped weights */
                 FA_NAME(fa_dropout_apply)(p, it, nr, j0, nk, sc.s, sc.key_major ? 1 : brp,
                                           sc.key_major ? sc.bcp : 1);
+            if (nr <= FA_DOT_ROWS && sc.vst && FA_NAME(fa_by_segment)(p, 1) &&
+                (p->kv_store != FA_STORE_I8 || nr <= FA_PV_SEQ_ROWS)) {
+                /* a paged or int8 cache's V tile, page by page in place (int8 in
+                 * registers), checked like the in-place tiles below; the rescale by
+                 * alpha once, with the first page */
+                const int64_t ksx = sc.key_major ? 1 : brp, rsx = sc.key_major ? sc.bcp : 1;
+                memcpy(sc.o2, sc.o, (size_t)(nr * dvp) * sizeof(FA_T));
+                for (int64_t a = 0, len; a < nk; a += len) {
+                    const char *vr = FA_NAME(fa_kv_segment)(p, it, j0 + a, nk - a, 1, 0, &len);
+                    const FA_T *al = a == 0 ? sc.alpha : sc.ones;
 #ifdef FA_HAVE_I8_PRODUCTS
-            { /* an int8 V tile of a few rows: P.V in registers, checked like the others */
-                const int8_t *v8;
-                const float *vs8;
-                int64_t v8_sl, vs8_sl;
-                int gshift;
-                if (nr <= FA_PV_SEQ_ROWS &&
-                    FA_NAME(fa_i8_tile)(p, it, j0, nk, 1, &v8, &v8_sl, &vs8, &vs8_sl, &gshift)) {
-                    memcpy(sc.o2, sc.o, (size_t)(nr * dvp) * sizeof(FA_T));
-                    FA_NAME(fa_pv_rows_i8)(sc.s, nr, nk, v8, v8_sl, vs8, vs8_sl, gshift, Dv, sc.o, dvp,
-                                           sc.alpha, sc.key_major ? 1 : brp, sc.key_major ? sc.bcp : 1);
-                    if (FA_NAME(fa_all_finite)(sc.o, nr * dvp)) continue;
-                    memcpy(sc.o, sc.o2, (size_t)(nr * dvp) * sizeof(FA_T)); /* staged, careful */
-                }
-            }
+                    if (p->kv_store == FA_STORE_I8) {
+                        const float *sr = (const float *)(const void *)FA_NAME(fa_kv_segment)(p, it, j0 + a, nk - a, 1, 1, &len);
+                        FA_NAME(fa_pv_rows_i8)(sc.s + a * ksx, nr, len, (const int8_t *)vr, p->v_sl, sr,
+                                               p->vs_sl, FA_NAME(fa_group_shift)(p, 1), Dv, sc.o, dvp, al,
+                                               ksx, rsx);
+                        continue;
+                    }
 #endif
+                    FA_NAME(fa_pv_tile_strided)(sc.s + a * ksx, nr, len, (const FA_KV *)(const void *)vr,
+                                                p->v_sl, Dv, sc.o, dvp, al, ksx, rsx);
+                }
+                if (FA_NAME(fa_all_finite)(sc.o, nr * dvp)) continue;
+                memcpy(sc.o, sc.o2, (size_t)(nr * dvp) * sizeof(FA_T)); /* staged, careful */
+            }
             int64_t v_sl;
             const FA_KV *vt = FA_NAME(fa_kv_tile)(p, it, j0, nk, 1, sc.vst, &v_sl);
             if (nr <= FA_DOT_ROWS) {

@@ -213,30 +213,37 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
 {
     sc->mask_state = p->mask ? FA_NAME(fa_mask_tile)(p, nr, j0, nk, brp, sc) : 2;
     if (sc->mask_state == 0) return 0;
-    const int8_t *k8;
-    const float *ks8;
-    int64_t k_sl, ks8_sl;
-    int gshift;
-    /* an int8 tile of a few rows: read in registers; else in place or staged */
-    const int regs8 = nr <= FA_DOT_ROWS && FA_NAME(fa_i8_tile)(p, it, j0, nk, 0, &k8, &k_sl, &ks8, &ks8_sl, &gshift);
-    const FA_KV *k = regs8 ? NULL : FA_NAME(fa_kv_tile)(p, it, j0, nk, 0, sc->kst, &k_sl);
     sc->need_range = lo_max > j0 || hi_min < j0 + nk - 1;
     /* A few rows (decoding) and no logit step on this tile: the logits are stored
      * key-major, row r at s + r * bcp, for fa_softmax_row (the same bits). */
     sc->key_major = nr <= FA_DOT_ROWS && !logits && !sc->query_major && !p->weights && !p->entropy &&
                     sc->mask_state == 2 && !sc->need_range && !(p->softcap > 0) && !p->alibi &&
                     !p->bias;
+    const int64_t ksx = sc->key_major ? 1 : brp; /* where logit (row r, key j) goes */
+    const int64_t rsx = sc->key_major ? sc->bcp : 1;
+    if (nr <= FA_DOT_ROWS && sc->kst && FA_NAME(fa_by_segment)(p, 0)) {
+        /* a paged or int8 cache's tile, page by page in place */
+        for (int64_t a = 0, len; a < nk; a += len) {
+            const char *kr = FA_NAME(fa_kv_segment)(p, it, j0 + a, nk - a, 0, 0, &len);
 #ifdef FA_HAVE_I8_PRODUCTS
-    if (regs8)
-        FA_NAME(fa_qk_keys_i8)(sc->qt, brp, nr, k8, k_sl, ks8, ks8_sl, gshift, nk, p->D, sc->s,
-                               sc->key_major ? 1 : brp, sc->key_major ? sc->bcp : 1);
-    else
+            if (p->kv_store == FA_STORE_I8) {
+                const float *sr = (const float *)(const void *)FA_NAME(fa_kv_segment)(p, it, j0 + a, nk - a, 0, 1, &len);
+                FA_NAME(fa_qk_keys_i8)(sc->qt, brp, nr, (const int8_t *)kr, p->k_sl, sr, p->ks_sl,
+                                       FA_NAME(fa_group_shift)(p, 0), len, p->D, sc->s + a * ksx, ksx, rsx);
+                continue;
+            }
 #endif
-    if (nr <= FA_DOT_ROWS) /* a few rows (decoding): keys on the lanes, the same bits */
-        FA_NAME(fa_qk_keys)(sc->qt, brp, nr, k, k_sl, nk, p->D, sc->s, sc->kt,
-                            sc->key_major ? 1 : brp, sc->key_major ? sc->bcp : 1);
-    else
-        FA_NAME(fa_qk_tile)(sc->qt, nv, k, k_sl, nk, p->D, sc->s, brp);
+            FA_NAME(fa_qk_keys)(sc->qt, brp, nr, (const FA_KV *)(const void *)kr, p->k_sl, len, p->D,
+                                sc->s + a * ksx, sc->kt, ksx, rsx);
+        }
+    } else { /* in place, or staged (fa_kv_tile) */
+        int64_t k_sl;
+        const FA_KV *k = FA_NAME(fa_kv_tile)(p, it, j0, nk, 0, sc->kst, &k_sl);
+        if (nr <= FA_DOT_ROWS) /* a few rows (decoding): keys on the lanes, the same bits */
+            FA_NAME(fa_qk_keys)(sc->qt, brp, nr, k, k_sl, nk, p->D, sc->s, sc->kt, ksx, rsx);
+        else
+            FA_NAME(fa_qk_tile)(sc->qt, nv, k, k_sl, nk, p->D, sc->s, brp);
+    }
     if (sc->need_range) {
         const int64_t nvl = (int64_t)nv * FA_VL;
         for (int64_t r = 0; r < nvl; r++) { /* exact small integers in FA_T */

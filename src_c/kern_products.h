@@ -323,7 +323,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_rows_seq)(const int I8, const FA_T *FA_RESTR
      * register, which rounds nothing).  Key by key, GQA's four rows were bound by the
      * stores (this: 0.94x the time there, B=1 Hq=32 Hkv=8 Lk=8192); one row is not,
      * and reads four V rows at once 1.09x slower (both on the AMD EPYC Zen 3). */
-    for (; nq >= 2 && j + 4 <= nk; j += 4) {
+    for (; (nq >= 2 || I8) && j + 4 <= nk; j += 4) {
         const char *v0 = FA_VROW(j), *v1 = FA_VROW(j + 1), *v2 = FA_VROW(j + 2), *v3 = FA_VROW(j + 3);
         const float *s0 = FA_SROW(j), *s1 = FA_SROW(j + 1), *s2 = FA_SROW(j + 2), *s3 = FA_SROW(j + 3);
         for (int64_t r = 0; r < nq; r++) {

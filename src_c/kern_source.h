@@ -7,9 +7,9 @@
  *                    staged into the thread's tile buffer: an int8 cache dequantized
  *                    (data * scale, one float32 multiply per element, the bits of
  *                    fastattn.dequantize_kv), pages' rows gathered.
- *   fa_i8_tile       where an int8 tile's rows and scales are, when the decode
- *                    products can read it in registers instead (fa_qk_keys_i8,
- *                    fa_pv_rows_i8 of kern_products.h: the same values, no staging)
+ *   fa_by_segment, fa_kv_segment   decode rows instead read a paged or int8 tile in
+ *                    place, page by page (int8 in registers: fa_qk_keys_i8,
+ *                    fa_pv_rows_i8 of kern_products.h): the same values, no staging
  *
  * A staged tile holds exactly the values the in-place read would give (for int8: the
  * dequantized cache's), so the products, the softmax and the merge see the same
@@ -70,36 +70,46 @@ static const FA_KV *FA_NAME(fa_kv_tile)(const fa_params *p, const fa_item *it, i
     return buf;
 }
 
-/* Can the decode products read rows j0 .. j0+nk-1 of an int8 K (kv 0) or V (kv 1) in
- * registers?  Yes where the ISA file has FA_I8_LOADU and a register transpose, the
- * width is a multiple of FA_VL and the group a power of two of at least FA_VL
- * channels (the default 32, with D = 64 or 128: every such cache), and, paged, the
- * tile is inside one page.  Then *rows and *scale point at the tile's first row and
- * its scales, with the arrays' row strides (*sl bytes, *ssl floats), and *gshift is
- * log2 of the group. */
-static int FA_NAME(fa_i8_tile)(const fa_params *p, const fa_item *it, int64_t j0, int64_t nk, int kv,
-                               const int8_t **rows, int64_t *sl, const float **scale,
-                               int64_t *ssl, int *gshift)
+/* Do decode rows (blocks of at most FA_DOT_ROWS rows) read this cache's K (kv 0) or V
+ * (kv 1) in place, a page at a time (fa_kv_segment), rather than staged?  A paged float
+ * cache whose pages hold at least FA_VL rows; an int8 cache (paged or not) where the ISA
+ * file reads int8 in registers (FA_I8_LOADU and a register transpose), the width is a
+ * multiple of FA_VL and the group a power of two of at least FA_VL channels (the
+ * default 32 with D = 64 or 128: every such cache).  The products then see the values
+ * a staged tile would hold, in the same order, so the bits do not change. */
+static int FA_NAME(fa_by_segment)(const fa_params *p, int kv)
 {
+    if (p->block_table && p->page_size < FA_VL) return 0;
+    if (p->kv_store != FA_STORE_I8) return p->block_table != NULL;
 #if defined(FA_I8_LOADU) && defined(FA_HAVE_TRANSPOSE)
     const int64_t width = kv ? p->Dv : p->D, group = kv ? p->v_group : p->k_group;
-    const int64_t j = it->koff + j0;
-    if (p->kv_store != FA_STORE_I8 || width % FA_VL || group % FA_VL || (group & (group - 1)) ||
-        (p->block_table && j % p->page_size + nk > p->page_size))
-        return 0;
-    *rows = (const int8_t *)(kv ? p->v : p->k) +
-            fa_kv_row_at(p, it->b, it->g, j, kv ? p->v_sb : p->k_sb, kv ? p->v_sh : p->k_sh,
-                         kv ? p->v_sl : p->k_sl);
-    *sl = kv ? p->v_sl : p->k_sl;
-    *scale = (kv ? p->v_scale : p->k_scale) +
-             fa_kv_row_at(p, it->b, it->g, j, kv ? p->vs_sb : p->ks_sb, kv ? p->vs_sh : p->ks_sh,
-                          kv ? p->vs_sl : p->ks_sl);
-    *ssl = kv ? p->vs_sl : p->ks_sl;
-    *gshift = __builtin_ctzll((unsigned long long)group);
-    return 1;
+    return width % FA_VL == 0 && group % FA_VL == 0 && (group & (group - 1)) == 0;
 #else
-    (void)p, (void)it, (void)j0, (void)nk, (void)kv, (void)rows, (void)sl, (void)scale, (void)ssl,
-        (void)gshift;
+    (void)kv;
     return 0;
 #endif
+}
+
+/* Key rows j .. j+*len-1 of an item (its tile's rows from j to the end of j's page, at
+ * most n of them): their first row in K/V (scale 0) or in its scales (scale 1), as a
+ * byte pointer; rows are the array's row stride apart. */
+static const char *FA_NAME(fa_kv_segment)(const fa_params *p, const fa_item *it, int64_t j, int64_t n,
+                                          int kv, int scale, int64_t *len)
+{
+    const int64_t at = it->koff + j;
+    *len = p->block_table && p->page_size - at % p->page_size < n ? p->page_size - at % p->page_size : n;
+    if (scale)
+        return (const char *)((kv ? p->v_scale : p->k_scale) +
+                              fa_kv_row_at(p, it->b, it->g, at, kv ? p->vs_sb : p->ks_sb,
+                                           kv ? p->vs_sh : p->ks_sh, kv ? p->vs_sl : p->ks_sl));
+    const size_t item = p->kv_store == FA_STORE_I8 ? 1 : sizeof(FA_KV);
+    return (const char *)(kv ? p->v : p->k) +
+           (size_t)fa_kv_row_at(p, it->b, it->g, at, kv ? p->v_sb : p->k_sb, kv ? p->v_sh : p->k_sh,
+                                kv ? p->v_sl : p->k_sl) * item;
+}
+
+/* log2 of an int8 cache's channel group (a power of two where fa_by_segment holds) */
+static inline int FA_NAME(fa_group_shift)(const fa_params *p, int kv)
+{
+    return __builtin_ctzll((unsigned long long)(kv ? p->v_group : p->k_group));
 }
