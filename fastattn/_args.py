@@ -88,6 +88,11 @@ def as_array(x, name, fn="attention"):
     """
     if type(x) is np.ndarray:
         return x
+    from ._cache import QuantizedKV  # (at call time: _cache imports this module)
+    if isinstance(x, QuantizedKV):  # np.asarray would stack data and scale
+        raise TypeError(f"fastattn.{fn}: {name} is a fastattn.QuantizedKV (an int8 cache), which "
+                        f"only fastattn.attention reads (with a QuantizedKV for both k and v); pass "
+                        f"fastattn.dequantize_kv({name}) here")
     try:
         return np.asarray(x)
     except Exception as e:  # noqa: BLE001 -- reported as a TypeError naming the argument

@@ -43,3 +43,15 @@ v_cache = np.zeros((B, H, T, D), np.float16)
 
 def decode_step(q, t):                             # q: (B, H, 1, D) float32, t tokens cached
     return fastattn.attention(q, k_cache[:, :, :t], v_cache[:, :, :t], causal=True)
+
+# ---- README block
+kq = fastattn.QuantizedKV(np.zeros((B, H, T, D), np.int8), np.zeros((B, H, T, D // 32), np.float32))
+vq = fastattn.QuantizedKV(np.zeros((B, H, T, D), np.int8), np.zeros((B, H, T, D // 32), np.float32))
+
+def decode_step_int8(q, k_new, v_new, t):          # k_new, v_new: (B, H, 1, D) float32
+    fastattn.quantize_kv(k_new, out=kq[:, :, t:t + 1])
+    fastattn.quantize_kv(v_new, out=vq[:, :, t:t + 1])
+    return fastattn.attention(q, kq[:, :, :t + 1], vq[:, :, :t + 1], causal=True)
+
+q_step, k_new, v_new = np.random.default_rng(0).standard_normal((3, B, H, 1, D), dtype=np.float32)
+o_step = decode_step_int8(q_step, k_new, v_new, 0) # the first token: (B, H, 1, D)

@@ -242,8 +242,14 @@ def test_int8_errors(rng):
         fastattn.attention(q[..., :16], kq, vq)
     with pytest.raises(TypeError, match="k.scale must be float32"):
         fastattn.attention(q, QuantizedKV(kq.data, kq.scale.astype(np.float64)), vq)
-    with pytest.raises(TypeError, match="k must be an array"):
-        fastattn.attention_backward(q, q, kq, vq, q, np.zeros((1, 2, 1), np.float32))
+    for call in (lambda: fastattn.attention_backward(q, q, kq, vq, q, np.zeros((1, 2, 1), np.float32)),
+                 lambda: fastattn.attention_weights(q, kq), lambda: fastattn.key_mass(q, kq)):
+        with pytest.raises(TypeError, match=r"k is a fastattn.QuantizedKV \(an int8 cache\), which only "
+                                            r"fastattn.attention reads"):
+            call()
+    k1 = quantize_kv(k, group_size=1)  # data and scale of one shape: never stacked into an array
+    with pytest.raises(TypeError, match="k is a fastattn.QuantizedKV"):
+        fastattn.attention_weights(q, k1)
 
 
 # ---------------------------------------------------------------- paged caches

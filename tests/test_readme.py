@@ -52,6 +52,8 @@ def test_examples_run(capsys):
     ns = runpy.run_path(str(EXAMPLES))
     out, lse, ref = ns["out"], ns["lse"], ns["ref"]
     assert out.shape == (1, 8, 4096, 64) and lse.shape == (1, 8, 4096)
+    # the int8 cache's first step: one key, all the weight on its dequantized value
+    np.testing.assert_array_equal(ns["o_step"], fastattn.dequantize_kv(ns["vq"])[:, :, :1])
     full, full_lse = fastattn.attention(ns["q"], ns["k"], ns["v"], return_lse=True)
     np.testing.assert_allclose(out, full, rtol=0, atol=1e-5)   # the merge example
     np.testing.assert_allclose(lse, full_lse, rtol=1e-6, atol=1e-5)
