@@ -12,6 +12,10 @@ bandwidth measured in the same process (bench/conftest.py: read_bandwidth).
 | B=1 Hq=32 Hkv=8 Lq=1 Lk=8192 D=128 | time <= 0.35x the Hkv=32 case |
 | B=8 H=32 Lq=1 Lk=2048 D=128 | >= 1.5x PyTorch |
 | Lq=4 (speculative decoding) Lk=8192 | >= 1.3x PyTorch |
+| the four float32 shapes above (issue 24) | >= 1.15x PyTorch and ONNX Runtime; OpenVINO measured |
+
+The peers (bench/peers.py) are skipped where they are not installed
+(``pip install onnxruntime onnx openvino``).
 """
 import time
 
@@ -28,10 +32,24 @@ CASES = {
     "B8 H32 Lq1 Lk2048 D128 f32": (8, 32, 32, 1, 2048, 128, np.float32, "torch"),
     "B1 H32 Lq4 Lk8192 D128 f32": (1, 32, 32, 4, 8192, 128, np.float32, "torch"),
 }
+# the four float32 decode shapes of issue 24 against PyTorch SDPA (above, or here for
+# GQA), ONNX Runtime's Attention op and OpenVINO's ScaledDotProductAttention
+for _shape in ((1, 32, 32, 1, 8192), (8, 32, 32, 1, 2048), (1, 32, 8, 1, 8192), (1, 32, 32, 4, 8192)):
+    _B, _Hq, _Hkv, _Lq, _Lk = _shape
+    for _peer in ("torch", "onnxruntime", "openvino"):
+        _name = f"B{_B} Hq{_Hq} Hkv{_Hkv} Lq{_Lq} Lk{_Lk} D128 f32 vs {_peer}"
+        if _peer != "torch" or _Hkv != _Hq:
+            CASES[_name] = (_B, _Hq, _Hkv, _Lq, _Lk, 128, np.float32, _peer)
 
 
 def _baseline(kind, q, k, v, B, Hq, Lq, Lk, D, threads):
     rng = np.random.default_rng(1)
+    if kind in ("onnxruntime", "openvino"):
+        pytest.importorskip(kind)
+        pytest.importorskip("onnx") if kind == "onnxruntime" else None
+        import peers
+        run = getattr(peers, "make_" + kind)(B, Hq, k.shape[1], Lq, Lk, D, threads)
+        return lambda: run(q, k, v)
     if kind == "torch":
         torch = pytest.importorskip("torch")
         torch.set_num_threads(threads)

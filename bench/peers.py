@@ -1,0 +1,61 @@
+"""Decode baselines from other CPU runtimes, built for one shape: ONNX Runtime's
+Attention operator (ONNX opset 23) and OpenVINO's ScaledDotProductAttention (opset 13).
+Each ``make_*`` returns a function of (q, k, v) that runs one call on the given
+number of threads, or raises ImportError when the runtime is not installed
+(``pip install onnxruntime onnx openvino``).  Lq > 1 gets a bottom-right causal mask
+(each new query sees the cache and its own prefix), as fastattn's ``causal=True``."""
+import numpy as np
+
+
+def _mask(Lq, Lk):
+    return np.tril(np.ones((Lq, Lk), bool), Lk - Lq)
+
+
+def make_onnxruntime(B, Hq, Hkv, Lq, Lk, D, threads):
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+    inputs = ["Q", "K", "V"] + (["M"] if Lq > 1 else [])
+    node = helper.make_node("Attention", inputs, ["Y"])
+    vi = [helper.make_tensor_value_info("Q", TensorProto.FLOAT, [B, Hq, Lq, D]),
+          helper.make_tensor_value_info("K", TensorProto.FLOAT, [B, Hkv, Lk, D]),
+          helper.make_tensor_value_info("V", TensorProto.FLOAT, [B, Hkv, Lk, D])]
+    if Lq > 1:
+        vi.append(helper.make_tensor_value_info("M", TensorProto.BOOL, [Lq, Lk]))
+    graph = helper.make_graph([node], "decode", vi,
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    extra = {"M": _mask(Lq, Lk)} if Lq > 1 else {}
+    return lambda q, k, v: sess.run(None, dict(Q=q, K=k, V=v, **extra))[0]
+
+
+def make_openvino(B, Hq, Hkv, Lq, Lk, D, threads):
+    import openvino as ov
+    import openvino.opset13 as ops
+    q = ops.parameter([B, Hq, Lq, D], np.float32)
+    k = ops.parameter([B, Hkv, Lk, D], np.float32)
+    v = ops.parameter([B, Hkv, Lk, D], np.float32)
+    params = [q, k, v]
+    if Hkv != Hq:  # SDPA wants one K/V head per query head: repeat inside the graph
+        rep = ops.constant(np.array([1, Hq // Hkv, 1, 1], np.int64))
+        ks = ops.unsqueeze(k, ops.constant(np.array([2], np.int64)))
+        vs = ops.unsqueeze(v, ops.constant(np.array([2], np.int64)))
+        shape = ops.constant(np.array([B, Hq, Lk, D], np.int64))
+        k_in = ops.reshape(ops.tile(ks, ops.constant(np.array([1, 1, Hq // Hkv, 1, 1], np.int64))), shape, False)
+        v_in = ops.reshape(ops.tile(vs, ops.constant(np.array([1, 1, Hq // Hkv, 1, 1], np.int64))), shape, False)
+        del rep
+    else:
+        k_in, v_in = k, v
+    if Lq > 1:
+        m = ops.constant(_mask(Lq, Lk))
+        y = ops.scaled_dot_product_attention(q, k_in, v_in, m)
+    else:
+        y = ops.scaled_dot_product_attention(q, k_in, v_in)
+    core = ov.Core()
+    compiled = core.compile_model(ov.Model([y], params), "CPU",
+                                  {"INFERENCE_NUM_THREADS": threads, "INFERENCE_PRECISION_HINT": "f32"})
+    req = compiled.create_infer_request()
+    return lambda q, k, v: req.infer([q, k, v])[0]
