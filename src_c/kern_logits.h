@@ -223,18 +223,27 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
     const int64_t rsx = sc->key_major ? sc->bcp : 1;
     if (nr <= FA_DOT_ROWS && sc->kst && FA_NAME(fa_by_segment)(p, 0)) {
         /* a paged or int8 cache's tile, page by page in place */
-        for (int64_t a = 0, len; a < nk; a += len) {
-            const char *kr = FA_NAME(fa_kv_segment)(p, it, j0 + a, nk - a, 0, 0, &len);
+        int64_t len, next_len = 0;
+        const char *kr = FA_NAME(fa_kv_segment)(p, it, j0, nk, 0, 0, &len);
+        for (int64_t a = 0; a < nk; a += len, len = next_len) {
+            /* the segment after this one (past this tile's end, the next tile's first):
+             * its rows are prefetched as this one's are read */
+            const int64_t b = j0 + a + len;
+            const char *after = b < it->kv1 ? FA_NAME(fa_kv_segment)(p, it, b, b < j0 + nk ? j0 + nk - b : 1,
+                                                                      0, 0, &next_len)
+                                            : NULL;
 #ifdef FA_HAVE_I8_PRODUCTS
             if (p->kv_store == FA_STORE_I8) {
-                const float *sr = (const float *)(const void *)FA_NAME(fa_kv_segment)(p, it, j0 + a, nk - a, 0, 1, &len);
+                int64_t slen;
+                const float *sr = (const float *)(const void *)FA_NAME(fa_kv_segment)(p, it, j0 + a, len, 0, 1, &slen);
                 FA_NAME(fa_qk_keys_i8)(sc->qt, brp, nr, (const int8_t *)kr, p->k_sl, sr, p->ks_sl,
-                                       FA_NAME(fa_group_shift)(p, 0), len, p->D, sc->s + a * ksx, ksx, rsx);
-                continue;
-            }
+                                       FA_NAME(fa_group_shift)(p, 0), after, len, p->D, sc->s + a * ksx,
+                                       ksx, rsx);
+            } else
 #endif
-            FA_NAME(fa_qk_keys)(sc->qt, brp, nr, (const FA_KV *)(const void *)kr, p->k_sl, len, p->D,
-                                sc->s + a * ksx, sc->kt, ksx, rsx);
+                FA_NAME(fa_qk_keys_then)(sc->qt, brp, nr, (const FA_KV *)(const void *)kr, p->k_sl, after,
+                                         len, p->D, sc->s + a * ksx, sc->kt, ksx, rsx);
+            kr = after;
         }
     } else { /* in place, or staged (fa_kv_tile) */
         int64_t k_sl;

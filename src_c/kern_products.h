@@ -101,8 +101,9 @@ FA_ALWAYS_INLINE FA_V FA_NAME(fa_row_load)(const int I8, const void *row, int64_
 FA_ALWAYS_INLINE void FA_NAME(fa_qk_keys_micro)(const int R, const int I8, const FA_T *FA_RESTRICT qt,
                                                 int64_t brp, const void *FA_RESTRICT k, int64_t k_sl,
                                                 const float *ks8, int64_t ks8_sl, int gshift,
-                                                int64_t nj, int64_t D, FA_T *FA_RESTRICT s,
-                                                int64_t ks, int64_t rs, FA_T *FA_RESTRICT kt)
+                                                const char *pf, int64_t nj, int64_t D,
+                                                FA_T *FA_RESTRICT s, int64_t ks, int64_t rs,
+                                                FA_T *FA_RESTRICT kt)
 {
     (void)kt;
     const int64_t esz = I8 ? 1 : (int64_t)sizeof(FA_KV), row = k_sl * esz;
@@ -119,7 +120,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_keys_micro)(const int R, const int I8, const
         if ((d0 * esz) % 64 == 0) {
             FA_PRAGMA_UNROLL(16)
             for (int i = 0; i < FA_VL; i++) {
-                __builtin_prefetch((const void *)(kd + (2 * FA_VL + i) * row));
+                __builtin_prefetch((const void *)(pf + d0 * esz + i * row));
                 if (I8 && d0 == 0) __builtin_prefetch((const void *)(ks8 + (2 * FA_VL + i) * ks8_sl));
             }
         }
@@ -167,10 +168,12 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_keys_micro)(const int R, const int I8, const
 FA_ALWAYS_INLINE void FA_NAME(fa_qk_keys_micro)(const int R, const int I8, const FA_T *FA_RESTRICT qt,
                                                 int64_t brp, const void *FA_RESTRICT kv, int64_t k_sl,
                                                 const float *ks8, int64_t ks8_sl, int gshift,
-                                                int64_t nj, int64_t D, FA_T *FA_RESTRICT s,
-                                                int64_t ks, int64_t rs, FA_T *FA_RESTRICT kt)
+                                                const char *pf, int64_t nj, int64_t D,
+                                                FA_T *FA_RESTRICT s, int64_t ks, int64_t rs,
+                                                FA_T *FA_RESTRICT kt)
 {
     const FA_KV *k = (const FA_KV *)kv; /* (no int8 here: I8 is 0) */
+    (void)pf;
     (void)I8;
     (void)ks8;
     (void)ks8_sl;
@@ -199,18 +202,24 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_keys_micro)(const int R, const int I8, const
 FA_ALWAYS_INLINE void FA_NAME(fa_qk_keys_any)(const int I8, const FA_T *FA_RESTRICT qt, int64_t brp,
                                               int64_t nr, const void *FA_RESTRICT k, int64_t k_sl,
                                               const float *ks8, int64_t ks8_sl, int gshift,
-                                              int64_t nk, int64_t D, FA_T *FA_RESTRICT s,
-                                              FA_T *FA_RESTRICT kt, int64_t ks, int64_t rs)
+                                              const char *after, int64_t nk, int64_t D,
+                                              FA_T *FA_RESTRICT s, FA_T *FA_RESTRICT kt, int64_t ks,
+                                              int64_t rs)
 {
     const int64_t row = k_sl * (I8 ? 1 : (int64_t)sizeof(FA_KV));
     for (int64_t j0 = 0; j0 < nk; j0 += FA_VL) {
         const int64_t nj = nk - j0 < FA_VL ? nk - j0 : FA_VL;
         const char *kj = (const char *)k + j0 * row;
+        /* the rows two groups ahead, asked for as this group is read: further on in k,
+         * or (past its nk rows) in the rows that follow them elsewhere (`after`: the
+         * next page of a paged cache) */
+        const char *pf = j0 + 2 * FA_VL < nk || !after ? kj + 2 * FA_VL * row
+                                                       : after + (j0 + 2 * FA_VL - nk) * row;
         const float *sj8 = I8 ? ks8 + j0 * ks8_sl : ks8;
         FA_T *sj = s + j0 * ks;
         switch (nr) {
 #define FA_KEYS_CASE(R) \
-    case R: FA_NAME(fa_qk_keys_micro)(R, I8, qt, brp, kj, k_sl, sj8, ks8_sl, gshift, nj, D, sj, ks, rs, kt); break;
+    case R: FA_NAME(fa_qk_keys_micro)(R, I8, qt, brp, kj, k_sl, sj8, ks8_sl, gshift, pf, nj, D, sj, ks, rs, kt); break;
             FA_KEYS_CASE(1) FA_KEYS_CASE(2) FA_KEYS_CASE(3) FA_KEYS_CASE(4)
             FA_KEYS_CASE(5) FA_KEYS_CASE(6) FA_KEYS_CASE(7) FA_KEYS_CASE(8)
 #undef FA_KEYS_CASE
@@ -223,7 +232,16 @@ static void FA_NAME(fa_qk_keys)(const FA_T *FA_RESTRICT qt, int64_t brp, int64_t
                                 const FA_KV *FA_RESTRICT k, int64_t k_sl, int64_t nk, int64_t D,
                                 FA_T *FA_RESTRICT s, FA_T *FA_RESTRICT kt, int64_t ks, int64_t rs)
 {
-    FA_NAME(fa_qk_keys_any)(0, qt, brp, nr, k, k_sl, NULL, 0, 0, nk, D, s, kt, ks, rs);
+    FA_NAME(fa_qk_keys_any)(0, qt, brp, nr, k, k_sl, NULL, 0, 0, NULL, nk, D, s, kt, ks, rs);
+}
+
+/* The same, for rows followed (for the prefetches) by the rows at `after` */
+static void FA_NAME(fa_qk_keys_then)(const FA_T *FA_RESTRICT qt, int64_t brp, int64_t nr,
+                                     const FA_KV *FA_RESTRICT k, int64_t k_sl, const char *after,
+                                     int64_t nk, int64_t D, FA_T *FA_RESTRICT s, FA_T *FA_RESTRICT kt,
+                                     int64_t ks, int64_t rs)
+{
+    FA_NAME(fa_qk_keys_any)(0, qt, brp, nr, k, k_sl, NULL, 0, 0, after, nk, D, s, kt, ks, rs);
 }
 
 #if defined(FA_I8_LOADU) && defined(FA_HAVE_TRANSPOSE)
@@ -234,10 +252,10 @@ static void FA_NAME(fa_qk_keys)(const FA_T *FA_RESTRICT qt, int64_t brp, int64_t
  * floats apart; D, Dv multiples of FA_VL). */
 static void FA_NAME(fa_qk_keys_i8)(const FA_T *FA_RESTRICT qt, int64_t brp, int64_t nr,
                                    const int8_t *FA_RESTRICT k8, int64_t k_sl, const float *ks8,
-                                   int64_t ks8_sl, int gshift, int64_t nk, int64_t D,
-                                   FA_T *FA_RESTRICT s, int64_t ks, int64_t rs)
+                                   int64_t ks8_sl, int gshift, const char *after, int64_t nk,
+                                   int64_t D, FA_T *FA_RESTRICT s, int64_t ks, int64_t rs)
 {
-    FA_NAME(fa_qk_keys_any)(1, qt, brp, nr, k8, k_sl, ks8, ks8_sl, gshift, nk, D, s, NULL, ks, rs);
+    FA_NAME(fa_qk_keys_any)(1, qt, brp, nr, k8, k_sl, ks8, ks8_sl, gshift, after, nk, D, s, NULL, ks, rs);
 }
 #endif
 
