@@ -209,14 +209,14 @@ def kv_source(fn, q, k, v, block_table, seqlens_k, layout):
                              f"{bt.shape[1]} entries of block_table's row {b}")
         lens = lens.astype(np.int64) if lens.shape == (B,) and lens.dtype.kind in "iu" else None
     if lens is not None:  # seqlens_k's own errors come from the shape checks
-        for b in range(B):
-            used = bt[b, :(max(int(lens[b]), 0) + page - 1) // page]  # the blocks its keys fill
-            bad = np.flatnonzero((used < 0) | (used >= pages))
-            if bad.size:
-                e = int(bad[0])
-                raise ValueError(f"fastattn.{fn}: block_table[{b}, {e}] = {int(used[e])} is not a "
-                                 f"block of the pool (0 .. {pages - 1}); sequence {b} reads entries "
-                                 f"0 .. {used.size - 1} for its {int(lens[b])} keys")
+        # the entries each sequence's keys fill, and those of them outside the pool
+        used = np.arange(bt.shape[1]) < ((np.maximum(lens, 0) + page - 1) // page)[:, None]
+        bad = used & ((bt < 0) | (bt >= pages))
+        if bad.any():
+            b, e = (int(x) for x in np.argwhere(bad)[0])
+            raise ValueError(f"fastattn.{fn}: block_table[{b}, {e}] = {int(bt[b, e])} is not a "
+                             f"block of the pool (0 .. {pages - 1}); sequence {b} reads entries "
+                             f"0 .. {int(used[b].sum()) - 1} for its {int(lens[b])} keys")
     fields["block_table"] = fresh(bt, np.int32)
     fields["num_pages"] = pages
     shape = lambda d: (B, Lk, hkv, d) if swap else (B, hkv, Lk, d)  # noqa: E731
