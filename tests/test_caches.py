@@ -441,3 +441,28 @@ def test_torch_takes_the_same_caches_in_place(rng):
     with pytest.raises(ValueError, match="block_table"):
         ft.attention(torch.from_numpy(q), torch.from_numpy(kp), torch.from_numpy(vp),
                      block_table=torch.from_numpy(table + 1000), seqlens_k=torch.tensor(sl))
+
+
+def test_paged_inf_and_nan_behind_a_mask(rng, kernel):
+    """An inf and a NaN in V where the mask hides them: a page's P.V meets 0 * inf, and
+    the tile goes through the careful path, as in the contiguous cache (same bits)."""
+    B, H, Lk, D = 1, 2, 300, 32
+    q = _normal(rng, (B, H, 1, D))
+    k, v = _normal(rng, (B, H, Lk, D)), _normal(rng, (B, H, Lk, D))
+    v[0, :, 37, 3] = np.inf
+    v[0, :, 200, 0] = np.nan
+    mask = np.ones((B, 1, 1, Lk), bool)
+    mask[..., 37] = mask[..., 200] = False
+    for block in (16, 128):
+        kp, table = _paged(np.random.default_rng(6), k, block)
+        vp, _ = _paged(np.random.default_rng(6), v, block)
+        sl = np.array([Lk])
+        pad = table.shape[1] * block - Lk  # the mask spans the table's keys
+        m = np.pad(mask, ((0, 0), (0, 0), (0, 0), (0, pad)))
+        got = fastattn.attention(q, kp, vp, block_table=table, seqlens_k=sl, mask=m)
+        want = fastattn.attention(q, np.pad(k, ((0, 0), (0, 0), (0, pad), (0, 0))),
+                                  np.pad(v, ((0, 0), (0, 0), (0, pad), (0, 0))), seqlens_k=sl, mask=m)
+        assert np.isfinite(got).all()
+        np.testing.assert_array_equal(got, want)
+        ref = reference.attention(q, k, np.where(np.isfinite(v), v, 0), mask=mask)
+        assert rel_err(got, ref) < 3e-5
