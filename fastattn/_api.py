@@ -304,7 +304,9 @@ def _attention(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap
     if out is None:
         out = np.empty(user_shape, dtype=pr.out_dtype)
     else:
-        check_out(out, user_shape, pr.out_dtype, {"q": q, "k": k, "v": v, "mask": mask, "bias": bias})
+        check_out(out, user_shape, pr.out_dtype,  # (a cache's own arrays, not its stand-ins)
+                  {"q": q, "k": k if src is None else src.k, "v": v if src is None else src.v,
+                   "mask": mask, "bias": bias})
     lse = np.empty(pr.q.shape[:-1], dtype=pr.lse_dtype) if return_lse or return_stats else None
     if return_stats:
         variants = variants or _kernels.Variants()

@@ -360,6 +360,9 @@ def test_paged_errors_name_the_sequence_and_entry(rng):
         fastattn.attention(q[0], kp, kp, block_table=table, seqlens_k=sl)
     with pytest.raises(ValueError, match="seqlens_k must have shape"):
         fastattn.attention(q, kp, kp, block_table=table, seqlens_k=np.array([3]))
+    out = kp[0, :1].reshape(1, 2, 1, 16)  # a view of the pool itself
+    with pytest.raises(ValueError, match="out overlaps k"):
+        fastattn.attention(q[:1], kp, kp, block_table=table[:1], seqlens_k=sl[:1], out=out)
 
 
 GUARDED = """
