@@ -2,8 +2,8 @@
 
 Each benchmark times fastattn on the cache and, interleaved in its untimed set-up (a
 pause before and after, so neither call's spinning threads steal the other's cores),
-fastattn on the plain cache it stands for: the float32 cache for int8, the same keys
-in a contiguous (B, Hkv, Lk, D) cache for a paged one.  The ratio of their medians is
+fastattn on the plain cache it stands for (fastattn.bench.interleaved): the float32
+cache for int8, the same keys in a contiguous (B, Hkv, Lk, D) cache for a paged one.  The ratio of their medians is
 the figure (extra_info speedup_vs_baseline).  GB/s counts the bytes the call reads
 (int8 data and scales; a pool's pages), against the read bandwidth measured in the
 same process.  Every result is checked against the oracle on sampled rows.
@@ -13,12 +13,12 @@ same process.  Every result is checked against the oracle on sampled rows.
 | paged cache, block 16 and 128 | within 5% of the contiguous cache |
 """
 import functools
-import time
 
 import numpy as np
 import pytest
 
 import fastattn
+from fastattn.bench import interleaved
 
 SHAPES = {  # B, Hq, Hkv, Lq, Lk, D
     "B1 H32 Lk8192": (1, 32, 32, 1, 8192, 128),
@@ -72,17 +72,8 @@ def test_cache_decode(benchmark, bench_threads, read_bandwidth, check_rows, shap
         k_ref, v_ref = k, v
         base = lambda: fastattn.attention(q, k, v, seqlens_k=sl, causal=True,  # noqa: E731
                                           num_threads=nth)
-    base_times = []
-
-    def run_baseline():
-        time.sleep(0.03)
-        t = time.perf_counter()
-        base()
-        base_times.append(time.perf_counter() - t)
-        time.sleep(0.03)
-
     benchmark.group = f"cache {cache} {shape}"
-    out = benchmark.pedantic(call, setup=run_baseline, rounds=11, iterations=1, warmup_rounds=1)
+    out, _, base_median = interleaved(benchmark, call, base, 11)
     err = check_rows(out, q, k_ref, v_ref, causal=True, tol=3e-5)
     if cache != "int8":  # the contiguous cache's bits
         np.testing.assert_array_equal(out, base())
@@ -90,7 +81,7 @@ def test_cache_decode(benchmark, bench_threads, read_bandwidth, check_rows, shap
     info = dict(cache=cache, shape=shape, threads=nth, rel_err=err, kv_bytes=nbytes,
                 kernel=fastattn._kernels.current_kernel(),
                 baseline="fastattn float32" if cache == "int8" else "fastattn contiguous",
-                baseline_median_s=float(np.median(base_times[-11:])),
+                baseline_median_s=base_median,
                 read_bandwidth_gbps=round(read_bandwidth(k.nbytes + v.nbytes) / 1e9, 2))
     if stats:
         info.update(median_s=stats.median, gbps=round(nbytes / stats.median / 1e9, 2),

@@ -153,12 +153,11 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
             /* a paged cache's V rows, page by page, the same way (the pages' rows are
              * not where the hardware looks next) */
             if (nr <= FA_DOT_ROWS && sc.vst && p->block_table && FA_NAME(fa_by_segment)(p, 1)) {
-                const size_t bytes = (size_t)Dv * (p->kv_store == FA_STORE_I8 ? 1 : sizeof(FA_KV));
+                const int64_t esz = p->kv_store == FA_STORE_I8 ? 1 : (int64_t)sizeof(FA_KV);
                 for (int64_t a = 0, len; a < nk; a += len) {
                     const char *vr = FA_NAME(fa_kv_segment)(p, it, j0 + a, nk - a, 1, 0, &len);
                     for (int64_t j = 0; j < len; j++)
-                        for (size_t c = 0; c < bytes; c += 64)
-                            __builtin_prefetch(vr + j * p->v_sl * (int64_t)(bytes / (size_t)Dv) + c);
+                        for (int64_t c = 0; c < Dv * esz; c += 64) __builtin_prefetch(vr + j * p->v_sl * esz + c);
                 }
             }
             if (!FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, 0)) continue;

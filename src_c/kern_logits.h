@@ -241,15 +241,15 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
                                        ksx, rsx);
             } else
 #endif
-                FA_NAME(fa_qk_keys_then)(sc->qt, brp, nr, (const FA_KV *)(const void *)kr, p->k_sl, after,
-                                         len, p->D, sc->s + a * ksx, sc->kt, ksx, rsx);
+                FA_NAME(fa_qk_keys)(sc->qt, brp, nr, (const FA_KV *)(const void *)kr, p->k_sl, after,
+                                    len, p->D, sc->s + a * ksx, sc->kt, ksx, rsx);
             kr = after;
         }
     } else { /* in place, or staged (fa_kv_tile) */
         int64_t k_sl;
         const FA_KV *k = FA_NAME(fa_kv_tile)(p, it, j0, nk, 0, sc->kst, &k_sl);
         if (nr <= FA_DOT_ROWS) /* a few rows (decoding): keys on the lanes, the same bits */
-            FA_NAME(fa_qk_keys)(sc->qt, brp, nr, k, k_sl, nk, p->D, sc->s, sc->kt, ksx, rsx);
+            FA_NAME(fa_qk_keys)(sc->qt, brp, nr, k, k_sl, NULL, nk, p->D, sc->s, sc->kt, ksx, rsx);
         else
             FA_NAME(fa_qk_tile)(sc->qt, nv, k, k_sl, nk, p->D, sc->s, brp);
     }

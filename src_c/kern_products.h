@@ -198,7 +198,8 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_keys_micro)(const int R, const int I8, const
 
 /* ... logit (row r, key j) stored at s[j * ks + r * rs]: query-major (ks = brp, rs =
  * 1) or key-major (ks = 1, rs = the row stride); kt (D x FA_VL) is the scratch of the
- * kernels without a register transpose. */
+ * kernels without a register transpose; `after` (or NULL: further on in k) is where
+ * the rows that follow k's nk rows are, for the prefetches (a paged cache's next page). */
 FA_ALWAYS_INLINE void FA_NAME(fa_qk_keys_any)(const int I8, const FA_T *FA_RESTRICT qt, int64_t brp,
                                               int64_t nr, const void *FA_RESTRICT k, int64_t k_sl,
                                               const float *ks8, int64_t ks8_sl, int gshift,
@@ -229,17 +230,9 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_keys_any)(const int I8, const FA_T *FA_RESTR
 }
 
 static void FA_NAME(fa_qk_keys)(const FA_T *FA_RESTRICT qt, int64_t brp, int64_t nr,
-                                const FA_KV *FA_RESTRICT k, int64_t k_sl, int64_t nk, int64_t D,
-                                FA_T *FA_RESTRICT s, FA_T *FA_RESTRICT kt, int64_t ks, int64_t rs)
-{
-    FA_NAME(fa_qk_keys_any)(0, qt, brp, nr, k, k_sl, NULL, 0, 0, NULL, nk, D, s, kt, ks, rs);
-}
-
-/* The same, for rows followed (for the prefetches) by the rows at `after` */
-static void FA_NAME(fa_qk_keys_then)(const FA_T *FA_RESTRICT qt, int64_t brp, int64_t nr,
-                                     const FA_KV *FA_RESTRICT k, int64_t k_sl, const char *after,
-                                     int64_t nk, int64_t D, FA_T *FA_RESTRICT s, FA_T *FA_RESTRICT kt,
-                                     int64_t ks, int64_t rs)
+                                const FA_KV *FA_RESTRICT k, int64_t k_sl, const char *after,
+                                int64_t nk, int64_t D, FA_T *FA_RESTRICT s, FA_T *FA_RESTRICT kt,
+                                int64_t ks, int64_t rs)
 {
     FA_NAME(fa_qk_keys_any)(0, qt, brp, nr, k, k_sl, NULL, 0, 0, after, nk, D, s, kt, ks, rs);
 }

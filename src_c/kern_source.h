@@ -24,43 +24,58 @@
 #define FA_STAGE_AHEAD 16
 #endif
 
+/* Key rows j .. j+*len-1 of an item (its tile's rows from j to the end of j's page, at
+ * most n of them): their first row in K/V (scale 0) or in its scales (scale 1), as a
+ * byte pointer; rows are the array's row stride apart. */
+static const char *FA_NAME(fa_kv_segment)(const fa_params *p, const fa_item *it, int64_t j, int64_t n,
+                                          int kv, int scale, int64_t *len)
+{
+    const int64_t at = it->koff + j;
+    *len = p->block_table && p->page_size - at % p->page_size < n ? p->page_size - at % p->page_size : n;
+    if (scale)
+        return (const char *)((kv ? p->v_scale : p->k_scale) +
+                              fa_kv_row_at(p, it->b, it->g, at, kv ? p->vs_sb : p->ks_sb,
+                                           kv ? p->vs_sh : p->ks_sh, kv ? p->vs_sl : p->ks_sl));
+    const size_t item = p->kv_store == FA_STORE_I8 ? 1 : sizeof(FA_KV);
+    return (const char *)(kv ? p->v : p->k) +
+           (size_t)fa_kv_row_at(p, it->b, it->g, at, kv ? p->v_sb : p->k_sb, kv ? p->v_sh : p->k_sh,
+                                kv ? p->v_sl : p->k_sl) * item;
+}
+
 static const FA_KV *FA_NAME(fa_kv_tile)(const fa_params *p, const fa_item *it, int64_t j0,
                                         int64_t nk, int kv, FA_KV *FA_RESTRICT buf,
                                         int64_t *stride)
 {
-    const int64_t sb = kv ? p->v_sb : p->k_sb, sh = kv ? p->v_sh : p->k_sh;
-    const int64_t sl = kv ? p->v_sl : p->k_sl, width = kv ? p->Dv : p->D;
-    const int64_t j = it->koff + j0;
+    const int64_t width = kv ? p->Dv : p->D;
     const int quant = p->kv_store == FA_STORE_I8;
-    if (!quant && (!p->block_table || j % p->page_size + nk <= p->page_size)) {
-        *stride = sl;
-        return (const FA_KV *)(kv ? p->v : p->k) + fa_kv_row_at(p, it->b, it->g, j, sb, sh, sl);
+    int64_t len;
+    const char *first = FA_NAME(fa_kv_segment)(p, it, j0, nk, kv, 0, &len);
+    if (!quant && len == nk) { /* a strided array, or a page that holds the whole tile */
+        *stride = kv ? p->v_sl : p->k_sl;
+        return (const FA_KV *)(const void *)first;
     }
     *stride = width;
     /* row j0 + r + FA_STAGE_AHEAD is asked for as row j0 + r is copied (the rows of a
      * paged or strided cache are too far apart for the hardware to follow), and the
      * first FA_STAGE_AHEAD rows at the item's first tile */
-    const size_t item = quant ? 1 : sizeof(FA_KV), bytes = (size_t)width * item;
-    const char *base = (const char *)(kv ? p->v : p->k);
+    const size_t bytes = (size_t)width * (quant ? 1 : sizeof(FA_KV));
     for (int64_t r = j0 <= it->kv0 ? -FA_STAGE_AHEAD : 0; r < nk; r++) {
         const int64_t ja = j0 + r + FA_STAGE_AHEAD;
         if (ja < it->kv1) {
-            const char *row = base + (size_t)fa_kv_row_at(p, it->b, it->g, it->koff + ja, sb, sh, sl) * item;
+            const char *row = FA_NAME(fa_kv_segment)(p, it, ja, 1, kv, 0, &len);
             for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off);
         }
         if (r < 0) continue;
         FA_KV *FA_RESTRICT dst = buf + r * width;
-        const int64_t at = fa_kv_row_at(p, it->b, it->g, j + r, sb, sh, sl);
+        const char *row = FA_NAME(fa_kv_segment)(p, it, j0 + r, 1, kv, 0, &len);
         if (!quant) { /* a loop, not memcpy: rows are short, the call costs more */
-            const FA_KV *FA_RESTRICT src = (const FA_KV *)(kv ? p->v : p->k) + at;
+            const FA_KV *FA_RESTRICT src = (const FA_KV *)(const void *)row;
             for (int64_t c = 0; c < width; c++) dst[c] = src[c];
             continue;
         }
-        const int8_t *FA_RESTRICT src = (const int8_t *)(kv ? p->v : p->k) + at;
+        const int8_t *FA_RESTRICT src = (const int8_t *)row;
         const float *FA_RESTRICT scale =
-            (kv ? p->v_scale : p->k_scale) +
-            fa_kv_row_at(p, it->b, it->g, j + r, kv ? p->vs_sb : p->ks_sb, kv ? p->vs_sh : p->ks_sh,
-                         kv ? p->vs_sl : p->ks_sl);
+            (const float *)(const void *)FA_NAME(fa_kv_segment)(p, it, j0 + r, 1, kv, 1, &len);
         const int64_t group = kv ? p->v_group : p->k_group;
         for (int64_t c0 = 0, gi = 0; c0 < width; c0 += group, gi++) {
             const float f = scale[gi];
@@ -88,24 +103,6 @@ static int FA_NAME(fa_by_segment)(const fa_params *p, int kv)
     (void)kv;
     return 0;
 #endif
-}
-
-/* Key rows j .. j+*len-1 of an item (its tile's rows from j to the end of j's page, at
- * most n of them): their first row in K/V (scale 0) or in its scales (scale 1), as a
- * byte pointer; rows are the array's row stride apart. */
-static const char *FA_NAME(fa_kv_segment)(const fa_params *p, const fa_item *it, int64_t j, int64_t n,
-                                          int kv, int scale, int64_t *len)
-{
-    const int64_t at = it->koff + j;
-    *len = p->block_table && p->page_size - at % p->page_size < n ? p->page_size - at % p->page_size : n;
-    if (scale)
-        return (const char *)((kv ? p->v_scale : p->k_scale) +
-                              fa_kv_row_at(p, it->b, it->g, at, kv ? p->vs_sb : p->ks_sb,
-                                           kv ? p->vs_sh : p->ks_sh, kv ? p->vs_sl : p->ks_sl));
-    const size_t item = p->kv_store == FA_STORE_I8 ? 1 : sizeof(FA_KV);
-    return (const char *)(kv ? p->v : p->k) +
-           (size_t)fa_kv_row_at(p, it->b, it->g, at, kv ? p->v_sb : p->k_sb, kv ? p->v_sh : p->k_sh,
-                                kv ? p->v_sl : p->k_sl) * item;
 }
 
 /* log2 of an int8 cache's channel group (a power of two where fa_by_segment holds) */
