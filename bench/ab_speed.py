@@ -22,6 +22,9 @@ CASES = {
     "prefill B4 H16 L256 D64": dict(fn="fwd", B=4, H=16, Lq=256, Lk=256, D=64),
     "decode B1 H32 Lk8192 D128": dict(fn="fwd", B=1, H=32, Lq=1, Lk=8192, D=128),
     "decode B8 H32 Lk2048 D128": dict(fn="fwd", B=8, H=32, Lq=1, Lk=2048, D=128),
+    "decode B1 Hq32 Hkv8 Lk8192 D128": dict(fn="fwd", B=1, H=32, Hkv=8, Lq=1, Lk=8192, D=128),
+    "decode B1 H32 Lq4 Lk8192 D128": dict(fn="fwd", B=1, H=32, Lq=4, Lk=8192, D=128, causal=True),
+    "decode B1 H32 Lk8192 D128 f16 K/V": dict(fn="fwd", B=1, H=32, Lq=1, Lk=8192, D=128, kv="float16"),
     "backward B1 H8 L2048 D64": dict(fn="bwd", B=1, H=8, Lq=2048, Lk=2048, D=64),
 }
 
@@ -35,8 +38,9 @@ rng = np.random.default_rng(0)
 data = {}
 for name, c in cases.items():
     q = rng.standard_normal((c["B"], c["H"], c["Lq"], c["D"])).astype(np.float32)
-    k = rng.standard_normal((c["B"], c["H"], c["Lk"], c["D"])).astype(np.float32)
-    v = rng.standard_normal((c["B"], c["H"], c["Lk"], c["D"])).astype(np.float32)
+    hkv, kv = c.get("Hkv", c["H"]), c.get("kv", "float32")
+    k = rng.standard_normal((c["B"], hkv, c["Lk"], c["D"])).astype(kv)
+    v = rng.standard_normal((c["B"], hkv, c["Lk"], c["D"])).astype(kv)
     kw = dict(causal=c.get("causal", False), num_threads=nth)
     if c["fn"] == "bwd":
         o, l = fastattn.attention(q, k, v, return_lse=True, **kw)
