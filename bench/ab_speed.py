@@ -25,6 +25,9 @@ CASES = {
     "decode B1 Hq32 Hkv8 Lk8192 D128": dict(fn="fwd", B=1, H=32, Hkv=8, Lq=1, Lk=8192, D=128),
     "decode B1 H32 Lq4 Lk8192 D128": dict(fn="fwd", B=1, H=32, Lq=4, Lk=8192, D=128, causal=True),
     "decode B1 H32 Lk8192 D128 f16 K/V": dict(fn="fwd", B=1, H=32, Lq=1, Lk=8192, D=128, kv="float16"),
+    "decode B1 H32 Lk8192 D128 int8 K/V": dict(fn="fwd", B=1, H=32, Lq=1, Lk=8192, D=128, kv="int8"),
+    "decode B1 H32 Lk8192 D128 paged16": dict(fn="fwd", B=1, H=32, Lq=1, Lk=8192, D=128, page=16),
+    "decode B1 H32 Lk8192 D128 paged128": dict(fn="fwd", B=1, H=32, Lq=1, Lk=8192, D=128, page=128),
     "backward B1 H8 L2048 D64": dict(fn="bwd", B=1, H=8, Lq=2048, Lk=2048, D=64),
 }
 
@@ -39,9 +42,18 @@ data = {}
 for name, c in cases.items():
     q = rng.standard_normal((c["B"], c["H"], c["Lq"], c["D"])).astype(np.float32)
     hkv, kv = c.get("Hkv", c["H"]), c.get("kv", "float32")
-    k = rng.standard_normal((c["B"], hkv, c["Lk"], c["D"])).astype(kv)
-    v = rng.standard_normal((c["B"], hkv, c["Lk"], c["D"])).astype(kv)
+    k = rng.standard_normal((c["B"], hkv, c["Lk"], c["D"])).astype(np.float32 if kv == "int8" else kv)
+    v = rng.standard_normal((c["B"], hkv, c["Lk"], c["D"])).astype(np.float32 if kv == "int8" else kv)
     kw = dict(causal=c.get("causal", False), num_threads=nth)
+    if kv == "int8":
+        k, v = fastattn.quantize_kv(k), fastattn.quantize_kv(v)
+    if c.get("page"):  # the same keys in shuffled pages of a vLLM-layout pool
+        bs, n = c["page"], c["B"] * c["Lk"] // c["page"]
+        order = rng.permutation(n)
+        pool = lambda x: np.ascontiguousarray(x.transpose(0, 2, 1, 3).reshape(n, bs, hkv, c["D"])[np.argsort(order)])
+        k, v = pool(k), pool(v)
+        kw.update(block_table=order.reshape(c["B"], -1).astype(np.int32),
+                  seqlens_k=np.full(c["B"], c["Lk"], np.int32))
     if c["fn"] == "bwd":
         o, l = fastattn.attention(q, k, v, return_lse=True, **kw)
         d = rng.standard_normal(o.shape).astype(np.float32)
