@@ -43,6 +43,7 @@ F32 = np.dtype(np.float32)
 try:  # bfloat16 arrays come from ml_dtypes (the dtype JAX and others use)
     import ml_dtypes as _ml_dtypes
     BF16: np.dtype | None = np.dtype(_ml_dtypes.bfloat16)
+    _kernels.set_bf16_dtype(BF16)  # (for the compiled fast path's decode-cache check)
 except ImportError:  # then no array can have that dtype
     BF16 = None
 F64 = np.dtype(np.float64)

@@ -409,11 +409,21 @@ def forward(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, lse_ob
     return True
 
 
+cdef int _bf16_num = -1  # NumPy's type number of ml_dtypes.bfloat16, where it is installed
+
+
+def set_bf16_dtype(object dtype):
+    """Tell attention_common which user type number is bfloat16 (fastattn._args, at import)."""
+    global _bf16_num
+    _bf16_num = (<cnp.dtype>dtype).type_num
+
+
 def attention_common(object q, object k, object v, bint causal, bint return_lse, int num_threads):
-    """The common call -- ndarrays of one native float dtype, consistent non-empty
-    shapes, readable in place, default scale, no out -- decided and
-    run at C speed.  Returns None, having done nothing, for anything else: the
-    caller (fastattn._api.attention) then checks everything and explains errors."""
+    """The common call -- ndarrays of one native float dtype (or float32 q against a
+    float16 or bfloat16 cache: a decode step), consistent non-empty shapes, readable
+    in place, default scale, no out -- decided and run at C speed.  Returns None,
+    having done nothing, for anything else: the caller (fastattn._api.attention) then
+    checks everything and explains errors."""
     cdef cnp.ndarray a, b, c
     if type(q) is not cnp.ndarray or type(k) is not cnp.ndarray or type(v) is not cnp.ndarray:
         return None
@@ -424,8 +434,11 @@ def attention_common(object q, object k, object v, bint causal, bint return_lse,
     cdef int t = cnp.PyArray_TYPE(a)
     if nd < 2 or nd > 4 or cnp.PyArray_NDIM(b) != nd or cnp.PyArray_NDIM(c) != nd:
         return None
-    if (t != cnp.NPY_FLOAT32 and t != cnp.NPY_FLOAT64) or cnp.PyArray_TYPE(b) != t \
-            or cnp.PyArray_TYPE(c) != t:
+    cdef int tk = cnp.PyArray_TYPE(b)
+    cdef bint cache16 = (t == cnp.NPY_FLOAT32 and cnp.PyArray_TYPE(c) == tk and
+                         (tk == cnp.NPY_FLOAT16 or (tk == _bf16_num and _bf16_num >= 0)))
+    if not cache16 and ((t != cnp.NPY_FLOAT32 and t != cnp.NPY_FLOAT64) or tk != t
+                        or cnp.PyArray_TYPE(c) != t):
         return None
     if not (cnp.PyArray_ISNOTSWAPPED(a) and cnp.PyArray_ISNOTSWAPPED(b) and cnp.PyArray_ISNOTSWAPPED(c)):
         return None
@@ -440,8 +453,8 @@ def attention_common(object q, object k, object v, bint causal, bint return_lse,
     if nd >= 3 and (vd[nd - 3] != kd[nd - 3] or kd[nd - 3] == 0 or qd[nd - 3] % kd[nd - 3] != 0
                     or qd[nd - 3] == 0):
         return None
-    cdef int64_t item = cnp.PyArray_ITEMSIZE(a)
-    if not (_readable(a, item) and _readable(b, item) and _readable(c, item)):
+    cdef int64_t item = cnp.PyArray_ITEMSIZE(a), kv_item = cnp.PyArray_ITEMSIZE(b)
+    if not (_readable(a, item) and _readable(b, kv_item) and _readable(c, kv_item)):
         return None
     cdef cnp.npy_intp od[4]
     cdef int ax

@@ -99,3 +99,46 @@ def test_unsupported_dtype_mixes(rng, q_dtype, kv_dtype):
     q, k, v = _cache(rng, 1, 2, 2, 1, 10, 8, 8, q_dtype, kv_dtype)
     with pytest.raises(TypeError, match="dtype"):
         fastattn.attention(q, k, v)
+
+
+def _cache16_dtypes():
+    out = [np.float16]
+    try:
+        import ml_dtypes
+        out.append(ml_dtypes.bfloat16)
+    except ImportError:
+        pass
+    return out
+
+
+@pytest.mark.parametrize("kv_dtype", _cache16_dtypes())
+@pytest.mark.parametrize("shape", [(1, 4, 2, 1, 300, 128), (2, 3, 3, 4, 17, 40), (1, 1, 1, 1, 1, 8)])
+def test_16bit_cache_takes_the_compiled_path(rng, monkeypatch, kv_dtype, shape):
+    """float32 q against a float16 or bfloat16 cache (a decode step) is the common call:
+    run without the Python checks (fastattn._api._attention made to fail, as proof),
+    with the bits of the checked path (an explicit scale takes that one) and the
+    oracle's values; for 3-D and 2-D arrays too."""
+    B, Hq, Hkv, Lq, Lk, D = shape
+    q, k, v = _cache(rng, B, Hq, Hkv, Lq, Lk, D, D, np.float32, kv_dtype)
+    checked = fastattn.attention(q, k, v, causal=True, scale=1 / np.sqrt(D))
+    checked3 = fastattn.attention(q[0], k[0], v[0], scale=1 / np.sqrt(D))
+    checked2 = fastattn.attention(q[0, 0], k[0, 0], v[0, 0], scale=1 / np.sqrt(D))
+
+    def no_checked_path(*a, **kw):
+        raise AssertionError("took the checked path")
+
+    monkeypatch.setattr(fastattn._api, "_attention", no_checked_path)
+    out = fastattn.attention(q, k, v, causal=True)
+    assert out.dtype == np.float32 and np.array_equal(out, checked)
+    assert np.array_equal(fastattn.attention(q[0], k[0], v[0]), checked3)
+    assert np.array_equal(fastattn.attention(q[0, 0], k[0, 0], v[0, 0]), checked2)
+    ref = reference.attention(q, k.astype(np.float64), v.astype(np.float64), causal=True)
+    assert rel_err(out, ref) <= 1e-4
+    # mixed or look-alike caches are not the common call: the checked path answers them
+    with pytest.raises(AssertionError, match="checked path"):
+        fastattn.attention(q, k, v.astype(np.float32))
+    with pytest.raises(AssertionError, match="checked path"):
+        fastattn.attention(q, k.view(np.int16), v.view(np.int16))
+    monkeypatch.undo()
+    with pytest.raises(TypeError, match="dtype"):
+        fastattn.attention(q, k.view(np.int16), v.view(np.int16))
