@@ -25,6 +25,9 @@ CASES = {
     "decode B1 Hq32 Hkv8 Lk8192 D128": dict(fn="fwd", B=1, H=32, Hkv=8, Lq=1, Lk=8192, D=128),
     "decode B1 H32 Lq4 Lk8192 D128": dict(fn="fwd", B=1, H=32, Lq=4, Lk=8192, D=128, causal=True),
     "decode B1 H32 Lk8192 D128 f16 K/V": dict(fn="fwd", B=1, H=32, Lq=1, Lk=8192, D=128, kv="float16"),
+    "decode B1 H32 Lk8192 D128 bf16 K/V": dict(fn="fwd", B=1, H=32, Lq=1, Lk=8192, D=128, kv="bfloat16"),
+    "decode B1 Hq32 Hkv8 Lk8192 D128 f16 K/V": dict(fn="fwd", B=1, H=32, Hkv=8, Lq=1, Lk=8192, D=128,
+                                                   kv="float16"),
     "decode B1 H32 Lk8192 D128 int8 K/V": dict(fn="fwd", B=1, H=32, Lq=1, Lk=8192, D=128, kv="int8"),
     "decode B1 H32 Lk8192 D128 paged16": dict(fn="fwd", B=1, H=32, Lq=1, Lk=8192, D=128, page=16),
     "decode B1 H32 Lk8192 D128 paged128": dict(fn="fwd", B=1, H=32, Lq=1, Lk=8192, D=128, page=128),
@@ -42,6 +45,9 @@ data = {}
 for name, c in cases.items():
     q = rng.standard_normal((c["B"], c["H"], c["Lq"], c["D"])).astype(np.float32)
     hkv, kv = c.get("Hkv", c["H"]), c.get("kv", "float32")
+    if kv == "bfloat16":
+        import ml_dtypes
+        kv = ml_dtypes.bfloat16
     k = rng.standard_normal((c["B"], hkv, c["Lk"], c["D"])).astype(np.float32 if kv == "int8" else kv)
     v = rng.standard_normal((c["B"], hkv, c["Lk"], c["D"])).astype(np.float32 if kv == "int8" else kv)
     kw = dict(causal=c.get("causal", False), num_threads=nth)

@@ -130,7 +130,34 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_keys_micro)(const int R, const int I8, const
     FA_V acc[FA_DOT_ROWS];
     FA_PRAGMA_UNROLL(8)
     for (int r = 0; r < R; r++) acc[r] = FA_VZERO();
-    for (int64_t d0 = 0; d0 < D; d0 += FA_VL) {
+    int64_t d0 = 0;
+#ifdef FA_KV16_PAIR
+    /* 16-bit K, a whole group: two feature chunks at once, transposed as 16-bit values
+     * and converted after (FA_KV16_PAIR, from the ISA file: v[e] holds features d0 + e
+     * and d0 + FA_VL + e of the group's keys, FA_KV16_LO / _HI convert them), half the
+     * shuffles of transposing each chunk's converted floats; the same values and the
+     * same FMAs in the same order as the loop below */
+    for (; !I8 && nj == FA_VL && d0 + 2 * FA_VL <= D; d0 += 2 * FA_VL) {
+        const FA_T *q = qt + d0 * brp;
+        FA_NAME(fa_ask_rows)(pf, FA_VL, row, D * esz, &pfr, &pfacc, nch);
+        FA_NAME(fa_ask_rows)(pf, FA_VL, row, D * esz, &pfr, &pfacc, nch);
+        FA_KV16_V v[FA_VL];
+        FA_KV16_PAIR((const char *)k + d0 * esz, row, v);
+        FA_PRAGMA_UNROLL(16)
+        for (int e = 0; e < FA_VL; e++) {
+            const FA_V x = FA_KV16_LO(v[e]);
+            FA_PRAGMA_UNROLL(8)
+            for (int r = 0; r < R; r++) acc[r] = FA_VFMA(x, FA_VSET1(q[e * brp + r]), acc[r]);
+        }
+        FA_PRAGMA_UNROLL(16)
+        for (int e = 0; e < FA_VL; e++) {
+            const FA_V x = FA_KV16_HI(v[e]);
+            FA_PRAGMA_UNROLL(8)
+            for (int r = 0; r < R; r++) acc[r] = FA_VFMA(x, FA_VSET1(q[(FA_VL + e) * brp + r]), acc[r]);
+        }
+    }
+#endif
+    for (; d0 < D; d0 += FA_VL) {
         const int nd = (int)(D - d0 < FA_VL ? D - d0 : FA_VL);
         const FA_T *q = qt + d0 * brp;
         const char *kd = (const char *)k + d0 * esz;

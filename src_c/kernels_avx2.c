@@ -240,6 +240,29 @@ static inline __m256 fa_half_loadu_n(const uint16_t *p, int n)
     memcpy(tmp, p, (size_t)n * sizeof(uint16_t));
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tmp));
 }
+/* v[e] <- features e (low lane) and 8 + e (high lane) of the 8 rows at kd, kd + row,
+ * ...: 16 values of each row loaded at once and transposed as 16-bit integers, each
+ * lane an 8 x 8 transpose (24 shuffles for 16 features, where transposing each
+ * chunk's floats takes 48). */
+static inline void fa_kv16_pair_avx2(const char *kd, int64_t row, __m256i *v)
+{
+    __m256i a[8], b[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm256_loadu_si256((const __m256i *)(const void *)(kd + i * row));
+    for (int i = 0; i < 4; i++) { /* rows 2i, 2i+1 interleaved: features 0-3 | 4-7 */
+        b[2 * i] = _mm256_unpacklo_epi16(a[2 * i], a[2 * i + 1]);
+        b[2 * i + 1] = _mm256_unpackhi_epi16(a[2 * i], a[2 * i + 1]);
+    }
+    for (int g = 0; g < 2; g++) { /* rows 4g .. 4g+3: a[4g + m] features 2m, 2m+1 */
+        a[4 * g] = _mm256_unpacklo_epi32(b[4 * g], b[4 * g + 2]);
+        a[4 * g + 1] = _mm256_unpackhi_epi32(b[4 * g], b[4 * g + 2]);
+        a[4 * g + 2] = _mm256_unpacklo_epi32(b[4 * g + 1], b[4 * g + 3]);
+        a[4 * g + 3] = _mm256_unpackhi_epi32(b[4 * g + 1], b[4 * g + 3]);
+    }
+    for (int m = 0; m < 4; m++) { /* feature 2m and 2m+1 of all 8 rows */
+        v[2 * m] = _mm256_unpacklo_epi64(a[m], a[4 + m]);
+        v[2 * m + 1] = _mm256_unpackhi_epi64(a[m], a[4 + m]);
+    }
+}
 /* The same float32 operations, K and V read as float16. */
 #include "kernels_kv16.h"
 #define FA_NAME(x) x##_kv16_avx2
@@ -249,6 +272,10 @@ static inline __m256 fa_half_loadu_n(const uint16_t *p, int n)
 #define FA_KV_LOADU(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define FA_KV_LOADU_N(p, n) fa_half_loadu_n((p), (n))
 #define FA_KV_SCALAR(x) fa_half_to_float(x)
+#define FA_KV16_V __m256i
+#define FA_KV16_PAIR(kd, row, v) fa_kv16_pair_avx2((kd), (row), (v))
+#define FA_KV16_LO(x) _mm256_cvtph_ps(_mm256_castsi256_si128(x))
+#define FA_KV16_HI(x) _mm256_cvtph_ps(_mm256_extracti128_si256((x), 1))
 #include "kernels_tmpl.h"
 
 /* ---------------- float32 with bfloat16 K/V: a bfloat16 is a float's high half ---------------- */
@@ -270,6 +297,10 @@ static inline __m256 fa_bf16_loadu_n(const uint16_t *p, int n)
 #define FA_KV_LOADU(p) fa_bf16_loadu(p)
 #define FA_KV_LOADU_N(p, n) fa_bf16_loadu_n((p), (n))
 #define FA_KV_SCALAR(x) fa_bf16_to_float(x)
+#define FA_KV16_V __m256i
+#define FA_KV16_PAIR(kd, row, v) fa_kv16_pair_avx2((kd), (row), (v))
+#define FA_KV16_LO(x) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(x)), 16))
+#define FA_KV16_HI(x) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256((x), 1)), 16))
 #define FA_16_TO_FLOAT(x) fa_bf16_to_float(x)
 #define FA_FLOAT_TO_16(x) fa_float_to_bf16(x)
 #include "kernels_tmpl.h"

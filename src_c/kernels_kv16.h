@@ -2,7 +2,7 @@
  * kernels_tmpl.h and its float16-K/V one: keeps the float32 vector operations and
  * clears the name and the K/V access macros, which the including file then defines
  * for float16 K/V (FA_NAME, FA_KV_HALF, FA_KV, FA_KV_BCAST, FA_KV_LOADU,
- * FA_KV_LOADU_N, FA_KV_SCALAR). */
+ * FA_KV_LOADU_N, FA_KV_SCALAR, and optionally the FA_KV16_* pair transpose). */
 #undef FA_NAME
 #undef FA_KV
 #undef FA_KV_BCAST
@@ -13,3 +13,7 @@
 #undef FA_FLOAT_TO_16
 #undef FA_I8_LOADU
 #undef FA_HAVE_I8_PRODUCTS
+#undef FA_KV16_V
+#undef FA_KV16_PAIR
+#undef FA_KV16_LO
+#undef FA_KV16_HI

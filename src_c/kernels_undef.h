@@ -29,6 +29,10 @@
 #undef FA_VMASK_BYTES
 #undef FA_VTRANSPOSE
 #undef FA_VTRANSPOSE_REGS
+#undef FA_KV16_V
+#undef FA_KV16_PAIR
+#undef FA_KV16_LO
+#undef FA_KV16_HI
 #undef FA_VREDUCE
 #undef FA_KV
 #undef FA_KV_BCAST

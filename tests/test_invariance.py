@@ -104,9 +104,22 @@ def test_layouts_strides_and_varlen(rng):
         same_bits(vl[:, cu[b]:cu[b + 1]], al)
 
 
-def test_float16_cache_and_stats_paths(rng):
-    q = rng.standard_normal((1, 8, 600, 64)).astype(F32)
-    k, v = (rng.standard_normal((1, 2, 1500, 64)).astype(np.float16) for _ in range(2))
+def _caches16():
+    try:
+        import ml_dtypes
+        return [np.float16, ml_dtypes.bfloat16]
+    except ImportError:
+        return [np.float16]
+
+
+@pytest.mark.parametrize("kv_dtype", _caches16())
+@pytest.mark.parametrize("Hq,Hkv,D", [(8, 2, 64), (2, 2, 40), (3, 1, 48), (1, 1, 7)])
+def test_16bit_cache_and_stats_paths(kernel, rng, kv_dtype, Hq, Hkv, D):
+    """A decode row against a float16 / bfloat16 cache has its prefill row's bits: one
+    row or a GQA group's, D a multiple of two chunks or not (the 16-bit transposes of
+    two chunks at once, then single chunks), on every kernel."""
+    q = rng.standard_normal((1, Hq, 600, D)).astype(F32)
+    k, v = (rng.standard_normal((1, Hkv, 1500, D)).astype(kv_dtype) for _ in range(2))
     full, lse = fastattn.attention(q, k, v, causal=True, return_lse=True)
     o, l = fastattn.attention(q[:, :, -1:], k, v, causal=True, return_lse=True)
     same_bits(o, full[:, :, -1:])
