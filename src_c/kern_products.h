@@ -101,11 +101,12 @@ FA_ALWAYS_INLINE FA_V FA_NAME(fa_row_load)(const int I8, const void *row, int64_
  * apart) that a later call reads, asked for whole and in address order, rows / nch of
  * them at each of the product's nch feature chunks (*r: the next row to ask for, *acc
  * the running remainder).  The products read a group's rows across, FA_VL features of
- * each in turn, which the hardware's stream prefetcher does not follow: asked for
- * line by line in that same order (the rows two groups ahead, as each chunk reached
- * the same lines), K was read 1.5x slower than by a sequential read of the same bytes
- * (a C model of the loop, the AMD EPYC Zen 3, B=1 H=32 Lk=8192 D=128, from memory);
- * asked for in address order, 1.2x. */
+ * each in turn, which the hardware's stream prefetcher does not follow.  In a C model
+ * of the decode loop (the AMD EPYC Zen 3, 1 thread, B=1 H=32 Lk=8192 D=128, from
+ * memory), K and V took 1.4x the time of a sequential read of the same bytes with the
+ * rows asked for line by line in that same across-rows order, 1.2-1.25x asked for
+ * in address order; in fastattn, 0.67-0.80x the decode time of the line-by-line asks
+ * (float32 caches, 1 and 2 threads, interleaved). */
 FA_ALWAYS_INLINE void FA_NAME(fa_ask_rows)(const char *pf, int64_t rows, int64_t row, int64_t rb,
                                            int64_t *r, int64_t *acc, int64_t nch)
 {
