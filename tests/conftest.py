@@ -8,6 +8,16 @@ from fastattn import _kernels
 TOL = {np.dtype(np.float32): 3e-5, np.dtype(np.float64): 1e-11}
 KERNELS = _kernels.supported_kernels()
 
+try:  # bfloat16 arrays come from ml_dtypes (an optional extra)
+    import ml_dtypes
+    BF16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # bfloat16 cases skip
+    BF16 = None
+# the 16-bit cache dtypes, for parametrize: float16, and bfloat16 (skipped without ml_dtypes)
+CACHES16 = [pytest.param(np.dtype(np.float16), id="float16"),
+            pytest.param(BF16, id="bfloat16",
+                         marks=pytest.mark.skipif(BF16 is None, reason="ml_dtypes is not installed"))]
+
 
 def rel_err(out, ref):
     ref = np.asarray(ref, dtype=np.float64)

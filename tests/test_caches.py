@@ -16,13 +16,7 @@ import pytest
 
 import fastattn
 from fastattn import QuantizedKV, dequantize_kv, quantize_kv, reference
-from conftest import KERNELS, rel_err
-
-try:
-    import ml_dtypes
-    BF16 = np.dtype(ml_dtypes.bfloat16)
-except ImportError:  # bfloat16 cases skip
-    BF16 = None
+from conftest import BF16, KERNELS, rel_err
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -7,7 +7,7 @@ import pytest
 import fastattn
 from fastattn import reference
 
-from conftest import TOL, assert_lse_close, rel_err
+from conftest import CACHES16, TOL, assert_lse_close, rel_err
 
 LENGTHS = [1, 2, 511, 512, 513, 1500, 4100]
 
@@ -101,17 +101,7 @@ def test_unsupported_dtype_mixes(rng, q_dtype, kv_dtype):
         fastattn.attention(q, k, v)
 
 
-def _cache16_dtypes():
-    out = [np.float16]
-    try:
-        import ml_dtypes
-        out.append(ml_dtypes.bfloat16)
-    except ImportError:
-        pass
-    return out
-
-
-@pytest.mark.parametrize("kv_dtype", _cache16_dtypes())
+@pytest.mark.parametrize("kv_dtype", CACHES16)
 @pytest.mark.parametrize("shape", [(1, 4, 2, 1, 300, 128), (2, 3, 3, 4, 17, 40), (1, 1, 1, 1, 1, 8)])
 def test_16bit_cache_takes_the_compiled_path(rng, monkeypatch, kv_dtype, shape):
     """float32 q against a float16 or bfloat16 cache (a decode step) is the common call:

@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 import fastattn
 from fastattn import reference
-from conftest import TOL, assert_lse_close, rel_err
+from conftest import CACHES16, TOL, assert_lse_close, rel_err
 
 F32 = np.float32
 
@@ -104,15 +104,7 @@ def test_layouts_strides_and_varlen(rng):
         same_bits(vl[:, cu[b]:cu[b + 1]], al)
 
 
-def _caches16():
-    try:
-        import ml_dtypes
-        return [np.float16, ml_dtypes.bfloat16]
-    except ImportError:
-        return [np.float16]
-
-
-@pytest.mark.parametrize("kv_dtype", _caches16())
+@pytest.mark.parametrize("kv_dtype", CACHES16)
 @pytest.mark.parametrize("Hq,Hkv,D", [(8, 2, 64), (2, 2, 40), (3, 1, 48), (1, 1, 7)])
 def test_16bit_cache_and_stats_paths(kernel, rng, kv_dtype, Hq, Hkv, D):
     """A decode row against a float16 / bfloat16 cache has its prefill row's bits: one
