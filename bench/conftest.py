@@ -13,9 +13,12 @@ Every benchmark checks its result once against ``fastattn.reference`` in every b
 head, on a sample of query rows (``check_rows``: the first, the last and a few random
 ones, the oracle computed on just those rows), or on the whole output for small shapes.
 
-The sgemm ceiling of the summary is measured in a child process without the settings that
-make OpenBLAS pick slower kernels (``fastattn.bench.child_ceilings``); the header says when
-such a setting (OPENBLAS_CORETYPE, OPENBLAS_L2_SIZE) is set.
+The summary quotes every GFLOP/s as a % of the machine's FMA peak, measured at the end
+of the session on the same threads and kernel (``fastattn.bench.fma_peak``: independent
+FMA chains, nothing else in the loop).  The sgemm stays as a second column: it is measured
+in a child process without the settings that make OpenBLAS pick slower kernels
+(``fastattn.bench.child_ceilings``); the header says when such a setting
+(OPENBLAS_CORETYPE, OPENBLAS_L2_SIZE) is set.
 """
 import os
 
@@ -139,17 +142,27 @@ def _rows(benchmarks):
     return rows
 
 
+_PEAKS = {}
+
+
+def fma_peak(config, dtype="float32"):
+    """The FMA peak (GFLOP/s) on --bench-threads threads, measured once a session."""
+    if dtype not in _PEAKS:
+        _PEAKS[dtype] = _bench.fma_peak(dtype, config.getoption("--bench-threads"))
+    return _PEAKS[dtype]
+
+
 def pytest_terminal_summary(terminalreporter, config):
     """The table the closing notes quote: GFLOP/s of each implementation, fastattn's
-    % of the NumPy sgemm throughput measured in the same session, and its speed
-    ratio to PyTorch and NumPy (best of the rounds each)."""
+    % of the FMA peak and of the sgemm throughput measured in the same session, and its
+    speed ratio to PyTorch and NumPy (best of the rounds each)."""
     session = getattr(config, "_benchmarksession", None)
     if session is None or getattr(session, "disabled", True):
         return
     _variant_summary(terminalreporter, session.benchmarks)
     _decode_summary(terminalreporter, session.benchmarks)
-    _interleaved_summary(terminalreporter, session.benchmarks)
-    _backward_summary(terminalreporter, session.benchmarks)
+    _interleaved_summary(terminalreporter, session.benchmarks, config)
+    _backward_summary(terminalreporter, session.benchmarks, config)
     _stats_summary(terminalreporter, session.benchmarks)
     _bf16_summary(terminalreporter, session.benchmarks)
     rows = _rows(session.benchmarks)
@@ -171,10 +184,12 @@ def pytest_terminal_summary(terminalreporter, config):
         ceiling = f", NumPy sgemm {sgemm_gf:.0f} GFLOP/s" + (
             f" (in this process: the child failed: {sgemm[1]['child_error']})"
             if sgemm[1].get("child_error") else "")
+    peak = {dt: fma_peak(config, dt) for dt in ("float32", "float64")}
     w(f"fastattn vs peers, GFLOP/s (best round), threads={config.getoption('--bench-threads')}, "
-      f"kernel={fastattn._kernels.current_kernel()}" + ceiling)
+      f"kernel={fastattn._kernels.current_kernel()}, FMA peak {peak['float32']:.0f} GFLOP/s "
+      f"(float64 {peak['float64']:.0f})" + ceiling)
     w(f"{'shape':<34} {'fastattn':>9} {'1 thread':>9} {'PyTorch':>8} {'NumPy':>8} "
-      f"{'%sgemm':>7} {'vs torch':>9} {'vs numpy':>9} {'2t/1t':>6}")
+      f"{'%peak':>6} {'%sgemm':>7} {'vs torch':>9} {'vs numpy':>9} {'2t/1t':>6}")
     for group, impls in rows.items():
         fa = impls.get("fastattn")
         if fa is None:
@@ -187,10 +202,12 @@ def pytest_terminal_summary(terminalreporter, config):
         def ratio(name):
             return f"{impls[name][0] / fa[0]:>8.2f}x" if name in impls else f"{'-':>9}"
         pct = f"{100 * gf['fastattn'] / sgemm_gf:>6.0f}%" if sgemm_gf else f"{'-':>7}"
+        f64 = fa[1].get("dtype") == "float64"
+        pk = f"{100 * gf['fastattn'] / peak['float64' if f64 else 'float32']:>5.0f}%"
         scale = (f"{impls['fastattn-1t'][0] / fa[0]:>5.2f}x" if "fastattn-1t" in impls
                  else f"{'-':>6}")
         w(f"{group:<34} {cell('fastattn', 9)} {cell('fastattn-1t', 9)} {cell('torch', 8)} "
-          f"{cell('numpy', 8)} {pct} {ratio('torch')} {ratio('numpy')} {scale}")
+          f"{cell('numpy', 8)} {pk} {pct} {ratio('torch')} {ratio('numpy')} {scale}")
 
 
 def _variant_summary(terminalreporter, benchmarks):
@@ -225,7 +242,7 @@ def _decode_summary(terminalreporter, benchmarks):
           f"{info['baseline_min_s'] / st.min:5.2f}x / {info['baseline_median_s'] / st.median:5.2f}x")
 
 
-def _interleaved_summary(terminalreporter, benchmarks):
+def _interleaved_summary(terminalreporter, benchmarks, config):
     """Prefill against a baseline timed just before each round (bench/test_prefill.py,
     test_prefill_interleaved): baseline time / fastattn time, best and median rounds."""
     rows = [(bm.extra_info, bm.stats) for bm in benchmarks
@@ -235,17 +252,19 @@ def _interleaved_summary(terminalreporter, benchmarks):
     w = terminalreporter.write_line
     w("")
     w(f"prefill, interleaved with its baseline (threads={rows[0][0]['threads']}, "
-      f"kernel={rows[0][0]['kernel']}): fastattn GFLOP/s, baseline time / fastattn time "
-      "(best / median rounds)")
+      f"kernel={rows[0][0]['kernel']}): fastattn GFLOP/s and % of the FMA peak "
+      f"({fma_peak(config):.0f} GFLOP/s), baseline time / fastattn time (best / median rounds)")
     for info, st in rows:
-        w(f"  {info['interleaved']:<38} {info['gflops']:6.1f} GFLOP/s   "
+        w(f"  {info['interleaved']:<38} {info['gflops']:6.1f} GFLOP/s "
+          f"{100 * info['gflops'] / fma_peak(config, info.get('dtype', 'float32')):3.0f}%   "
           f"{info['baseline_min_s'] / st.min:5.2f}x / {info['baseline_median_s'] / st.median:5.2f}x")
 
 
-def _backward_summary(terminalreporter, benchmarks):
+def _backward_summary(terminalreporter, benchmarks, config):
     """Gradients against PyTorch's backward, interleaved (bench/test_backward.py):
     PyTorch time / fastattn time (best / median rounds), and for the backward alone its
-    GFLOP/s (10·B·H·L²·D, halved for causal) and % of the sgemm ceiling of this run."""
+    GFLOP/s (10·B·H·L²·D, halved for causal), % of the FMA peak and % of the sgemm of
+    this run."""
     rows = [(bm.extra_info, bm.stats) for bm in benchmarks
             if "backward" in (getattr(bm, "extra_info", {}) or {}) and getattr(bm, "stats", None)]
     if not rows:
@@ -259,13 +278,15 @@ def _backward_summary(terminalreporter, benchmarks):
     w("")
     w(f"gradients vs PyTorch, interleaved (threads={rows[0][0]['threads']}, "
       f"kernel={rows[0][0]['kernel']}): PyTorch time / fastattn time (best / median), "
-      "backward GFLOP/s" + (f" and % of sgemm ({sgemm_gf:.0f} GFLOP/s)" if sgemm_gf else ""))
+      f"backward GFLOP/s, % of the FMA peak ({fma_peak(config):.0f} GFLOP/s)"
+      + (f" and % of sgemm ({sgemm_gf:.0f} GFLOP/s)" if sgemm_gf else ""))
     for info, st in rows:
         line = (f"  {info['backward']:<34} {info['baseline_min_s'] / st.min:5.2f}x / "
                 f"{info['baseline_median_s'] / st.median:5.2f}x")
         if info["what"] == "bwd":
             gf = info["bwd_flops"] / st.min / 1e9
-            line += f"   {gf:6.1f} GFLOP/s" + (f" {100 * gf / sgemm_gf:4.0f}%" if sgemm_gf else "")
+            line += (f"   {gf:6.1f} GFLOP/s {100 * gf / fma_peak(config):4.0f}% peak"
+                     + (f" {100 * gf / sgemm_gf:4.0f}% sgemm" if sgemm_gf else ""))
         w(line)
 
 

@@ -216,6 +216,7 @@ def test_prefill_interleaved(benchmark, bench_threads, check_rows, name):
     base_times = base_times[-rounds:]
     benchmark.extra_info.update(interleaved=name, baseline=baseline, threads=bench_threads,
                                 kernel=fastattn._kernels.current_kernel(), rel_err=err,
+                                dtype=np.dtype(dtype).name,
                                 gflops=flops / (benchmark.stats.stats.min if benchmark.stats else 1) / 1e9,
                                 baseline_min_s=min(base_times),
                                 baseline_median_s=float(np.median(base_times)))

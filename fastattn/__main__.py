@@ -14,7 +14,7 @@ import numpy as np
 
 import fastattn
 from fastattn import reference
-from fastattn.bench import naive
+from fastattn.bench import fma_peak, naive
 
 TOL = {np.float32: 3e-5, np.float64: 1e-11}
 
@@ -74,7 +74,9 @@ def timing(shape, causal, threads):
           f" (fastattn threads={threads or fastattn._config.config().get('threads')}):")
     fastattn.attention(q, k, v, causal=causal, out=out, num_threads=threads)  # warm-up
     t_fa = best_of(lambda: fastattn.attention(q, k, v, causal=causal, out=out, num_threads=threads))
-    print(f"  fastattn        {t_fa * 1e3:10.2f} ms  {flops / t_fa / 1e9:8.1f} GFLOP/s")
+    peak = fma_peak("float32", threads)
+    print(f"  fastattn        {t_fa * 1e3:10.2f} ms  {flops / t_fa / 1e9:8.1f} GFLOP/s"
+          f"  ({100 * flops / t_fa / 1e9 / peak:.0f}% of the FMA peak, {peak:.0f} GFLOP/s)")
     score_bytes = b * h * l * l * 4
     if score_bytes > 2 * 2**30:
         print(f"  numpy naive     skipped (score matrix {score_bytes / 2**30:.1f} GiB > 2 GiB)")

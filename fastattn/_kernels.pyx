@@ -89,6 +89,7 @@ cdef extern from "fastattn.h" nogil:
     int fa_last_num_threads()
     const char *fa_build_info()
     int fa_exp_array(int isa, int dtype, const void *x, void *y, int64_t n)
+    int fa_fma_peak(int isa, int dtype, int nthreads, double *gflops)
 
 
 cdef str _why = ""
@@ -165,6 +166,20 @@ def exp(cnp.ndarray x, kernel):
     if rc != FA_OK:
         raise ValueError(f"kernel {kernel!r} cannot run on this CPU")
     return y
+
+
+def fma_peak(kernel, bint float64, int num_threads):
+    """GFLOP/s of `kernel`'s independent FMA chains (float32, or float64 if `float64`) on
+    `num_threads` OpenMP threads, GIL released (fastattn.bench.fma_peak checks the
+    arguments)."""
+    cdef int isa = _isa_index(kernel)
+    cdef double gf = 0.0
+    cdef int rc
+    with nogil:
+        rc = fa_fma_peak(isa, FA_F64 if float64 else FA_F32, num_threads, &gf)
+    if rc != FA_OK:
+        raise ValueError(f"kernel {kernel!r} cannot run on this CPU")
+    return gf
 
 
 cdef inline bint _readable(cnp.ndarray a, int64_t item):

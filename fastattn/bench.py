@@ -4,9 +4,11 @@
     python -m fastattn.bench --quick              # a subset (seconds)
     python -m fastattn.bench --threads 2 --json out.json --plot out.png --no-torch
 
-Prefill rows report GFLOP/s (4*B*H*Lq*Lk*D, halved for causal) against an sgemm (dgemm
-for float64) ceiling; decode rows report GB/s of K/V read (k.nbytes + v.nbytes) against a
-measured read bandwidth.
+Prefill rows report GFLOP/s (4*B*H*Lq*Lk*D, halved for causal) as a fraction of the
+machine's FMA peak (fma_peak: independent FMA chains of the kernel fastattn runs, on the
+same threads), with the sgemm (dgemm for float64) throughput as a second column: a BLAS
+reaches 70-85% of the peak, so it is a reference, not the ceiling.  Decode rows report GB/s
+of K/V read (k.nbytes + v.nbytes) against a measured read bandwidth.
 
 Ceilings are properties of the machine, so the environment must not lower them: sgemm and
 dgemm are timed in a child process whose environment has the settings that make the BLAS
@@ -118,6 +120,34 @@ def blas_info():
     return "; ".join(libs) or None
 
 
+def fma_peak(dtype="float32", num_threads=None, *, kernel=None):
+    """The machine's FMA peak in GFLOP/s: `num_threads` threads (default: as many as a
+    fastattn call would use) each run 12 independent vector FMA chains of `kernel`'s
+    instruction set (default: the kernel fastattn runs), nothing else in the loop, for
+    about 20 ms; the best of five rounds.  One FMA counts 2 flops a lane.  The generic
+    kernel has no FMA instruction: its "FMA" is a multiply and an add (also 2 flops).
+
+    dtype: "float32" or "float64".  This is the ceiling every GFLOP/s of the bench is
+    quoted against (an sgemm reaches 70-85% of it)."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype must be float32 or float64, got {dtype!r}") from None
+    if dt not in (np.float32, np.float64):
+        raise ValueError(f"dtype must be float32 or float64, got {dt}")
+    if num_threads is None:
+        num_threads = _kernels.max_threads()
+    if isinstance(num_threads, bool) or not isinstance(num_threads, (int, np.integer)):
+        raise TypeError(f"num_threads must be an int >= 1, got {num_threads!r}")
+    if num_threads < 1:
+        raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+    kernel = _kernels.current_kernel() if kernel is None else kernel
+    if kernel not in _kernels.supported_kernels():
+        raise ValueError(f"kernel must be one of {_kernels.supported_kernels()} (what this CPU "
+                         f"runs), got {kernel!r}")
+    return _kernels.fma_peak(kernel, dt == np.float64, int(num_threads))
+
+
 def gemm_gflops(dtype, n=2048, repeats=3):
     """GFLOP/s of NumPy's n x n x n matmul in this process (best of `repeats`)."""
     rng = np.random.default_rng(0)
@@ -205,8 +235,9 @@ def _ceilings_child(spec):
 
 
 def measure_ceilings(threads, n32=2048, n64=0, read_mib=256):
-    """The ceilings dict of a report: gemm from the clean child process (or, if it fails,
-    this process), the same gemms in this process, and the read bandwidth."""
+    """The ceilings dict of a report: the FMA peak (float32, and float64 if n64) on
+    `threads` threads, gemm from the clean child process (or, if it fails, this process),
+    the same gemms in this process, and the read bandwidth."""
     child, why = child_ceilings(threads, n32, n64)
     c = dict(gemm_n=dict(float32=n32, float64=n64 or None))
     inproc = dict(sgemm_gflops=gemm_gflops(np.float32, n32), blas=blas_info())
@@ -220,6 +251,10 @@ def measure_ceilings(threads, n32=2048, n64=0, read_mib=256):
     else:
         c.update(source="in-process", blas=inproc["blas"], child_error=why)
     time.sleep(SETTLE_AFTER_NUMPY_S)  # OpenBLAS's workers spin a while after a matmul
+    c["fma_peak_gflops"] = fma_peak("float32", threads)
+    if n64:
+        c["fma_peak_f64_gflops"] = fma_peak("float64", threads)
+    c["fma_kernel"] = _kernels.current_kernel()
     c["read_gbps"] = read_gbps(threads, read_mib)
     return c
 
@@ -475,10 +510,12 @@ def derive(row, ceil):
     NOISY_SPREAD of their median."""
     fa_t = _times_ms(row["fastattn"])
     med, q1, q3, sp = spread(fa_t)
+    f64 = row["dtype"] == "float64"
+    gemm = None
     if row["kind"] == "prefill":
         work, unit = row["flops"] / 1e9, "GFLOP/s"
-        c, cname = (ceil.get("dgemm_gflops"), "dgemm") if row["dtype"] == "float64" \
-            else (ceil.get("sgemm_gflops"), "sgemm")
+        c, cname = ceil.get("fma_peak_f64_gflops" if f64 else "fma_peak_gflops"), "FMA peak"
+        gemm = ceil.get("dgemm_gflops" if f64 else "sgemm_gflops")
     else:
         work, unit = row["bytes"] / 1e9, "GB/s"
         c, cname = ceil.get("read_gbps"), "read bw"
@@ -486,6 +523,8 @@ def derive(row, ceil):
     d = dict(rate=rate, rate_best=work / (min(fa_t) / 1e3), unit=unit, ceiling=cname,
              rates={n: work / (row[n]["median_ms"] / 1e3) for n in IMPLS if row.get(n)},
              pct_ceiling=100.0 * rate / c if c else None,
+             pct_gemm=100.0 * rate / gemm if gemm else None,
+             gemm="dgemm" if f64 else "sgemm",
              fastattn_ms=med, fastattn_iqr_ms=[q1, q3], fastattn_range_ms=[min(fa_t), max(fa_t)],
              fastattn_spread=sp, noisy=dict(fastattn=sp > NOISY_SPREAD))
     for n in ("torch", "numpy"):
@@ -502,10 +541,12 @@ def derive(row, ceil):
 
 
 # ---------------------------------------------------------------- report
-CEILINGS = (("sgemm_gflops", "sgemm", "GFLOP/s"), ("dgemm_gflops", "dgemm", "GFLOP/s"),
+CEILINGS = (("fma_peak_gflops", "FMA peak", "GFLOP/s"),
+            ("fma_peak_f64_gflops", "float64 FMA peak", "GFLOP/s"),
+            ("sgemm_gflops", "sgemm", "GFLOP/s"), ("dgemm_gflops", "dgemm", "GFLOP/s"),
             ("read_gbps", "read bandwidth", "GB/s"))
 COLS = ("shape", "fastattn ms", "PyTorch ms", "NumPy ms", "fastattn rate", "% ceiling",
-        "x vs PyTorch", "x vs NumPy")
+        "% gemm", "x vs PyTorch", "x vs NumPy")
 
 
 def _day(iso):
@@ -540,7 +581,8 @@ def ceiling_lines(c):
         how = f"; gemm timed in this process{blas}: the child process failed: {c.get('child_error')}"
     else:
         how = ""
-    lines = [f"ceilings (this run): {vals}{how}"]
+    fk = f" (FMA peak: the {c['fma_kernel']} kernel's FMA chains)" if c.get("fma_kernel") else ""
+    lines = [f"ceilings (this run): {vals}{fk}{how}"]
     inp = c.get("in_process") or {}
     if src == "child":
         for k, label in (("sgemm_gflops", "sgemm"), ("dgemm_gflops", "dgemm")):
@@ -580,6 +622,7 @@ def format_table(result):
                       _ms(row["torch"]), _ms(row["numpy"]),
                       f"{d['rate']:.1f} {d['unit']}",
                       "-" if d["pct_ceiling"] is None else f"{d['pct_ceiling']:.0f}% {d['ceiling']}",
+                      "-" if d.get("pct_gemm") is None else f"{d['pct_gemm']:.0f}% {d['gemm']}",
                       _cell(d["x_vs_torch"], d["x_vs_torch_iqr"], noisy.get("torch"), "x"),
                       _cell(d["x_vs_numpy"], d["x_vs_numpy_iqr"], noisy.get("numpy"), "x")))
     w = [max(len(r[i]) for r in cells) for i in range(len(COLS))]
@@ -607,7 +650,8 @@ def plot(result, path):
     except ImportError:
         raise SystemExit("--plot needs matplotlib: pip install 'fastattn[bench]'") from None
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), dpi=120)
-    panels = [("prefill", "prefill (float32, B=1 H=8 D=64)", "L", "GFLOP/s", "sgemm_gflops", "sgemm"),
+    panels = [("prefill", "prefill (float32, B=1 H=8 D=64)", "L", "GFLOP/s", "fma_peak_gflops",
+               "FMA peak"),
               ("decode", "decode (float32, B=1 H=32 D=128, Lq=1)", "Lk", "GB/s", "read_gbps",
                "read bandwidth")]
     style = {"fastattn": ("C0", "o", "fastattn"), "torch": ("C1", "s", "PyTorch SDPA"),
@@ -685,7 +729,7 @@ def main(argv=None):
     tiny = a.shapes == "tiny"
     n = len(shapes) + 1
     with blas_limit(a.threads):
-        progress(0, n, "ceilings (sgemm, read bandwidth)")
+        progress(0, n, "ceilings (FMA peak, sgemm, read bandwidth)")
         f64 = any(s["dtype"] == "float64" for s in shapes)
         c = result["ceilings"] = measure_ceilings(
             a.threads, n32=512 if tiny else 2048, n64=(512 if tiny else 2048) if f64 else 0,

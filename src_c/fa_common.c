@@ -7,6 +7,7 @@
  */
 #include <math.h>
 #include <stdlib.h>
+#include <time.h>
 #include "fa_driver.h"
 
 /* ---- OpenMP shim: every omp_* call goes through here; builds without OpenMP. ---- */
@@ -59,6 +60,55 @@ int fa_exp_array(int isa, int dtype, const void *x, void *y, int64_t n)
     if (!kern || !(fa_cpu_supported_isas() & (1u << isa))) return FA_ERR_ARG;
     if (dtype != FA_F32 && dtype != FA_F64) return FA_ERR_ARG;
     kern->exp_array[dtype](x, y, n);
+    return FA_OK;
+}
+
+/* The FMA peak: nthreads threads each run the kernel's FMA chains (fa_fma_chains)
+ * between two barriers; the rounds double until one takes 20 ms, then the best of
+ * five such rounds.  *gflops = 2 * chains * lanes * iters * threads / seconds, from
+ * the threads that really ran (1 without OpenMP). */
+volatile double fa_peak_sink; /* the chains' sums are stored: the loops are kept */
+
+static double fa_seconds(void)
+{
+    struct timespec ts;
+    timespec_get(&ts, TIME_UTC);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+int fa_fma_peak(int isa, int dtype, int nthreads, double *gflops)
+{
+    const fa_kernel *kern = fa_kernel_for_isa(isa);
+    if (!kern || !(fa_cpu_supported_isas() & (1u << isa))) return FA_ERR_ARG;
+    if ((dtype != FA_F32 && dtype != FA_F64) || nthreads < 1 || !gflops) return FA_ERR_ARG;
+    const fa_peak_fn chains = kern->fma_chains[dtype];
+    const double per_iter = 2.0 * FA_PEAK_CHAINS * kern->lanes[dtype];
+    int64_t iters = 1 << 12;
+    double best = 0.0;
+    for (int timed = 0, round = 0; timed < 5 && round < 40; round++) {
+        double t0 = 0.0, t1 = 0.0, s = 0.0;
+        int ran = 0;
+#pragma omp parallel num_threads(nthreads) reduction(+ : s, ran)
+        {
+#pragma omp barrier
+#pragma omp master
+            t0 = fa_seconds();
+            s += chains(iters, 0.999, 1e-3);
+            ran += 1;
+#pragma omp barrier
+#pragma omp master
+            t1 = fa_seconds();
+        }
+        fa_peak_sink = s;
+        if (t1 - t0 < 0.02 && timed == 0) {
+            iters *= 2;
+            continue;
+        }
+        const double rate = per_iter * (double)iters * ran / (t1 - t0) / 1e9;
+        if (rate > best) best = rate;
+        timed++;
+    }
+    *gflops = best;
     return FA_OK;
 }
 

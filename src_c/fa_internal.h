@@ -303,6 +303,9 @@ typedef void (*fa_mass_fn)(const fa_bwd_ctx *cx, const fa_item *items, int64_t n
 typedef void (*fa_bwd_reduce_fn)(const fa_bwd_ctx *cx, const void *part, int64_t nch, int64_t r0,
                                  int64_t r1);
 typedef void (*fa_exp_fn)(const void *x, void *y, int64_t n);
+/* iters rounds of FA_PEAK_CHAINS vector FMAs (fa_fma_peak) */
+#define FA_PEAK_CHAINS 12
+typedef double (*fa_peak_fn)(int64_t iters, double m, double a);
 
 /* The micro-kernels of one instruction set, for each dtype (index enum fa_dtype;
  * FA_KV16 = float32 compute with float16 K/V, FA_KVB16 with bfloat16 K/V). */
@@ -314,6 +317,7 @@ typedef struct fa_kernel {
     fa_qblock_fn qblock[4];        /* float32, float64, float32 with float16 / bfloat16 K/V */
     fa_scratch_fn scratch_bytes[4];
     fa_exp_fn exp_array[2];
+    fa_peak_fn fma_chains[2];      /* float32, float64 */
     fa_bwd_kv_fn bwd_kv[2];        /* float32, float64 */
     fa_bwd_q_fn bwd_q[2];
     fa_bwd_scratch_fn bwd_scratch[2];

@@ -240,6 +240,11 @@ const char *fa_build_info(void);
  * CPU cannot run. ---- */
 int fa_exp_array(int isa, int dtype, const void *x, void *y, int64_t n);
 
+/* ---- the FMA peak of an ISA's kernel file, float32 or float64, on nthreads OpenMP
+ * threads: *gflops from independent FMA chains (fa_common.c).  FA_ERR_ARG for an ISA
+ * this CPU cannot run, another dtype or nthreads < 1. ---- */
+int fa_fma_peak(int isa, int dtype, int nthreads, double *gflops);
+
 #ifdef __cplusplus
 }
 #endif

@@ -11,6 +11,7 @@
  *                    with an inf or NaN (0 * inf must not reach rows that hide the key)
  *   fa_dropout_apply the Philox keep/scale decisions on a tile of probabilities
  *   fa_exp_array     the vector exp over an array (for the ULP test)
+ *   fa_fma_chains    FA_PEAK_CHAINS independent FMA chains (fastattn.bench.fma_peak)
  *
  * Needs from the including ISA file: everything the other pieces need, and FA_VSTOREU,
  * FA_VLOADU_N; for 16-bit outputs, FA_FLOAT_TO_16.
@@ -303,5 +304,21 @@ static void FA_NAME(fa_exp_array)(const void *xv, void *yv, int64_t n)
         FA_VSTOREU(tmp, FA_VEXP(FA_VLOADU_N(x + i, (int)(n - i))));
         for (int64_t t = 0; t < n - i; t++) y[i + t] = tmp[t];
     }
+}
+
+/* The FMA peak's loop: iters rounds of FA_PEAK_CHAINS independent vector FMAs
+ * (acc = acc * m + a: nothing else in the loop, enough chains to cover the FMA
+ * latency on every port), returning the lanes' sum so the loop cannot be dropped.
+ * With 0 < m < 1 the chains settle at a / (1 - m): no overflow, no subnormals. */
+static double FA_NAME(fa_fma_chains)(int64_t iters, double m, double a)
+{
+    const FA_V mv = FA_VSET1((FA_T)m), av = FA_VSET1((FA_T)a);
+    FA_V acc[FA_PEAK_CHAINS];
+    for (int c = 0; c < FA_PEAK_CHAINS; c++) acc[c] = FA_VSET1((FA_T)c);
+    for (int64_t i = 0; i < iters; i++)
+        for (int c = 0; c < FA_PEAK_CHAINS; c++) acc[c] = FA_VFMA(acc[c], mv, av);
+    FA_V s = acc[0];
+    for (int c = 1; c < FA_PEAK_CHAINS; c++) s = FA_VADD(s, acc[c]);
+    return (double)FA_VREDUCE(s);
 }
 #endif

@@ -16,7 +16,7 @@ from fastattn import bench, reference
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__)))  # fastattn's parent
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout with bench/
 
-CEIL = {"sgemm_gflops": 100.0, "read_gbps": 10.0}
+CEIL = {"fma_peak_gflops": 200.0, "sgemm_gflops": 100.0, "read_gbps": 10.0}
 
 
 def fake_result():
@@ -63,7 +63,9 @@ def test_derive():
     flops = 4.0 * 8 * 512 * 512 * 64
     assert pre["unit"] == "GFLOP/s" and pre["rate"] == pytest.approx(flops / 0.010 / 1e9)
     assert pre["rate_best"] == pytest.approx(flops / 0.0095 / 1e9)
-    assert pre["pct_ceiling"] == pytest.approx(100 * pre["rate"] / 100.0)
+    # the ceiling is the FMA peak; the sgemm is the second column
+    assert pre["ceiling"] == "FMA peak" and pre["pct_ceiling"] == pytest.approx(100 * pre["rate"] / 200.0)
+    assert pre["gemm"] == "sgemm" and pre["pct_gemm"] == pytest.approx(100 * pre["rate"] / 100.0)
     # per-round ratios: the rounds move together here, so every round's ratio is 2 (4)
     assert pre["x_vs_torch"] == pytest.approx(2.0) and pre["x_vs_numpy"] == pytest.approx(4.0)
     assert pre["x_vs_torch_iqr"] == pytest.approx([2.0, 2.0])
@@ -84,6 +86,7 @@ def test_derive():
     nbytes = 2 * 32 * 2048 * 128 * 4
     assert dec["unit"] == "GB/s" and dec["rate"] == pytest.approx(nbytes / 0.002 / 1e9)
     assert dec["ceiling"] == "read bw" and dec["pct_ceiling"] == pytest.approx(10 * dec["rate"])
+    assert dec["pct_gemm"] is None
 
 
 def test_spread_and_noisy_threshold():
@@ -106,6 +109,7 @@ def test_format_table():
     lines = text.splitlines()
     assert "Test CPU" in text and "kernel: avx2" in text and "threads: 2" in text
     assert "torch -" in text and "sgemm 100.0 GFLOP/s" in text and "read bandwidth 10.0 GB/s" in text
+    assert "ceilings (this run): FMA peak 200.0 GFLOP/s, sgemm" in text
     assert "medians of 3 interleaved rounds" in text
     assert not any(ln.startswith("note:") for ln in lines)
     header = next(ln for ln in lines if ln.startswith("shape"))
@@ -167,7 +171,8 @@ def test_ceiling_lines():
     c = dict(CEIL, source="child", blas="openblas 0.3 SkylakeX", env_removed=["OPENBLAS_CORETYPE"],
              in_process=dict(sgemm_gflops=50.0, blas="openblas 0.3 Haswell"))
     lines = bench.ceiling_lines(c)
-    assert lines[0] == ("ceilings (this run): sgemm 100.0 GFLOP/s, read bandwidth 10.0 GB/s; gemm "
+    assert lines[0] == ("ceilings (this run): FMA peak 200.0 GFLOP/s, sgemm 100.0 GFLOP/s, read "
+                        "bandwidth 10.0 GB/s; gemm "
                         "timed in a child process without OPENBLAS_CORETYPE (openblas 0.3 SkylakeX "
                         "kernels)")
     assert lines[1] == ("note: sgemm in this process (the BLAS the NumPy column runs, openblas 0.3 "
@@ -181,6 +186,34 @@ def test_ceiling_lines():
     assert "25% above the child's" in bench.ceiling_lines(c)[1]
 
 
+@pytest.mark.parametrize("kernel", fastattn._kernels.supported_kernels())
+def test_fma_peak_every_kernel(kernel):
+    """Each kernel's FMA chains run, on 1 and 2 threads, float32 and float64."""
+    for dtype in ("float32", np.float64):
+        for t in (1, 2):
+            g = bench.fma_peak(dtype, t, kernel=kernel)
+            assert isinstance(g, float) and np.isfinite(g) and g > 0
+
+
+def test_fma_peak_arguments():
+    assert bench.fma_peak() > 0  # the default kernel and thread count
+    with pytest.raises(ValueError, match="dtype must be float32 or float64, got float16"):
+        bench.fma_peak("float16")
+    with pytest.raises(TypeError, match="dtype must be float32 or float64"):
+        bench.fma_peak("not a dtype")
+    with pytest.raises(ValueError, match="num_threads must be >= 1, got 0"):
+        bench.fma_peak("float32", 0)
+    for bad in (1.5, True, "2"):
+        with pytest.raises(TypeError, match="num_threads must be an int"):
+            bench.fma_peak("float32", bad)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        bench.fma_peak("float32", 1, kernel="sse9")
+    missing = [k for k in ("generic", "avx2", "avx512") if k not in fastattn._kernels.supported_kernels()]
+    for k in missing:  # compiled, but this CPU cannot run it
+        with pytest.raises(ValueError, match="what this CPU runs"):
+            bench.fma_peak("float32", 1, kernel=k)
+
+
 def test_child_ceilings_fallback(monkeypatch):
     """The child fails: the ceilings come from this process and the report says why."""
     def broken(*a, **k):
@@ -192,6 +225,7 @@ def test_child_ceilings_fallback(monkeypatch):
     assert c["source"] == "in-process" and "no such interpreter" in c["child_error"]
     assert c["sgemm_gflops"] == c["in_process"]["sgemm_gflops"] > 0
     assert c["dgemm_gflops"] == c["in_process"]["dgemm_gflops"] > 0 and c["read_gbps"] == 7.0
+    assert c["fma_peak_gflops"] > 0 and c["fma_peak_f64_gflops"] > 0
     line = bench.ceiling_lines(c)[0]
     assert "; gemm timed in this process" in line
     assert line.endswith(": the child process failed: OSError: no such interpreter")
@@ -326,6 +360,7 @@ def test_cli_tiny(tmp_path):
     assert {"fastattn", "numpy", "torch"} <= set(res["versions"])
     c = res["ceilings"]
     assert c["sgemm_gflops"] > 0 and c["read_gbps"] > 0 and c["source"] == "child"
+    assert c["fma_peak_gflops"] > 0 and c["fma_kernel"] == res["machine"]["kernel"]
     assert c["env_removed"] == ["OPENBLAS_CORETYPE"] and c["in_process"]["sgemm_gflops"] > 0
     assert res["env_note"].startswith("note: OPENBLAS_CORETYPE=Sandybridge is set")
     assert [r["name"] for r in res["rows"]] == ["prefill L=64", "decode Lk=128"]
@@ -335,7 +370,7 @@ def test_cli_tiny(tmp_path):
         for impl in ("fastattn", "numpy"):  # every round's time
             assert len(r[impl]["times_ms"]) == r["rounds"]
             assert min(r[impl]["times_ms"]) == r[impl]["best_ms"]
-        assert {"rate", "unit", "pct_ceiling", "x_vs_torch", "x_vs_numpy", "x_vs_numpy_iqr",
+        assert {"rate", "unit", "pct_ceiling", "pct_gemm", "x_vs_torch", "x_vs_numpy", "x_vs_numpy_iqr",
                 "x_vs_numpy_range", "fastattn_iqr_ms", "fastattn_range_ms", "noisy"} <= set(r["derived"])
     if "--plot" in args:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
