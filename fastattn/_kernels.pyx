@@ -90,6 +90,7 @@ cdef extern from "fastattn.h" nogil:
     const char *fa_build_info()
     int fa_exp_array(int isa, int dtype, const void *x, void *y, int64_t n)
     int fa_fma_peak(int isa, int dtype, int nthreads, double *gflops)
+    int fa_plan_balance(const fa_params *p, int nthreads, double *work, int64_t *nitems)
 
 
 cdef str _why = ""
@@ -180,6 +181,49 @@ def fma_peak(kernel, bint float64, int num_threads):
     if rc != FA_OK:
         raise ValueError(f"kernel {kernel!r} cannot run on this CPU")
     return gf
+
+
+def plan_balance(tuple qshape, tuple kshape, int64_t Dv, bint float64, int causal,
+                 int64_t window_left, int64_t window_right, bint bshd, seqlens_k,
+                 int num_threads, kernel):
+    """(work of each of num_threads threads, items) of the forward's schedule for
+    q (B, Hq, Lq, D) and k (B, Hkv, Lk, D) in bhsd or bshd memory order, contiguous,
+    without running it (fastattn.bench.plan_balance checks the arguments; seqlens_k:
+    a contiguous int64 array of B entries or None)."""
+    cdef fa_params p
+    memset(&p, 0, sizeof(p))
+    cdef int64_t B = qshape[0], Hq = qshape[1], Lq = qshape[2], D = qshape[3]
+    cdef int64_t Hkv = kshape[1], Lk = kshape[2]
+    cdef cnp.ndarray sk
+    p.dtype = FA_F64 if float64 else FA_F32
+    p.q_store = p.kv_store = p.out_store = p.dtype
+    p.B, p.Hq, p.Hkv, p.Lq, p.Lk, p.D, p.Dv = B, Hq, Hkv, Lq, Lk, D, Dv
+    if bshd:  # (B, L, H, D) in memory
+        p.q_sb, p.q_sh, p.q_sl = Lq * Hq * D, D, Hq * D
+        p.k_sb, p.k_sh, p.k_sl = Lk * Hkv * D, D, Hkv * D
+        p.v_sb, p.v_sh, p.v_sl = Lk * Hkv * Dv, Dv, Hkv * Dv
+        p.o_sb, p.o_sh, p.o_sl = Lq * Hq * Dv, Dv, Hq * Dv
+    else:
+        p.q_sb, p.q_sh, p.q_sl = Hq * Lq * D, Lq * D, D
+        p.k_sb, p.k_sh, p.k_sl = Hkv * Lk * D, Lk * D, D
+        p.v_sb, p.v_sh, p.v_sl = Hkv * Lk * Dv, Lk * Dv, Dv
+        p.o_sb, p.o_sh, p.o_sl = Hq * Lq * Dv, Lq * Dv, Dv
+    p.scale = 1.0
+    p.causal = causal
+    p.num_threads = num_threads
+    p.isa = _isa_index(kernel)
+    p.window_left, p.window_right = window_left, window_right
+    if seqlens_k is not None:
+        sk = seqlens_k
+        p.seqlens_k = <const int64_t *>cnp.PyArray_DATA(sk)
+    cdef cnp.ndarray work = cnp.PyArray_ZEROS(1, [max(num_threads, 1)], cnp.NPY_FLOAT64, 0)
+    cdef int64_t nitems = 0
+    cdef int rc
+    with nogil:
+        rc = fa_plan_balance(&p, num_threads, <double *>cnp.PyArray_DATA(work), &nitems)
+    if rc != FA_OK:
+        raise ValueError(f"the forward refuses these shapes: q {qshape}, k {kshape}")
+    return work, nitems
 
 
 cdef inline bint _readable(cnp.ndarray a, int64_t item):

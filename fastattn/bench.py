@@ -148,6 +148,83 @@ def fma_peak(dtype="float32", num_threads=None, *, kernel=None):
     return _kernels.fma_peak(kernel, dt == np.float64, int(num_threads))
 
 
+def plan_balance(q_shape, k_shape, *, causal=False, num_threads=None, v_shape=None,
+                 layout="bhsd", window=None, seqlens_k=None, dtype="float32", kernel=None,
+                 return_work=False):
+    """How evenly `fastattn.attention` would spread a call over `num_threads` threads:
+    mean / max of the work per thread (1.0: every thread busy until the end), from the
+    forward's own plan and schedule, without running anything.
+
+    The work of an item is its flops, 2 (D + Dv) per visible (query, key) pair; each
+    item goes to the thread that is free first, as the forward's dynamic scheduling
+    does (and its head-major segments for strided K/V, its split over key chunks for
+    decoding).  The threads' actual speeds (caches, memory) are not modelled: this is
+    the balance of the schedule, the upper bound of the scaling it allows.
+
+    q_shape, k_shape (and v_shape, default k's): 4-D shapes in `layout` ("bhsd":
+    (B, H, L, D); "bshd": (B, L, H, D)), or 3-D without the batch.  causal, window,
+    seqlens_k, dtype: as in fastattn.attention.  num_threads: default fastattn's.
+    return_work: also return the per-thread work (flops) and the number of items, as
+    (balance, work, items)."""
+    fn = "bench.plan_balance"
+    from ._scalars import parse_causal, parse_threads, parse_window
+    shapes = []
+    for name, sh in (("q_shape", q_shape), ("k_shape", k_shape), ("v_shape", v_shape)):
+        if sh is None:
+            shapes.append(None)
+            continue
+        try:
+            sh = tuple(sh)
+        except TypeError:
+            raise TypeError(f"fastattn.{fn}: {name} must be a tuple of ints, got {sh!r}") from None
+        if not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in sh):
+            raise TypeError(f"fastattn.{fn}: {name} must be a tuple of ints, got {sh!r}")
+        if len(sh) not in (3, 4) or min(sh) < 0:
+            raise ValueError(f"fastattn.{fn}: {name} must be 3-D or 4-D with sizes >= 0, got {sh}")
+        shapes.append(sh)
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"fastattn.{fn}: layout must be 'bhsd' or 'bshd', got {layout!r}")
+    qs, ks, vs = shapes
+    vs = ks if vs is None else vs
+    if not len(qs) == len(ks) == len(vs):
+        raise ValueError(f"fastattn.{fn}: q_shape {qs}, k_shape {ks} and v_shape {vs} must have "
+                         "the same number of dimensions")
+
+    def bhsd(sh):
+        sh = (1,) + sh if len(sh) == 3 else sh
+        return (sh[0], sh[2], sh[1], sh[3]) if layout == "bshd" else sh
+    (B, Hq, Lq, D), (Bk, Hkv, Lk, Dk), (Bv, Hv, Lv, Dv) = bhsd(qs), bhsd(ks), bhsd(vs)
+    if (Bk, Dk) != (B, D) or (Bv, Hv, Lv) != (Bk, Hkv, Lk) or D < 1 or Dv < 1 or Hkv < 1 \
+            or Hq % Hkv:
+        raise ValueError(f"fastattn.{fn}: q_shape {qs}, k_shape {ks}, v_shape {vs} do not fit "
+                         "(the same batch and D for q and k, the same keys for k and v, D >= 1, "
+                         "and q's heads a multiple of k's)")
+    code = parse_causal(causal, fn)
+    wl, wr = parse_window(window, fn)
+    nth = parse_threads(num_threads, fn) or _kernels.max_threads()
+    dt = np.dtype(dtype)
+    if dt not in (np.float32, np.float64):
+        raise ValueError(f"fastattn.{fn}: dtype must be float32 or float64, got {dt}")
+    sk = None
+    if seqlens_k is not None:
+        sk = np.ascontiguousarray(seqlens_k)
+        if sk.shape != (B,) or sk.dtype.kind not in "iu":
+            raise ValueError(f"fastattn.{fn}: seqlens_k must be {B} ints (one per sequence of "
+                             f"q_shape {qs}), got shape {sk.shape} dtype {sk.dtype}")
+        if B and (sk.min() < 0 or sk.max() > Lk):
+            raise ValueError(f"fastattn.{fn}: seqlens_k must be in [0, {Lk}] (k_shape {ks})")
+        sk = sk.astype(np.int64)
+    kernel = _kernels.current_kernel() if kernel is None else kernel
+    if kernel not in _kernels.supported_kernels():
+        raise ValueError(f"fastattn.{fn}: kernel must be one of {_kernels.supported_kernels()}, "
+                         f"got {kernel!r}")
+    work, items = _kernels.plan_balance((B, Hq, Lq, D), (B, Hkv, Lk, D), Dv, dt == np.float64,
+                                        code, wl, wr, layout == "bshd", sk, nth, kernel)
+    top = float(work.max()) if work.size else 0.0
+    bal = float(work.mean()) / top if top > 0 else 1.0
+    return (bal, work, items) if return_work else bal
+
+
 def gemm_gflops(dtype, n=2048, repeats=3):
     """GFLOP/s of NumPy's n x n x n matmul in this process (best of `repeats`)."""
     rng = np.random.default_rng(0)

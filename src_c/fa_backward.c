@@ -111,7 +111,7 @@ int fa_attention_backward(const fa_bwd_params *bp_in)
     fa_bwd_delta(&bpl, delta, nth_req < 1 ? 1 : nth_req);
 
     fa_plan pl;
-    rc = fa_make_plan(kern, p, &pl);
+    rc = fa_make_plan(kern, p, 0, &pl);
     if (rc != FA_OK) {
         free(delta);
         return rc;

@@ -43,8 +43,10 @@ int fa_check(const fa_params *p); /* FA_OK, or FA_ERR_ARG for params no kernel a
 int64_t fa_seq_len(const int64_t *cu, int64_t b, int64_t fixed);
 int64_t fa_key_len(const fa_params *p, int64_t b); /* the keys sequence b sees */
 int64_t fa_max_seq_len(const int64_t *cu, int64_t B, int64_t fixed);
-/* The plan of a call (pl->start, when set, is the caller's to free). */
-int fa_make_plan(const fa_kernel *kern, const fa_params *p, fa_plan *pl);
+/* The plan of a call (pl->start, when set, is the caller's to free).  nth > 1: the
+ * forward's thread count, for which the query blocks may be cut smaller (never the
+ * key blocks: no result changes); 0 or 1 keeps the default blocks. */
+int fa_make_plan(const fa_kernel *kern, const fa_params *p, int nth, fa_plan *pl);
 /* The item for query block qb of head chunk hc of kv head g in sequence b. */
 void fa_item_make(const fa_params *p, const fa_plan *pl, int64_t b, int64_t g, int64_t hc,
                   int64_t qb, fa_item *it);

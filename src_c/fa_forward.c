@@ -180,8 +180,9 @@ int fa_attention_forward(const fa_params *p)
     if (!kern || (p->isa >= 0 && !(fa_cpu_supported_isas() & (1u << p->isa)))) return FA_ERR_ARG;
     if (p->B == 0 || p->Hq == 0 || (!p->cu_q && p->Lq == 0)) return FA_OK;
 
+    const int nth_req = p->num_threads > 0 ? p->num_threads : fa_max_threads();
     fa_plan pl;
-    rc = fa_make_plan(kern, p, &pl);
+    rc = fa_make_plan(kern, p, fa_use_split(p) ? 0 : nth_req, &pl);
     if (rc != FA_OK) return rc;
     /* int8 K/V are dequantized into float32 tiles: the float32 kernel reads them */
     const int ki = p->kv_store == FA_STORE_BF16 ? FA_KVB16 : p->kv_store == FA_STORE_F16 ? FA_KV16 : p->dtype;
@@ -189,13 +190,12 @@ int fa_attention_forward(const fa_params *p)
     const size_t scratch_bytes = kern->scratch_bytes[ki](p, &pl.bl);
     const int64_t items = pl.items;
 
-    int nth = p->num_threads > 0 ? p->num_threads : fa_max_threads();
+    int nth = nth_req;
     if ((int64_t)nth > items) nth = (int)items;
     if (nth < 1) nth = 1;
 
     if (fa_use_split(p)) {
-        int nth_all = p->num_threads > 0 ? p->num_threads : fa_max_threads();
-        rc = fa_decode_split(p, &pl, qblock, scratch_bytes, nth_all < 1 ? 1 : nth_all);
+        rc = fa_decode_split(p, &pl, qblock, scratch_bytes, nth_req < 1 ? 1 : nth_req);
         free(pl.start);
         return rc;
     }
@@ -233,4 +233,104 @@ int fa_attention_forward(const fa_params *p)
     }
     free(pl.start);
     return failed ? FA_ERR_NOMEM : FA_OK;
+}
+
+/* ---- the schedule's load balance, without running it (fastattn.bench.plan_balance) ---- */
+
+/* The work of an item over keys [kv0, kv1): 2 (D + Dv) flops per visible (query, key)
+ * pair of its rows, each row's visible keys from the causal convention and window. */
+static double fa_item_work(const fa_params *p, const fa_item *it, int64_t kv0, int64_t kv1)
+{
+    const int64_t diag = fa_diag0(p, it->Lq, it->Lk);
+    double pairs = 0.0;
+    for (int64_t i = it->q0; i < it->q0 + it->nq; i++) {
+        const int64_t a = i + diag;
+        int64_t lo = p->window_left >= 0 ? a - p->window_left : 0;
+        int64_t hi = p->causal != FA_CAUSAL_NONE ? a : p->window_right >= 0 ? a + p->window_right : it->Lk - 1;
+        if (lo < kv0) lo = kv0;
+        if (hi > kv1 - 1) hi = kv1 - 1;
+        if (hi >= lo) pairs += (double)(hi - lo + 1);
+    }
+    return pairs * (double)it->nh * 2.0 * (double)(p->D + p->Dv);
+}
+
+/* The thread that is free first: the least work so far (the lowest index on a tie). */
+static int fa_first_free(const double *work, int nth)
+{
+    int t = 0;
+    for (int u = 1; u < nth; u++)
+        if (work[u] < work[t]) t = u;
+    return t;
+}
+
+/*
+ * work[t] (nthreads entries): the work thread t would run in fa_attention_forward
+ * on nthreads threads, item costs from fa_item_work, each item taken by the thread
+ * that is free first, as dynamic scheduling does; the head-major segments and their
+ * stealing for strided K/V (fa_run_head_items) and split-KV decoding as they run.
+ * Threads beyond the items get 0.  *nitems: the items of the schedule.
+ */
+int fa_plan_balance(const fa_params *p, int nthreads, double *work, int64_t *nitems)
+{
+    int rc = fa_check(p);
+    if (rc != FA_OK) return rc;
+    if (nthreads < 1 || !work || !nitems) return FA_ERR_ARG;
+    const fa_kernel *kern = fa_kernel_for_isa(p->isa < 0 ? fa_default_isa() : p->isa);
+    if (!kern || (p->isa >= 0 && !(fa_cpu_supported_isas() & (1u << p->isa)))) return FA_ERR_ARG;
+    for (int t = 0; t < nthreads; t++) work[t] = 0.0;
+    *nitems = 0;
+    if (p->B == 0 || p->Hq == 0 || (!p->cu_q && p->Lq == 0)) return FA_OK;
+    const int split = fa_use_split(p);
+    fa_plan pl;
+    rc = fa_make_plan(kern, p, split ? 0 : nthreads, &pl);
+    if (rc != FA_OK) return rc;
+    int nth = nthreads;
+    if (split) {
+        const int64_t chunk = FA_CHUNK_KEYS, nch = (p->Lk + chunk - 1) / chunk;
+        const int64_t heads = p->B * p->Hkv * pl.nhc, items = heads * nch;
+        const int chunk_major = p->k_sl != p->D || p->v_sl != p->Dv;
+        if ((int64_t)nth > items) nth = (int)items;
+        for (int64_t t = 0; t < items; t++) {
+            const int64_t c = chunk_major ? t / heads : t % nch, h = chunk_major ? t % heads : t / nch;
+            fa_item it;
+            fa_item_make(p, &pl, h / (p->Hkv * pl.nhc), (h / pl.nhc) % p->Hkv, h % pl.nhc, 0, &it);
+            const int64_t k0 = it.kv0 > c * chunk ? it.kv0 : c * chunk;
+            const int64_t k1 = it.kv1 < (c + 1) * chunk ? it.kv1 : (c + 1) * chunk;
+            work[fa_first_free(work, nth)] += fa_item_work(p, &it, k0, k1);
+        }
+        *nitems = items;
+    } else {
+        const int64_t items = pl.items;
+        if ((int64_t)nth > items) nth = (int)items;
+        if (fa_use_head_tasks(p, &pl)) {
+            int64_t *seg = (int64_t *)malloc(2 * (size_t)nth * sizeof(int64_t));
+            if (!seg) {
+                free(pl.start);
+                return FA_ERR_NOMEM;
+            }
+            int64_t *front = seg, *back = seg + nth;
+            for (int t = 0; t < nth; t++) {
+                front[t] = items * t / nth;
+                back[t] = items * (t + 1) / nth;
+            }
+            for (;;) {
+                const int t = fa_first_free(work, nth);
+                const int64_t u = fa_claim(front, back, nth, t);
+                if (u < 0) break;
+                fa_item it;
+                fa_head_item(p, &pl, u, &it);
+                work[t] += fa_item_work(p, &it, it.kv0, it.kv1);
+            }
+            free(seg);
+        } else {
+            for (int64_t t = 0; t < items; t++) {
+                fa_item it;
+                fa_item_of(p, &pl, t, &it);
+                work[fa_first_free(work, nth)] += fa_item_work(p, &it, it.kv0, it.kv1);
+            }
+        }
+        *nitems = items;
+    }
+    free(pl.start);
+    return FA_OK;
 }

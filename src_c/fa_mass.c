@@ -31,7 +31,7 @@ int fa_key_mass(const fa_params *p_in, void *mass, int64_t m_sb, int64_t m_sh)
         return FA_OK;
     }
     fa_plan pl;
-    rc = fa_make_plan(kern, p, &pl);
+    rc = fa_make_plan(kern, p, 0, &pl);
     if (rc != FA_OK) return rc;
     fa_bwd_ctx cx;
     memset(&cx, 0, sizeof cx);

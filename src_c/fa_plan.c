@@ -159,7 +159,30 @@ int64_t fa_max_seq_len(const int64_t *cu, int64_t B, int64_t fixed)
  * group then reads each K/V tile once.  Otherwise an item is one head's block of
  * positions, the positions split evenly into blocks of at most bl.q.
  */
-int fa_make_plan(const fa_kernel *kern, const fa_params *p, fa_plan *pl)
+/* Items of a plan whose nh, nhc and nqp are set. */
+static int64_t fa_count_items(const fa_params *p, const fa_plan *pl)
+{
+    const int64_t per_qb = p->Hkv * pl->nhc;
+    if (!p->cu_q) return p->B * ((p->Lq + pl->nqp - 1) / pl->nqp) * per_qb;
+    int64_t n = 0;
+    for (int64_t b = 0; b < p->B; b++) n += (fa_seq_len(p->cu_q, b, 0) + pl->nqp - 1) / pl->nqp * per_qb;
+    return n;
+}
+
+/*
+ * With many threads and few items the threads wait on the last ones (B1 H8 L4096:
+ * 176 items of 192 rows, on 128 threads two items for some, one for others: 0.69 of
+ * the work a thread could do).  So for nth threads the query blocks are cut smaller,
+ * equal blocks again, until there are FA_ITEMS_PER_THREAD items a thread or a block
+ * is down to FA_MIN_BLOCK_VECS vectors: dynamic scheduling then ends within a small
+ * item of the mean (fastattn.bench.plan_balance measures it).  A row's bits do not
+ * depend on the rows that share its block (tests/test_invariance.py), so the thread
+ * count still changes no result; the key block never depends on it.
+ */
+#define FA_ITEMS_PER_THREAD 12
+#define FA_MIN_BLOCK_VECS 4
+
+int fa_make_plan(const fa_kernel *kern, const fa_params *p, int nth, fa_plan *pl)
 {
     const int64_t vl = kern->lanes[p->dtype];
     pl->bl = fa_choose_blocks(kern, p);
@@ -170,13 +193,21 @@ int fa_make_plan(const fa_kernel *kern, const fa_params *p, fa_plan *pl)
     if (pl->G > 1 && 2 * lmax <= pl->bl.q) {
         pl->nh = pl->bl.q / lmax < pl->G ? pl->bl.q / lmax : pl->G;
         pl->nqp = lmax;
+        pl->nhc = (pl->G + pl->nh - 1) / pl->nh;
     } else {
         /* equal blocks, each a whole number of vectors (no padded lanes but the last) */
         int64_t nblocks = (lmax + pl->bl.q - 1) / pl->bl.q;
         pl->nh = 1;
+        pl->nhc = pl->G;
         pl->nqp = ((lmax + nblocks - 1) / nblocks + vl - 1) / vl * vl;
+        const int64_t floor = FA_MIN_BLOCK_VECS * vl < pl->nqp ? FA_MIN_BLOCK_VECS * vl : pl->nqp;
+        /* each step: equal blocks of at most one vector fewer (nqp falls every step) */
+        while (nth > 1 && pl->nqp - vl >= floor &&
+               fa_count_items(p, pl) < (int64_t)FA_ITEMS_PER_THREAD * nth) {
+            nblocks = (lmax + pl->nqp - vl - 1) / (pl->nqp - vl);
+            pl->nqp = ((lmax + nblocks - 1) / nblocks + vl - 1) / vl * vl;
+        }
     }
-    pl->nhc = (pl->G + pl->nh - 1) / pl->nh;
     pl->bl.q = (pl->nh * pl->nqp + vl - 1) / vl * vl;
     const int64_t per_qb = p->Hkv * pl->nhc;
     if (p->cu_q) {

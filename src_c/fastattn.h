@@ -245,6 +245,13 @@ int fa_exp_array(int isa, int dtype, const void *x, void *y, int64_t n);
  * this CPU cannot run, another dtype or nthreads < 1. ---- */
 int fa_fma_peak(int isa, int dtype, int nthreads, double *gflops);
 
+/* ---- the forward's load balance on nthreads threads, without running it
+ * (fa_forward.c): work[t] for t < nthreads, the flops (2 (D + Dv) per visible
+ * query-key pair) of the items thread t would run under the forward's schedule;
+ * *nitems its items.  The data pointers of p are not read (cu_q, cu_k, seqlens_k and
+ * block_table are).  FA_ERR_ARG for params fa_attention_forward refuses. ---- */
+int fa_plan_balance(const fa_params *p, int nthreads, double *work, int64_t *nitems);
+
 #ifdef __cplusplus
 }
 #endif
