@@ -172,6 +172,10 @@ INTERLEAVED = {
     "B1 H16 L512 D64 causal vs torch": ((1, 16, 512, 64, F32, True), "torch"),
     "B1 H8 L4096 D64 2 threads vs 1": ((1, 8, 4096, 64, F32, False), "fastattn 1 thread"),
     "B1 H8 L2048 D64 float64 vs float32": ((1, 8, 2048, 64, F64, False), "fastattn float32"),
+    # causal over non-causal: the summary's x is non-causal time / causal time (need >= 1.82,
+    # i.e. causal <= 0.55 of the non-causal time)
+    "B1 H8 L4096 D64 causal vs non-causal": ((1, 8, 4096, 64, F32, True), "fastattn non-causal"),
+    "B1 H8 L2048 D128 causal vs non-causal": ((1, 8, 2048, 128, F32, True), "fastattn non-causal"),
 }
 
 
@@ -192,6 +196,9 @@ def test_prefill_interleaved(benchmark, bench_threads, check_rows, name):
     elif baseline == "fastattn 1 thread":
         def base():
             return fastattn.attention(q, k, v, causal=causal, num_threads=1)
+    elif baseline == "fastattn non-causal":
+        def base():
+            return fastattn.attention(q, k, v, causal=False, num_threads=bench_threads)
     else:  # the same shape in float32
         q32, k32, v32 = (x.astype(np.float32) for x in (q, k, v))
 

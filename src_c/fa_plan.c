@@ -37,14 +37,19 @@
  *   avx2   f64 D=64  L=2048: q=192 k=64 46  | q=192 k=128 45  | q=96 k=64 42
  *   avx2   f32 D=64  L=4096 causal: q=96 k=64 110 | q=192 k=64 109 | q=64 k=128 107
  *   avx2   f32 D=64  L=512 H=16 causal: q=64 k=128 89 | q=64 k=64 89 | q=96 k=64 86
+ * Causal over non-causal time, interleaved in one process (Zen 3, 2 threads, medians
+ * of 11 rounds, two runs; the non-causal call at its default 192 x 64 blocks):
+ *   avx2 f32 D=64  L=4096: q=96 k=64 0.525-0.548 | q=64 k=128 0.544-0.550 | q=64 k=64 0.536-0.564
+ *   avx2 f32 D=128 L=2048: q=96 k=64 0.539-0.575 | q=64 k=128 0.570-0.593 | q=64 k=64 0.548-0.594
+ *   avx2 f32 D=64  L=2048: q=96 k=64 0.533-0.547 | q=64 k=128 0.545-0.561 | q=64 k=64 0.532-0.548
  * The AVX2 kernel runs by default on CPUs without AVX-512 (Zen 2/3, client Intel),
  * so the Zen 3 figures decide its non-causal blocks (the Xeon rows above were taken
  * with AVX-512 disabled).  Zen 4/5 (AVX-512, 1 MiB L2) were not available to
  * re-measure when the L2 reading was fixed; their L2 now allows the 192 x 64 blocks
  * (an earlier session measured 192 x 64 5-9% faster there than the 96 x 32 that the
  * misread 256 KiB L2 forced).
- * So: 192 x 64 for AVX-512 and for AVX2 (64 x 64 causal or windowed on AVX-512, 64 x
- * 128 on AVX2: a window is a diagonal band too);
+ * So: 192 x 64 for AVX-512 and for AVX2 (64 x 64 causal or windowed on AVX-512, 96 x
+ * 64 on AVX2: a window is a diagonal band too);
  * the generic kernel (not tuned: the portable fallback) 64 x 128.  Then two
  * adjustments:
  *  - the query rows are split into equal blocks (Lq = 256 runs as 2 x 128, not
@@ -64,8 +69,8 @@ static fa_blocks fa_default_blocks(const fa_kernel *kern, const fa_params *p)
         bl.k = 64;
     } else if (kern == fa_kernel_for_isa(FA_ISA_AVX2)) {
         const int banded = p->causal || p->window_left >= 0 || p->window_right >= 0;
-        bl.q = banded ? 64 : 192;
-        bl.k = banded ? 128 : 64;
+        bl.q = banded ? 96 : 192;
+        bl.k = 64;
     }
     const int64_t budget = fa_cpu_l2_bytes() / 2;
     for (;;) {
@@ -171,7 +176,7 @@ static int64_t fa_count_items(const fa_params *p, const fa_plan *pl)
 
 /*
  * With many threads and few items the threads wait on the last ones (B1 H8 L4096:
- * 176 items of 192 rows, on 128 threads two items for some, one for others: 0.69 of
+ * 176 items of 192 rows, on 128 threads two items for some, one for others: 0.67 of
  * the work a thread could do).  So for nth threads the query blocks are cut smaller,
  * equal blocks again, until there are FA_ITEMS_PER_THREAD items a thread or a block
  * is down to FA_MIN_BLOCK_VECS vectors: dynamic scheduling then ends within a small
