@@ -3,7 +3,8 @@ Attention operator (ONNX opset 23) and OpenVINO's ScaledDotProductAttention (ops
 Each ``make_*`` returns a function of (q, k, v) that runs one call on the given
 number of threads, or raises ImportError when the runtime is not installed
 (``pip install onnxruntime onnx openvino``).  Lq > 1 gets a bottom-right causal mask
-(each new query sees the cache and its own prefix), as fastattn's ``causal=True``."""
+(each new query sees the cache and its own prefix), as fastattn's ``causal=True``,
+unless causal=False (prefill without a mask)."""
 import numpy as np
 
 
@@ -11,15 +12,16 @@ def _mask(Lq, Lk):
     return np.tril(np.ones((Lq, Lk), bool), Lk - Lq)
 
 
-def make_onnxruntime(B, Hq, Hkv, Lq, Lk, D, threads):
+def make_onnxruntime(B, Hq, Hkv, Lq, Lk, D, threads, causal=None):
     import onnxruntime as ort
     from onnx import TensorProto, helper
-    inputs = ["Q", "K", "V"] + (["M"] if Lq > 1 else [])
+    masked = Lq > 1 if causal is None else bool(causal)
+    inputs = ["Q", "K", "V"] + (["M"] if masked else [])
     node = helper.make_node("Attention", inputs, ["Y"])
     vi = [helper.make_tensor_value_info("Q", TensorProto.FLOAT, [B, Hq, Lq, D]),
           helper.make_tensor_value_info("K", TensorProto.FLOAT, [B, Hkv, Lk, D]),
           helper.make_tensor_value_info("V", TensorProto.FLOAT, [B, Hkv, Lk, D])]
-    if Lq > 1:
+    if masked:
         vi.append(helper.make_tensor_value_info("M", TensorProto.BOOL, [Lq, Lk]))
     graph = helper.make_graph([node], "decode", vi,
                               [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)])
@@ -28,11 +30,11 @@ def make_onnxruntime(B, Hq, Hkv, Lq, Lk, D, threads):
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
     sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    extra = {"M": _mask(Lq, Lk)} if Lq > 1 else {}
+    extra = {"M": _mask(Lq, Lk)} if masked else {}
     return lambda q, k, v: sess.run(None, dict(Q=q, K=k, V=v, **extra))[0]
 
 
-def make_openvino(B, Hq, Hkv, Lq, Lk, D, threads):
+def make_openvino(B, Hq, Hkv, Lq, Lk, D, threads, causal=None):
     import openvino as ov
     import openvino.opset13 as ops
     q = ops.parameter([B, Hq, Lq, D], np.float32)
@@ -49,7 +51,7 @@ def make_openvino(B, Hq, Hkv, Lq, Lk, D, threads):
         del rep
     else:
         k_in, v_in = k, v
-    if Lq > 1:
+    if (Lq > 1 if causal is None else causal):
         m = ops.constant(_mask(Lq, Lk))
         y = ops.scaled_dot_product_attention(q, k_in, v_in, m)
     else:

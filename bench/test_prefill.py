@@ -8,6 +8,11 @@ batch and head: the whole output for small shapes, a sample of query rows (the f
 the last and a few random ones, the oracle computed on just those rows) for big ones, to
 keep the float64 oracle cheap; so ``pytest bench/ --benchmark-disable`` is a quick
 correctness run.
+
+test_prefill_interleaved times fastattn against a baseline called just before every
+round: PyTorch SDPA, ONNX Runtime's Attention op and OpenVINO's SDPA (bench/peers.py;
+skipped where they are not installed: ``pip install onnxruntime onnx openvino``), the
+causal call against the non-causal one, 2 threads against 1, float64 against float32.
 """
 import numpy as np
 import pytest
@@ -172,11 +177,20 @@ INTERLEAVED = {
     "B1 H16 L512 D64 causal vs torch": ((1, 16, 512, 64, F32, True), "torch"),
     "B1 H8 L4096 D64 2 threads vs 1": ((1, 8, 4096, 64, F32, False), "fastattn 1 thread"),
     "B1 H8 L2048 D64 float64 vs float32": ((1, 8, 2048, 64, F64, False), "fastattn float32"),
+    "B8 H32 L128 D64 vs torch": ((8, 32, 128, 64, F32, False), "torch"),
+    "B32 H8 L64 D64 vs torch": ((32, 8, 64, 64, F32, False), "torch"),
     # causal over non-causal: the summary's x is non-causal time / causal time (need >= 1.82,
     # i.e. causal <= 0.55 of the non-causal time)
     "B1 H8 L4096 D64 causal vs non-causal": ((1, 8, 4096, 64, F32, True), "fastattn non-causal"),
     "B1 H8 L2048 D128 causal vs non-causal": ((1, 8, 2048, 128, F32, True), "fastattn non-causal"),
 }
+# the other CPU runtimes (bench/peers.py; skipped when not installed), on the issue's shapes
+for _shape, _causal in (((1, 8, 4096, 64), False), ((1, 8, 4096, 64), True), ((1, 8, 2048, 128), False),
+                        ((4, 16, 256, 64), False), ((8, 32, 128, 64), False), ((32, 8, 64, 64), False)):
+    for _peer in ("onnxruntime", "openvino"):
+        _b, _h, _l, _d = _shape
+        INTERLEAVED[f"B{_b} H{_h} L{_l} D{_d}{' causal' if _causal else ''} vs {_peer}"] = (
+            (_b, _h, _l, _d, F32, _causal), _peer)
 
 
 @pytest.mark.parametrize("name", list(INTERLEAVED))
@@ -196,6 +210,16 @@ def test_prefill_interleaved(benchmark, bench_threads, check_rows, name):
     elif baseline == "fastattn 1 thread":
         def base():
             return fastattn.attention(q, k, v, causal=causal, num_threads=1)
+    elif baseline in ("onnxruntime", "openvino"):
+        import peers
+        for mod in ("onnxruntime", "onnx") if baseline == "onnxruntime" else ("openvino",):
+            pytest.importorskip(mod)
+        make = peers.make_onnxruntime if baseline == "onnxruntime" else peers.make_openvino
+        peer = make(b, h, h, l, l, d, bench_threads, causal=causal)
+
+        def base():
+            return peer(q, k, v)
+        assert np.allclose(base(), fastattn.attention(q, k, v, causal=causal), atol=1e-4)
     elif baseline == "fastattn non-causal":
         def base():
             return fastattn.attention(q, k, v, causal=False, num_threads=bench_threads)
