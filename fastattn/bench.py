@@ -49,6 +49,7 @@ import numpy as np
 
 import fastattn
 from fastattn import _kernels, reference
+from fastattn._scalars import parse_causal, parse_threads, parse_window
 
 TOL = {"float32": 3e-5, "float64": 1e-11, "float16": 1e-4}  # by K/V dtype
 SCORE_LIMIT = 2**30  # skip naive NumPy beyond a 1 GiB score matrix
@@ -135,17 +136,12 @@ def fma_peak(dtype="float32", num_threads=None, *, kernel=None):
         raise TypeError(f"dtype must be float32 or float64, got {dtype!r}") from None
     if dt not in (np.float32, np.float64):
         raise ValueError(f"dtype must be float32 or float64, got {dt}")
-    if num_threads is None:
-        num_threads = _kernels.max_threads()
-    if isinstance(num_threads, bool) or not isinstance(num_threads, (int, np.integer)):
-        raise TypeError(f"num_threads must be an int >= 1, got {num_threads!r}")
-    if num_threads < 1:
-        raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+    num_threads = parse_threads(num_threads, "bench.fma_peak") or _kernels.max_threads()
     kernel = _kernels.current_kernel() if kernel is None else kernel
     if kernel not in _kernels.supported_kernels():
         raise ValueError(f"kernel must be one of {_kernels.supported_kernels()} (what this CPU "
                          f"runs), got {kernel!r}")
-    return _kernels.fma_peak(kernel, dt == np.float64, int(num_threads))
+    return _kernels.fma_peak(kernel, dt == np.float64, num_threads)
 
 
 def plan_balance(q_shape, k_shape, *, causal=False, num_threads=None, v_shape=None,
@@ -167,7 +163,6 @@ def plan_balance(q_shape, k_shape, *, causal=False, num_threads=None, v_shape=No
     return_work: also return the per-thread work (flops) and the number of items, as
     (balance, work, items)."""
     fn = "bench.plan_balance"
-    from ._scalars import parse_causal, parse_threads, parse_window
     shapes = []
     for name, sh in (("q_shape", q_shape), ("k_shape", k_shape), ("v_shape", v_shape)):
         if sh is None:

@@ -100,7 +100,7 @@ int fa_fma_peak(int isa, int dtype, int nthreads, double *gflops)
             t1 = fa_seconds();
         }
         fa_peak_sink = s;
-        if (t1 - t0 < 0.02 && timed == 0) {
+        if (t1 - t0 < 0.02 && timed == 0 && iters < ((int64_t)1 << 32)) {
             iters *= 2;
             continue;
         }
