@@ -74,6 +74,22 @@ def _try_compile_run(compiler, source, flags):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _submit_compile(compiler, pool, sources, output_dir=None, macros=None, include_dirs=None,
+                    debug=0, extra_preargs=None, extra_postargs=None, depends=None):
+    """compiler.compile's steps, each source's compiler process submitted to `pool`:
+    returns the object files and the futures of the compiles."""
+    macros, objects, extra_postargs, pp_opts, build = compiler._setup_compile(
+        output_dir, macros, include_dirs, sources, depends, extra_postargs)
+    cc_args = compiler._get_cc_args(pp_opts, debug, extra_preargs)
+    futures = [pool.submit(compiler._compile, obj, build[obj][0], build[obj][1], cc_args,
+                           extra_postargs, pp_opts) for obj in objects if obj in build]
+    return objects, futures
+
+
+def _can_submit(compiler):
+    return all(hasattr(compiler, s) for s in ("_setup_compile", "_get_cc_args", "_compile"))
+
+
 class BuildExt(build_ext):
     def build_extension(self, ext):
         ext.extra_compile_args = list(COMMON_C)
@@ -92,20 +108,52 @@ class BuildExt(build_ext):
                 raise RuntimeError(msg + " and FASTATTN_REQUIRE_OPENMP is set")
             warnings.warn(msg)
 
+        simd = dict(SIMD_FILES) if IS_X86_64 else {}
         if IS_X86_64:
             ext.define_macros.append(("FA_HAVE_X86_KERNELS", "1"))
-            objects = []
-            for name, flags in SIMD_FILES.items():
-                objects += self.compiler.compile(
-                    [os.path.join(SRC, name)],
-                    output_dir=self.build_temp,
-                    macros=ext.define_macros,
-                    include_dirs=ext.include_dirs,
-                    extra_postargs=COMMON_C + flags,
-                    depends=[os.path.join(SRC, h) for h in HEADERS],
-                )
-            ext.extra_objects = list(ext.extra_objects or []) + objects
-        super().build_extension(ext)
+        jobs = min(os.cpu_count() or 1, 8)
+        if jobs < 2 or not _can_submit(self.compiler):  # one compiler process at a time
+            for name, flags in simd.items():
+                ext.extra_objects = list(ext.extra_objects or []) + self.compiler.compile(
+                    [os.path.join(SRC, name)], output_dir=self.build_temp,
+                    macros=ext.define_macros, include_dirs=ext.include_dirs,
+                    extra_postargs=COMMON_C + flags, depends=[os.path.join(SRC, h) for h in HEADERS])
+            super().build_extension(ext)
+            return
+        # As make -j would: one compiler process per source, `jobs` at a time, in one
+        # queue.  The SIMD files (each with its own flags; the avx512 one alone takes
+        # half of a serial build) are queued first, the other sources behind them, and
+        # the link waits for all of them.
+        from concurrent.futures import ThreadPoolExecutor
+        pool = ThreadPoolExecutor(jobs)
+        pending = []
+        for name, flags in simd.items():
+            objs, futs = _submit_compile(
+                self.compiler, pool, [os.path.join(SRC, name)], output_dir=self.build_temp,
+                macros=ext.define_macros, include_dirs=ext.include_dirs,
+                extra_postargs=COMMON_C + flags, depends=[os.path.join(SRC, h) for h in HEADERS])
+            ext.extra_objects = list(ext.extra_objects or []) + objs
+            pending += futs
+        compile_one_by_one, link = self.compiler.compile, self.compiler.link
+
+        def compile(sources, **kwargs):
+            objs, futs = _submit_compile(self.compiler, pool, sources, **kwargs)
+            for f in futs:
+                f.result()
+            return objs
+
+        def link_when_compiled(*args, **kwargs):
+            for f in pending:
+                f.result()  # a failed compile raises here, before the link
+            return link(*args, **kwargs)
+        self.compiler.compile, self.compiler.link = compile, link_when_compiled
+        try:
+            super().build_extension(ext)
+            for f in pending:
+                f.result()
+        finally:
+            pool.shutdown(wait=True)
+            self.compiler.compile, self.compiler.link = compile_one_by_one, link
 
 
 ext = Extension(
