@@ -111,13 +111,16 @@ class BuildExt(build_ext):
         simd = dict(SIMD_FILES) if IS_X86_64 else {}
         if IS_X86_64:
             ext.define_macros.append(("FA_HAVE_X86_KERNELS", "1"))
+        def simd_args(name, flags):  # one SIMD file, with its own flags only
+            return dict(sources=[os.path.join(SRC, name)], output_dir=self.build_temp,
+                        macros=ext.define_macros, include_dirs=ext.include_dirs,
+                        extra_postargs=COMMON_C + flags,
+                        depends=[os.path.join(SRC, h) for h in HEADERS])
+        ext.extra_objects = list(ext.extra_objects or [])
         jobs = min(os.cpu_count() or 1, 8)
         if jobs < 2 or not _can_submit(self.compiler):  # one compiler process at a time
             for name, flags in simd.items():
-                ext.extra_objects = list(ext.extra_objects or []) + self.compiler.compile(
-                    [os.path.join(SRC, name)], output_dir=self.build_temp,
-                    macros=ext.define_macros, include_dirs=ext.include_dirs,
-                    extra_postargs=COMMON_C + flags, depends=[os.path.join(SRC, h) for h in HEADERS])
+                ext.extra_objects += self.compiler.compile(**simd_args(name, flags))
             super().build_extension(ext)
             return
         # As make -j would: one compiler process per source, `jobs` at a time, in one
@@ -128,11 +131,8 @@ class BuildExt(build_ext):
         pool = ThreadPoolExecutor(jobs)
         pending = []
         for name, flags in simd.items():
-            objs, futs = _submit_compile(
-                self.compiler, pool, [os.path.join(SRC, name)], output_dir=self.build_temp,
-                macros=ext.define_macros, include_dirs=ext.include_dirs,
-                extra_postargs=COMMON_C + flags, depends=[os.path.join(SRC, h) for h in HEADERS])
-            ext.extra_objects = list(ext.extra_objects or []) + objs
+            objs, futs = _submit_compile(self.compiler, pool, **simd_args(name, flags))
+            ext.extra_objects += objs
             pending += futs
         compile_one_by_one, link = self.compiler.compile, self.compiler.link
 

@@ -146,9 +146,10 @@ _PEAKS = {}
 
 
 def pytest_sessionstart(session):
-    """The FMA peaks at the start of the session (the summary measures them again)."""
+    """The FMA peaks at the start of the session (the summary measures them again);
+    not with --benchmark-disable, which prints no summary."""
     n = session.config.getoption("--bench-threads")
-    if n >= 1:
+    if n >= 1 and not session.config.getoption("benchmark_disable", False):
         for dt in ("float32", "float64"):
             _PEAKS[dt] = [_bench.fma_peak(dt, n)]
 

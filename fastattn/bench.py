@@ -122,6 +122,26 @@ def blas_info():
     return "; ".join(libs) or None
 
 
+def _float_dtype(dtype, fn):
+    """np.float32 or np.float64 from `dtype`; TypeError / ValueError naming `fn` else."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"fastattn.{fn}: dtype must be float32 or float64, got {dtype!r}") from None
+    if dt not in (np.float32, np.float64):
+        raise ValueError(f"fastattn.{fn}: dtype must be float32 or float64, got {dt}")
+    return dt
+
+
+def _kernel_arg(kernel, fn):
+    """The kernel's name: the default one for None; ValueError if this CPU cannot run it."""
+    kernel = _kernels.current_kernel() if kernel is None else kernel
+    if kernel not in _kernels.supported_kernels():
+        raise ValueError(f"fastattn.{fn}: kernel must be one of {_kernels.supported_kernels()} "
+                         f"(what this CPU runs), got {kernel!r}")
+    return kernel
+
+
 def fma_peak(dtype="float32", num_threads=None, *, kernel=None):
     """The machine's FMA peak in GFLOP/s: `num_threads` threads (default: as many as a
     fastattn call would use) each run 12 independent vector FMA chains of `kernel`'s
@@ -131,18 +151,10 @@ def fma_peak(dtype="float32", num_threads=None, *, kernel=None):
 
     dtype: "float32" or "float64".  This is the ceiling every GFLOP/s of the bench is
     quoted against (a BLAS sgemm reaches 60-85% of it)."""
-    try:
-        dt = np.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"dtype must be float32 or float64, got {dtype!r}") from None
-    if dt not in (np.float32, np.float64):
-        raise ValueError(f"dtype must be float32 or float64, got {dt}")
-    num_threads = parse_threads(num_threads, "bench.fma_peak") or _kernels.max_threads()
-    kernel = _kernels.current_kernel() if kernel is None else kernel
-    if kernel not in _kernels.supported_kernels():
-        raise ValueError(f"kernel must be one of {_kernels.supported_kernels()} (what this CPU "
-                         f"runs), got {kernel!r}")
-    return _kernels.fma_peak(kernel, dt == np.float64, num_threads)
+    fn = "bench.fma_peak"
+    dt = _float_dtype(dtype, fn)
+    num_threads = parse_threads(num_threads, fn) or _kernels.max_threads()
+    return _kernels.fma_peak(_kernel_arg(kernel, fn), dt == np.float64, num_threads)
 
 
 def plan_balance(q_shape, k_shape, *, causal=False, num_threads=None, v_shape=None,
@@ -198,9 +210,7 @@ def plan_balance(q_shape, k_shape, *, causal=False, num_threads=None, v_shape=No
     code = parse_causal(causal, fn)
     wl, wr = parse_window(window, fn)
     nth = parse_threads(num_threads, fn) or _kernels.max_threads()
-    dt = np.dtype(dtype)
-    if dt not in (np.float32, np.float64):
-        raise ValueError(f"fastattn.{fn}: dtype must be float32 or float64, got {dt}")
+    dt = _float_dtype(dtype, fn)
     sk = None
     if seqlens_k is not None:
         sk = np.ascontiguousarray(seqlens_k)
@@ -210,12 +220,9 @@ def plan_balance(q_shape, k_shape, *, causal=False, num_threads=None, v_shape=No
         if B and (sk.min() < 0 or sk.max() > Lk):
             raise ValueError(f"fastattn.{fn}: seqlens_k must be in [0, {Lk}] (k_shape {ks})")
         sk = sk.astype(np.int64)
-    kernel = _kernels.current_kernel() if kernel is None else kernel
-    if kernel not in _kernels.supported_kernels():
-        raise ValueError(f"fastattn.{fn}: kernel must be one of {_kernels.supported_kernels()}, "
-                         f"got {kernel!r}")
     work, items = _kernels.plan_balance((B, Hq, Lq, D), (B, Hkv, Lk, D), Dv, dt == np.float64,
-                                        code, wl, wr, layout == "bshd", sk, nth, kernel)
+                                        code, wl, wr, layout == "bshd", sk, nth,
+                                        _kernel_arg(kernel, fn))
     top = float(work.max()) if work.size else 0.0
     bal = float(work.mean()) / top if top > 0 else 1.0
     return (bal, work, items) if return_work else bal

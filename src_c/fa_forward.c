@@ -25,6 +25,15 @@ static int64_t fa_claim(int64_t *front, int64_t *back, int nseg, int t)
     return best < 0 ? -1 : --back[best];
 }
 
+/* Thread t's own segment of the head-major items at the start: [front[t], back[t]). */
+static void fa_segments(int64_t items, int nth, int64_t *front, int64_t *back)
+{
+    for (int t = 0; t < nth; t++) {
+        front[t] = items * t / nth;
+        back[t] = items * (t + 1) / nth;
+    }
+}
+
 static int fa_run_head_items(const fa_params *p, const fa_plan *pl, fa_qblock_fn qblock,
                              size_t scratch_bytes, int nth)
 {
@@ -33,10 +42,7 @@ static int fa_run_head_items(const fa_params *p, const fa_plan *pl, fa_qblock_fn
     int64_t *seg = (int64_t *)malloc(2 * (size_t)nth * sizeof(int64_t));
     if (!seg) return FA_ERR_NOMEM;
     int64_t *front = seg, *back = seg + nth;
-    for (int t = 0; t < nth; t++) {
-        front[t] = items * t / nth;
-        back[t] = items * (t + 1) / nth;
-    }
+    fa_segments(items, nth, front, back);
     int failed = 0, ran = 0;
 #pragma omp parallel num_threads(nth) if (nth > 1) reduction(| : failed) reduction(+ : ran)
     {
@@ -89,6 +95,22 @@ static int fa_use_split(const fa_params *p)
            p->Lk > FA_CHUNK_KEYS;
 }
 
+/* Split-KV item t of heads x nch (sequence, kv head, head chunk; chunk): the item with
+ * its key range cut to the chunk; returns the chunk.  Contiguous K/V: a head's chunks
+ * in a row; strided ("bshd"): a chunk's heads in a row, which share the rows' pages
+ * (TLB entries). */
+static int64_t fa_split_item(const fa_params *p, const fa_plan *pl, int64_t t, int64_t heads,
+                             int64_t nch, fa_item *it)
+{
+    const int64_t chunk = FA_CHUNK_KEYS;
+    const int chunk_major = p->k_sl != p->D || p->v_sl != p->Dv;
+    const int64_t c = chunk_major ? t / heads : t % nch, h = chunk_major ? t % heads : t / nch;
+    fa_item_make(p, pl, h / (p->Hkv * pl->nhc), (h / pl->nhc) % p->Hkv, h % pl->nhc, 0, it);
+    fa_key_range(it->kv0 > c * chunk ? it->kv0 : c * chunk,
+                 it->kv1 < (c + 1) * chunk ? it->kv1 : (c + 1) * chunk, it->Lk, &it->kv0, &it->kv1);
+    return c;
+}
+
 static int fa_decode_split(const fa_params *p, const fa_plan *pl, fa_qblock_fn qblock,
                            size_t scratch_bytes, int nth_req)
 {
@@ -112,7 +134,6 @@ static int fa_decode_split(const fa_params *p, const fa_plan *pl, fa_qblock_fn q
     part.lse_sh = p->Lq;
     part.lse_sl = 1;
     const int64_t heads = p->B * p->Hkv * pl->nhc, items = heads * nch;
-    const int chunk_major = p->k_sl != p->D || p->v_sl != p->Dv;
     int nth = nth_req;
     if ((int64_t)nth > items) nth = (int)items;
     int failed = 0, ran = 0;
@@ -125,14 +146,8 @@ static int fa_decode_split(const fa_params *p, const fa_plan *pl, fa_qblock_fn q
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < items; t++) {
             if (!scratch) continue;
-            /* contiguous K/V: a head's chunks in a row; strided ("bshd"): a chunk's
-             * heads in a row, which share the rows' pages (TLB entries) */
-            const int64_t c = chunk_major ? t / heads : t % nch, h = chunk_major ? t % heads : t / nch;
-            const int64_t b = h / (p->Hkv * pl->nhc), g = (h / pl->nhc) % p->Hkv, hc = h % pl->nhc;
             fa_item it;
-            fa_item_make(p, pl, b, g, hc, 0, &it);
-            fa_key_range(it.kv0 > c * chunk ? it.kv0 : c * chunk,
-                         it.kv1 < (c + 1) * chunk ? it.kv1 : (c + 1) * chunk, it.Lk, &it.kv0, &it.kv1);
+            const int64_t c = fa_split_item(p, pl, t, heads, nch, &it);
             local.out = pout + (size_t)(c * rows * Dv) * item;
             local.lse = plse + (size_t)(c * rows) * item;
             qblock(&local, &pl->bl, &it, scratch);
@@ -180,9 +195,9 @@ int fa_attention_forward(const fa_params *p)
     if (!kern || (p->isa >= 0 && !(fa_cpu_supported_isas() & (1u << p->isa)))) return FA_ERR_ARG;
     if (p->B == 0 || p->Hq == 0 || (!p->cu_q && p->Lq == 0)) return FA_OK;
 
-    const int nth_req = p->num_threads > 0 ? p->num_threads : fa_max_threads();
+    const int nth_req = p->num_threads > 0 ? p->num_threads : fa_max_threads(), split = fa_use_split(p);
     fa_plan pl;
-    rc = fa_make_plan(kern, p, fa_use_split(p) ? 0 : nth_req, &pl);
+    rc = fa_make_plan(kern, p, split ? 0 : nth_req, &pl);
     if (rc != FA_OK) return rc;
     /* int8 K/V are dequantized into float32 tiles: the float32 kernel reads them */
     const int ki = p->kv_store == FA_STORE_BF16 ? FA_KVB16 : p->kv_store == FA_STORE_F16 ? FA_KV16 : p->dtype;
@@ -194,7 +209,7 @@ int fa_attention_forward(const fa_params *p)
     if ((int64_t)nth > items) nth = (int)items;
     if (nth < 1) nth = 1;
 
-    if (fa_use_split(p)) {
+    if (split) {
         rc = fa_decode_split(p, &pl, qblock, scratch_bytes, nth_req < 1 ? 1 : nth_req);
         free(pl.start);
         return rc;
@@ -286,17 +301,13 @@ int fa_plan_balance(const fa_params *p, int nthreads, double *work, int64_t *nit
     if (rc != FA_OK) return rc;
     int nth = nthreads;
     if (split) {
-        const int64_t chunk = FA_CHUNK_KEYS, nch = (p->Lk + chunk - 1) / chunk;
+        const int64_t nch = (p->Lk + FA_CHUNK_KEYS - 1) / FA_CHUNK_KEYS;
         const int64_t heads = p->B * p->Hkv * pl.nhc, items = heads * nch;
-        const int chunk_major = p->k_sl != p->D || p->v_sl != p->Dv;
         if ((int64_t)nth > items) nth = (int)items;
         for (int64_t t = 0; t < items; t++) {
-            const int64_t c = chunk_major ? t / heads : t % nch, h = chunk_major ? t % heads : t / nch;
             fa_item it;
-            fa_item_make(p, &pl, h / (p->Hkv * pl.nhc), (h / pl.nhc) % p->Hkv, h % pl.nhc, 0, &it);
-            const int64_t k0 = it.kv0 > c * chunk ? it.kv0 : c * chunk;
-            const int64_t k1 = it.kv1 < (c + 1) * chunk ? it.kv1 : (c + 1) * chunk;
-            work[fa_first_free(work, nth)] += fa_item_work(p, &it, k0, k1);
+            fa_split_item(p, &pl, t, heads, nch, &it);
+            work[fa_first_free(work, nth)] += fa_item_work(p, &it, it.kv0, it.kv1);
         }
         *nitems = items;
     } else {
@@ -309,10 +320,7 @@ int fa_plan_balance(const fa_params *p, int nthreads, double *work, int64_t *nit
                 return FA_ERR_NOMEM;
             }
             int64_t *front = seg, *back = seg + nth;
-            for (int t = 0; t < nth; t++) {
-                front[t] = items * t / nth;
-                back[t] = items * (t + 1) / nth;
-            }
+            fa_segments(items, nth, front, back);
             for (;;) {
                 const int t = fa_first_free(work, nth);
                 const int64_t u = fa_claim(front, back, nth, t);
