@@ -144,7 +144,7 @@ static int FA_NAME(fa_bwd_tile)(const fa_bwd_ctx *cx, const fa_item *it, int64_t
         }
     }
     const FA_T *v = (const FA_T *)p->v + it->b * p->v_sb + it->g * p->v_sh + (it->koff + j0) * p->v_sl;
-    FA_NAME(fa_qk_tile)(sc->dot, nv, v, p->v_sl, nk, p->Dv, sc->dp, brp);
+    FA_NAME(fa_qk_tile)(sc->dot, nv, v, p->v_sl, nk, p->Dv, sc->dp, brp, NULL);
     *pw = s;
     if (p->dropout_p > 0) { /* dV takes P z; dS takes z dP */
         const FA_T inv = (FA_T)(1.0 / (1.0 - p->dropout_p));

@@ -55,6 +55,8 @@ static inline int64_t FA_NAME(fa_round_up)(int64_t x, int64_t m) { return (x + m
  *   o2      rows x dvp the same rows before the last P.V, for blocks of at most
  *                      FA_DOT_ROWS rows (restored if that P.V met an inf or NaN)
  *   m l alpha          brp each: running max, running sum, last rescale factor
+ *   cmx                brp: the tile's max logit of each row, from its product
+ *                      (fa_scores, when cmx_valid)
  *   rlo rhi            brp each: a row's visible keys relative to the tile
  *   slope apos         brp each: ALiBi slope and aligned position of a row
  *   lo hi              brp int64: a row's visible key range [lo, hi]
@@ -73,6 +75,8 @@ typedef struct FA_NAME(fa_scratch) {
     int64_t *lo, *hi;
     int mask_state, need_range; /* of the current key tile (fa_scores) */
     int key_major;              /* the tile's logits are s[r * bcp + j] (fa_scores) */
+    int cmx_valid;              /* cmx holds the tile's row maxima (fa_scores) */
+    FA_T *cmx;
     int query_major;            /* never key-major (the backward's tiles) */
     int64_t bcp;                /* bc rounded up to FA_VL */
     FA_T *o2;
@@ -114,6 +118,8 @@ static size_t FA_NAME(fa_layout)(const fa_params *p, const fa_blocks *bl, void *
     sc->m = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
     sc->l = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
     sc->alpha = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
+    sc->cmx = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
+    sc->cmx_valid = 0;
     sc->u = p->entropy ? (FA_T *)FA_NAME(fa_carve)(&cur, brp * t) : NULL;
     sc->mo = (FA_T *)FA_NAME(fa_carve)(&cur, brp * dvp * t);
     sc->mM = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);

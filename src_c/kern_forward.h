@@ -166,7 +166,8 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
                 for (int64_t r = 0; r < nr; r++)
                     FA_NAME(fa_softmax_row)(sc.s + r * sc.bcp, nk, sc.m + r, sc.l + r, sc.alpha + r);
             else if (!FA_NAME(fa_has_logit_steps)(p, &sc))
-                FA_NAME(fa_softmax_tile)(sc.s, nk, 0, nv, sc.m, sc.l, sc.alpha, brp, NULL, sc.u);
+                FA_NAME(fa_softmax_tile)(sc.s, nk, 0, nv, sc.m, sc.l, sc.alpha, brp,
+                                         sc.cmx_valid ? (const FA_V *)(const void *)sc.cmx : NULL, sc.u);
             else /* column by column, each column's logits in L1 for its softmax */
                 for (int c = 0; c < nv; c++) {
                     FA_V colmax;

@@ -211,6 +211,7 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
                               int64_t j0, int64_t nk, int64_t lo_max, int64_t hi_min,
                               int64_t brp, FA_NAME(fa_scratch) *sc, int logits)
 {
+    sc->cmx_valid = 0;
     sc->mask_state = p->mask ? FA_NAME(fa_mask_tile)(p, nr, j0, nk, brp, sc) : 2;
     if (sc->mask_state == 0) return 0;
     sc->need_range = lo_max > j0 || hi_min < j0 + nk - 1;
@@ -250,8 +251,14 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
         const FA_KV *k = FA_NAME(fa_kv_tile)(p, it, j0, nk, 0, sc->kst, &k_sl);
         if (nr <= FA_DOT_ROWS) /* a few rows (decoding): keys on the lanes, the same bits */
             FA_NAME(fa_qk_keys)(sc->qt, brp, nr, k, k_sl, NULL, nk, p->D, sc->s, sc->kt, ksx, rsx);
-        else
-            FA_NAME(fa_qk_tile)(sc->qt, nv, k, k_sl, nk, p->D, sc->s, brp);
+        else {
+            /* a forward tile with no logit step: its max comes with the product
+             * (sc->cmx, for fa_softmax_tile), and the softmax reads the tile once */
+            sc->cmx_valid = !logits && !sc->query_major && !FA_NAME(fa_has_logit_steps)(p, sc);
+            if (sc->cmx_valid)
+                for (int64_t i = 0; i < (int64_t)nv * FA_VL; i++) sc->cmx[i] = -(FA_T)INFINITY;
+            FA_NAME(fa_qk_tile)(sc->qt, nv, k, k_sl, nk, p->D, sc->s, brp, sc->cmx_valid ? sc->cmx : NULL);
+        }
     }
     if (sc->need_range) {
         const int64_t nvl = (int64_t)nv * FA_VL;

@@ -15,10 +15,12 @@
  */
 
 /* S^T tile: s[j][c*VL ...] = sum_d k[j][d] * qt[d][c*VL ...] for R keys and NV query
- * vectors, accumulators in registers (R and NV are constants after inlining). */
+ * vectors, accumulators in registers (R and NV are constants after inlining).  With
+ * cm (not NULL), also cm[c*VL ...] = max(cm, the R logits) per lane, from the
+ * registers: the softmax then needs no pass over the tile for its max. */
 FA_ALWAYS_INLINE void FA_NAME(fa_qk_micro)(const int R, const int NV, const FA_T *FA_RESTRICT qt,
                                            const FA_KV *FA_RESTRICT k, int64_t k_sl, int64_t D,
-                                           FA_T *FA_RESTRICT s, int64_t brp)
+                                           FA_T *FA_RESTRICT s, int64_t brp, FA_T *FA_RESTRICT cm)
 {
     FA_V acc[FA_QK_R][FA_QK_NV];
     for (int r = 0; r < R; r++)
@@ -33,18 +35,28 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_micro)(const int R, const int NV, const FA_T
     }
     for (int r = 0; r < R; r++)
         for (int c = 0; c < NV; c++) FA_VSTORE(s + r * brp + c * FA_VL, acc[r][c]);
+    if (cm)
+        for (int c = 0; c < NV; c++) {
+            FA_V mx = FA_VLOAD(cm + c * FA_VL);
+            for (int r = 0; r < R; r++) mx = FA_VMAX(mx, acc[r][c]);
+            FA_VSTORE(cm + c * FA_VL, mx);
+        }
 }
 
 #define FA_QK_CASE(R, NV)                                                                   \
     case (R) * 8 + (NV):                                                                    \
         if ((R) <= FA_QK_R && (NV) <= FA_QK_NV)                                             \
-            FA_NAME(fa_qk_micro)(R, NV, qt + cv * FA_VL, kj, k_sl, D, sj, brp);                  \
+            FA_NAME(fa_qk_micro)(R, NV, qt + cv * FA_VL, kj, k_sl, D, sj, brp, cmj);             \
         break;
 
-/* The logits of nk keys (rows of k) against the packed query block (nv vectors). */
+/* The logits of nk keys (rows of k) against the packed query block (nv vectors);
+ * with colmax (nv vectors, not NULL), also each lane's max over the keys, folded
+ * into what colmax holds (the max of the same values in another order: the same
+ * result but for the sign of a zero max and which NaN, neither of which reaches the
+ * output or lse). */
 static void FA_NAME(fa_qk_tile)(const FA_T *FA_RESTRICT qt, int nv, const FA_KV *FA_RESTRICT k,
                                 int64_t k_sl, int64_t nk, int64_t D, FA_T *FA_RESTRICT s,
-                                int64_t brp)
+                                int64_t brp, FA_T *FA_RESTRICT colmax)
 {
     /* Query-vector groups outer: their slice of qt (D x FA_QK_NV vectors) stays in L1
      * while the key tile streams past it. */
@@ -54,6 +66,7 @@ static void FA_NAME(fa_qk_tile)(const FA_T *FA_RESTRICT qt, int nv, const FA_KV 
             int r = (int)(nk - j < FA_QK_R ? nk - j : FA_QK_R);
             const FA_KV *kj = k + j * k_sl;
             FA_T *sj = s + j * brp + cv * FA_VL;
+            FA_T *cmj = colmax ? colmax + cv * FA_VL : NULL;
             switch (r * 8 + ncv) {
                 FA_TILE_ROWS(FA_QK_CASE)
                 default: break;

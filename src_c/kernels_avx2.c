@@ -11,67 +11,51 @@
 #include "fa_internal.h"
 #include "fa_exp.h"
 
-/* 2^n for integer-valued n in [-125, 128] from the exponent bits, times y.  n = 128
- * (inputs near the overflow clamp) is built as 2^64 * 2^64 so it overflows to inf
- * in the product, as it should. */
-static inline __m256 fa_scale2_f32_avx2(__m256 y, __m256 n)
-{
-    __m256i ni = _mm256_cvtps_epi32(n);
-    __m256i n1 = _mm256_srai_epi32(ni, 1);
-    __m256i n2 = _mm256_sub_epi32(ni, n1);
-    __m256 p1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, _mm256_set1_epi32(127)), 23));
-    __m256 p2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, _mm256_set1_epi32(127)), 23));
-    return _mm256_mul_ps(_mm256_mul_ps(y, p1), p2);
-}
-
-/* exp for 8 floats: the scheme, error and range of fa_exp.h (degree-7 Taylor after
- * Cody-Waite); inputs below -86.5 give +0, NaN stays NaN (max/min return their
- * second operand, and the flush compare is false for NaN). */
+/* exp for 8 floats: the scheme, error and range of fa_exp.h.  n = round(x log2 e)
+ * comes from one FMA against a magic constant (x log2 e + 1.5 * 2^23 + 126 rounds to
+ * an integer, whose low mantissa bits are n + 126), so 2^(n-1) is that float's bits
+ * shifted left by 23: no round instruction, no conversion.  The polynomial's
+ * coefficients are doubled (exact), giving 2 exp(r), and 2 exp(r) * 2^(n-1) is one
+ * multiply by a normal power of two for every n in [-125, 128]: exact, and it
+ * overflows to +inf where exp does.  Lanes below FLUSH (-inf included; their n and r
+ * are garbage or NaN) are masked to +0; a NaN x gives a NaN y and so a NaN result
+ * (min keeps its second operand). */
 static inline __m256 fa_exp_f32_avx2(__m256 x)
 {
     const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(FA_EXP_F32_FLUSH), _CMP_NLT_UQ);
-    x = _mm256_max_ps(_mm256_set1_ps(FA_EXP_F32_FLUSH), x);
+    const __m256 magic = _mm256_set1_ps(FA_EXP_F32_MAGIC);
     x = _mm256_min_ps(_mm256_set1_ps(FA_EXP_F32_HI), x);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(FA_LOG2E_F)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 j = _mm256_fmadd_ps(x, _mm256_set1_ps(FA_LOG2E_F), magic);
+    const __m256 n = _mm256_sub_ps(j, magic);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(FA_LN2_HI_F), x);
     r = _mm256_fnmadd_ps(n, _mm256_set1_ps(FA_LN2_LO_F), r);
-    __m256 y = _mm256_set1_ps(FA_EXP_F32_C7);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(FA_EXP_F32_C6));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(FA_EXP_F32_C5));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(FA_EXP_F32_C4));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(FA_EXP_F32_C3));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(FA_EXP_F32_C2));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
-    return _mm256_and_ps(keep, fa_scale2_f32_avx2(y, n));
+    __m256 y = _mm256_set1_ps(2 * FA_EXP_F32_M6);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(2 * FA_EXP_F32_M5));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(2 * FA_EXP_F32_M4));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(2 * FA_EXP_F32_M3));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(2 * FA_EXP_F32_M2));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(2.0f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(2.0f));
+    const __m256 two_n = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(j), 23));
+    return _mm256_and_ps(keep, _mm256_mul_ps(y, two_n));
 }
 
-/* 2^n times y for doubles, n in [-1021, 1025], as two normal powers of two. */
-static inline __m256d fa_scale2_f64_avx2(__m256d y, __m256d n)
-{
-    __m128i ni = _mm256_cvtpd_epi32(n);
-    __m128i n1 = _mm_srai_epi32(ni, 1);
-    __m128i n2 = _mm_sub_epi32(ni, n1);
-    __m256i e1 = _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(n1), _mm256_set1_epi64x(1023)), 52);
-    __m256i e2 = _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(n2), _mm256_set1_epi64x(1023)), 52);
-    return _mm256_mul_pd(_mm256_mul_pd(y, _mm256_castsi256_pd(e1)), _mm256_castsi256_pd(e2));
-}
-
-/* exp for 4 doubles: degree-13 Taylor after Cody-Waite; range [-707, 710]. */
+/* exp for 4 doubles: the same scheme (magic 1.5 * 2^52 + 1022, the exponent field
+ * 52 bits up, n in [-1020, 1024]) with the degree-13 Taylor polynomial, doubled. */
 static inline __m256d fa_exp_f64_avx2(__m256d x)
 {
     const __m256d keep = _mm256_cmp_pd(x, _mm256_set1_pd(FA_EXP_F64_FLUSH), _CMP_NLT_UQ);
-    x = _mm256_max_pd(_mm256_set1_pd(FA_EXP_F64_FLUSH), x);
+    const __m256d magic = _mm256_set1_pd(FA_EXP_F64_MAGIC);
     x = _mm256_min_pd(_mm256_set1_pd(FA_EXP_F64_HI), x);
-    __m256d n = _mm256_round_pd(_mm256_mul_pd(x, _mm256_set1_pd(FA_LOG2E)),
-                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256d j = _mm256_fmadd_pd(x, _mm256_set1_pd(FA_LOG2E), magic);
+    const __m256d n = _mm256_sub_pd(j, magic);
     __m256d r = _mm256_fnmadd_pd(n, _mm256_set1_pd(FA_LN2_HI), x);
     r = _mm256_fnmadd_pd(n, _mm256_set1_pd(FA_LN2_LO), r);
-    __m256d y = _mm256_set1_pd(fa_exp_f64_coef[FA_EXP_F64_DEG]);
+    __m256d y = _mm256_set1_pd(2 * fa_exp_f64_coef[FA_EXP_F64_DEG]);
     for (int i = FA_EXP_F64_DEG - 1; i >= 0; i--)
-        y = _mm256_fmadd_pd(y, r, _mm256_set1_pd(fa_exp_f64_coef[i]));
-    return _mm256_and_pd(keep, fa_scale2_f64_avx2(y, n));
+        y = _mm256_fmadd_pd(y, r, _mm256_set1_pd(2 * fa_exp_f64_coef[i]));
+    const __m256d two_n = _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_castpd_si256(j), 52));
+    return _mm256_and_pd(keep, _mm256_mul_pd(y, two_n));
 }
 
 static inline __m256 fa_neginf_to_zero_ps(__m256 x)

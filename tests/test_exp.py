@@ -4,10 +4,12 @@ import pytest
 
 from fastattn import _kernels
 
-# Bounds just above the measured maxima (float32 0.91 ulp, float64 1.0 ulp against
-# np.exp, which is itself not exact in float64).  fa_exp.h gives the polynomial's
-# analytic truncation bound; these measured figures include the Horner rounding.
-MAX_ULP = {np.float32: 1.0, np.float64: 1.5}
+# Bounds just above the measured maxima (float32 0.91 ulp with the degree-7 Taylor
+# polynomial of the generic and AVX-512 kernels, 1.014 ulp with the AVX2 kernel's
+# degree-6 fitted one; float64 1.0 ulp against np.exp, which is itself not exact in
+# float64).  fa_exp.h gives the polynomials' truncation bounds; these measured
+# figures include the rounding of the reduced argument and of Horner's steps.
+MAX_ULP = {np.float32: 1.05, np.float64: 1.5}
 
 
 def _ulp_err(y, x, dtype):
