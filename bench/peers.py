@@ -29,6 +29,11 @@ def make_onnxruntime(B, Hq, Hkv, Lq, Lk, D, threads, causal=None):
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
+    # ONNX Runtime's pool spins after each run, and more than the bench's 30 ms pause:
+    # the next library's call then shares its cores with those threads (fastattn
+    # measured 2.5x slower right after an ORT call, B32 H8 L64, 2 threads).  Without
+    # the spin, ORT's own calls take the same time (5.7 ms either way there).
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
     extra = {"M": _mask(Lq, Lk)} if masked else {}
     return lambda q, k, v: sess.run(None, dict(Q=q, K=k, V=v, **extra))[0]

@@ -129,6 +129,12 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
      * (not at this block's first visible key), so a row meets the same tiles and
      * chunks in every call it is part of. */
     const int64_t kv0 = it->kv0 / bc * bc;
+    /* One chunk (at most FA_CHUNK_KEYS keys, short sequences): merging it alone only
+     * copies it, so its rows go from sc.o to the output as fa_fold_chunk and
+     * fa_merge_finish would leave them (o / l, lse = m + log l: the same operations,
+     * the same bits), without the merge's two passes over the rows. */
+    const int single = it->kv1 > kv0 && kv0 / FA_CHUNK_KEYS == (it->kv1 - 1) / FA_CHUNK_KEYS && !sc.u &&
+                       !p->weights;
     for (int64_t c0 = kv0 / FA_CHUNK_KEYS * FA_CHUNK_KEYS; c0 < it->kv1; c0 += FA_CHUNK_KEYS) {
         const int64_t lo = kv0 > c0 ? kv0 : c0, hi = it->kv1 - c0 < FA_CHUNK_KEYS ? it->kv1 : c0 + FA_CHUNK_KEYS;
         for (int64_t i = 0; i < nr * dvp; i++) sc.o[i] = (FA_T)0;
@@ -227,7 +233,7 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
                 FA_NAME(fa_pv_tile_nonfinite)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, vt, v_sl,
                                               dvp);
         }
-        FA_NAME(fa_fold_chunk)(&sc, nr, Dv, dvp);
+        if (!single) FA_NAME(fa_fold_chunk)(&sc, nr, Dv, dvp);
     }
 
     /* The merged rows.  A row that saw no visible key gives 0 and lse -inf; a NaN
@@ -235,8 +241,19 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
     for (int64_t r = 0; r < nr; r++) {
         const int64_t h = it->h0 + r / it->nq, row = it->qoff + it->q0 + r % it->nq;
         const int64_t lo_ = it->b * p->lse_sb + h * p->lse_sh + row * p->lse_sl;
-        FA_T *acc = sc.mo + r * dvp;
-        const FA_T tot = sc.mtot[r], lse_r = fa_merge_finish(sc.mM[r], tot, acc, Dv);
+        FA_T *acc = single ? sc.o + r * dvp : sc.mo + r * dvp;
+        const FA_T tot = sc.mtot[r];
+        FA_T lse_r;
+        if (!single)
+            lse_r = fa_merge_finish(sc.mM[r], tot, acc, Dv);
+        else if (sc.l[r] == (FA_T)0) { /* no visible key */
+            for (int64_t c = 0; c < Dv; c++) acc[c] = (FA_T)0;
+            lse_r = -(FA_T)INFINITY;
+        } else {
+            const FA_T inv = (FA_T)1 / sc.l[r];
+            for (int64_t c = 0; c < Dv; c++) acc[c] *= inv;
+            lse_r = sc.m[r] + (FA_T)log((double)sc.l[r]);
+        }
         if (p->lse) ((FA_T *)p->lse)[lo_] = lse_r;
         if (p->entropy) { /* H = G / tot + log tot; the largest weight exp(X - lse) */
             const int none = lse_r == -(FA_T)INFINITY;
