@@ -1,8 +1,10 @@
 /*
  * kern_logits.h -- part of the kernel template (kernels_tmpl.h): the logits of a key
  * tile, steps 1-5 of the semantics (docs/semantics.md).
- *   fa_setup_rows    a block's rows: Q packed transposed and scaled, each row's visible
- *                    key range (causal and window), ALiBi slope and position, and its
+ *   fa_pack_q        a block's Q packed transposed and scaled (FA_VL rows at a time
+ *                    through a register transpose where the ISA has one)
+ *   fa_setup_rows    a block's rows: Q packed (fa_pack_q), each row's visible key
+ *                    range (causal and window), ALiBi slope and position, and its
  *                    mask, bias and output row pointers
  *   fa_mask_tile     the mask of a tile transposed into bytes (skips hidden tiles)
  *   fa_bias_tile     the bias of a tile transposed
@@ -10,16 +12,13 @@
  *   fa_scores        one tile: QK^T (kern_products.h) and, if asked, the logit steps
  *
  * Needs from the including ISA file: the vector operations, FA_VEXP, FA_VABS,
- * FA_VDIV, FA_VCOPYSIGN, FA_VIN_RANGE, FA_VMASK_BYTES, and FA_VTRANSPOSE where
+ * FA_VDIV, FA_VCOPYSIGN, FA_VIN_RANGE, FA_VMASK_BYTES, and FA_VTRANSPOSE(_REGS) where
  * FA_HAVE_TRANSPOSE is defined; for 16-bit q, FA_16_TO_FLOAT.
  */
 
-/* Per-row set-up of a block: row r is query position i = q0 + r % nq of head
- * h = h0 + r / nq.  Packs Q transposed and scaled (for the tile path, padded lanes
- * zero, so padded rows give finite logits that are never stored) and fills each
- * row's visible key range, ALiBi slope and position, and its mask, bias and output
- * row pointers. */
-/* Row r of the item's block, times qscale, into column r of qt (qt[d * brp + r]). */
+/* Row r of the item's block (query position q0 + r % nq of head h0 + r / nq), times
+ * qscale, into column r of qt (qt[d * brp + r]); fa_setup_rows zeroes the padded
+ * columns. */
 static void FA_NAME(fa_pack_q)(const fa_params *p, const fa_item *it, int64_t nr, int64_t brp,
                                FA_T qscale, FA_T *FA_RESTRICT qt)
 {
@@ -62,6 +61,11 @@ static void FA_NAME(fa_pack_q)(const fa_params *p, const fa_item *it, int64_t nr
     }
 }
 
+/* Per-row set-up of a block: row r is query position i = q0 + r % nq of head
+ * h = h0 + r / nq.  Packs Q transposed and scaled (for the tile path, padded lanes
+ * zero, so padded rows give finite logits that are never stored) and fills each
+ * row's visible key range, ALiBi slope and position, and its mask, bias and output
+ * row pointers. */
 static void FA_NAME(fa_setup_rows)(const fa_params *p, const fa_item *it, int64_t nr,
                                    int64_t nvl, int64_t brp, int64_t bc, FA_NAME(fa_scratch) *sc)
 {
