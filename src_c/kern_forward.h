@@ -131,8 +131,8 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
     const int64_t kv0 = it->kv0 / bc * bc;
     /* One chunk (at most FA_CHUNK_KEYS keys, short sequences): merging it alone only
      * copies it, so its rows go from sc.o to the output as fa_fold_chunk and
-     * fa_merge_finish would leave them (o / l, lse = m + log l: the same operations,
-     * the same bits), without the merge's two passes over the rows. */
+     * fa_merge_finish would leave them (fa_chunk_row: o / l, lse = m + log l, the
+     * same bits), without the merge's two passes over the rows. */
     const int single = it->kv1 > kv0 && kv0 / FA_CHUNK_KEYS == (it->kv1 - 1) / FA_CHUNK_KEYS && !sc.u &&
                        !p->weights;
     for (int64_t c0 = kv0 / FA_CHUNK_KEYS * FA_CHUNK_KEYS; c0 < it->kv1; c0 += FA_CHUNK_KEYS) {
@@ -249,11 +249,8 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
         else if (sc.l[r] == (FA_T)0) { /* no visible key */
             for (int64_t c = 0; c < Dv; c++) acc[c] = (FA_T)0;
             lse_r = -(FA_T)INFINITY;
-        } else {
-            const FA_T inv = (FA_T)1 / sc.l[r];
-            for (int64_t c = 0; c < Dv; c++) acc[c] *= inv;
-            lse_r = sc.m[r] + (FA_T)log((double)sc.l[r]);
-        }
+        } else
+            lse_r = FA_NAME(fa_chunk_row)(acc, sc.m[r], sc.l[r], Dv);
         if (p->lse) ((FA_T *)p->lse)[lo_] = lse_r;
         if (p->entropy) { /* H = G / tot + log tot; the largest weight exp(X - lse) */
             const int none = lse_r == -(FA_T)INFINITY;

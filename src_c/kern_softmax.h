@@ -140,15 +140,21 @@ static void FA_NAME(fa_softmax_row)(FA_T *FA_RESTRICT s, int64_t nk, FA_T *FA_RE
  * lse_c = m + log l, exactly what a split-KV decode item writes for that chunk), is
  * merged into the row's running merge; with return_stats the entropy too, by the
  * chain rule H = sum_c pi_c (h_c - log pi_c), kept relative to the running M. */
+/* A chunk's row normalized in place (o / l, l > 0) and its lse_c = m + log l. */
+static inline FA_T FA_NAME(fa_chunk_row)(FA_T *o, FA_T m, FA_T l, int64_t Dv)
+{
+    const FA_T inv = (FA_T)1 / l;
+    for (int64_t c = 0; c < Dv; c++) o[c] *= inv;
+    return m + (FA_T)log((double)l);
+}
+
 static void FA_NAME(fa_fold_chunk)(FA_NAME(fa_scratch) *sc, int64_t nr, int64_t Dv, int64_t dvp)
 {
     for (int64_t r = 0; r < nr; r++) {
         const FA_T l = sc->l[r];
         FA_T *o = sc->o + r * dvp;
         if (l == (FA_T)0) continue; /* no visible key in this chunk: lse_c = -inf, skipped */
-        const FA_T x = sc->m[r] + (FA_T)log((double)l);
-        const FA_T inv = (FA_T)1 / l;
-        for (int64_t c = 0; c < Dv; c++) o[c] *= inv;
+        const FA_T x = FA_NAME(fa_chunk_row)(o, sc->m[r], l, Dv);
         if (sc->u) {
             const FA_T hc = (FA_T)(log((double)l) - (double)sc->u[r] / (double)l);
             if (sc->mM[r] == -(FA_T)INFINITY) {
