@@ -33,6 +33,17 @@ SIMD_FILES = {
     "kernels_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
     "kernels_avx512.c": ["-mavx512f", "-mavx2", "-mfma", "-mf16c"],
 }
+# The bfloat16 products (vdpbf16ps), where the compiler knows the instruction; cpu.c
+# runs them only on CPUs that have it.  FASTATTN_EMULATE_BF16=1 builds them for tests
+# over SIMDe instead (libsimde-dev; no -mavx512bf16): the same source on any AVX-512 CPU.
+BF16_FILE = "kernels_avx512bf16.c"
+BF16_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512bf16", "-mavx2", "-mfma", "-mf16c"]
+EMULATE_BF16 = os.environ.get("FASTATTN_EMULATE_BF16", "") not in ("", "0")
+BF16_PROBE = r"""
+#include <immintrin.h>
+__m512 f(__m512 a, __m512bh b, __m512bh c) { return _mm512_dpbf16_ps(a, b, c); }
+__m512bh g(__m512 a, __m512 b) { return _mm512_cvtne2ps_pbh(a, b); }
+"""
 IS_X86_64 = platform.machine().lower() in ("x86_64", "amd64")
 # Every header a C file may include (a change to one rebuilds them all).
 HEADERS = sorted(os.path.basename(h) for h in os.listdir(SRC) if h.endswith(".h"))
@@ -68,6 +79,22 @@ def _try_compile_run(compiler, source, flags):
         if r.returncode != 0:
             return False
         return subprocess.run([exe], capture_output=True, text=True).returncode == 0
+    except OSError:
+        return False
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _try_compile(compiler, source, flags):
+    """Does `source` compile to an object file with `flags`?"""
+    tmp = tempfile.mkdtemp(prefix="fastattn-probe-")
+    try:
+        src = os.path.join(tmp, "probe.c")
+        with open(src, "w") as f:
+            f.write(source)
+        cmd = [c for c in _compiler_cmd(compiler) if c not in ("-fPIC",)]
+        return subprocess.run(cmd + ["-c", src, "-o", os.path.join(tmp, "probe.o")] + flags,
+                              capture_output=True, text=True).returncode == 0
     except OSError:
         return False
     finally:
@@ -111,6 +138,15 @@ class BuildExt(build_ext):
         simd = dict(SIMD_FILES) if IS_X86_64 else {}
         if IS_X86_64:
             ext.define_macros.append(("FA_HAVE_X86_KERNELS", "1"))
+            if EMULATE_BF16:
+                simd[BF16_FILE] = [f for f in BF16_FLAGS if f != "-mavx512bf16"]
+                ext.define_macros += [("FA_HAVE_BF16_KERNELS", "1"), ("FA_EMULATE_BF16", "1")]
+                print("fastattn: the bfloat16 products emulated by SIMDe (a test build)")
+            elif _try_compile(self.compiler, BF16_PROBE, BF16_FLAGS):
+                simd[BF16_FILE] = list(BF16_FLAGS)
+                ext.define_macros.append(("FA_HAVE_BF16_KERNELS", "1"))
+            else:
+                print("fastattn: the compiler has no -mavx512bf16; bfloat16 computes in float32")
         def simd_args(name, flags):  # one SIMD file, with its own flags only
             return dict(sources=[os.path.join(SRC, name)], output_dir=self.build_temp,
                         macros=ext.define_macros, include_dirs=ext.include_dirs,

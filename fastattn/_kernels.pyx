@@ -82,6 +82,11 @@ cdef extern from "fastattn.h" nogil:
     int64_t fa_cpu_l2_bytes()
     const char *fa_cpu_l2_source()
     unsigned fa_cpu_bf16_features()
+    int fa_bf16_path()
+    unsigned fa_bf16_paths()
+    int fa_set_bf16_path(int path)
+    const char *fa_bf16_path_name(int path)
+    int FA_BF16_COUNT, FA_BF16_EMULATED
     int fa_set_default_isa(int isa)
     const char *fa_isa_name(int isa)
     int fa_openmp_enabled()
@@ -133,6 +138,33 @@ def set_kernel(name):
 
 def kernel_reason():
     return _why
+
+
+def bf16_paths():
+    """How bfloat16 q/k/v can compute here: "float32" (converted in registers, every
+    kernel) and, where the build and CPU have it, "avx512-bf16" (the products on
+    vdpbf16ps pairs, avx512 kernel)."""
+    cdef unsigned have = fa_bf16_paths()
+    return [fa_bf16_path_name(i).decode() for i in range(FA_BF16_COUNT) if have & (1u << i)]
+
+
+def bf16_path():
+    return fa_bf16_path_name(fa_bf16_path()).decode()
+
+
+def set_bf16_path(name):
+    """Make `name` (one of bf16_paths()) the bfloat16 path (tests use this)."""
+    for i in range(FA_BF16_COUNT):
+        if fa_bf16_path_name(i).decode() == name:
+            if fa_set_bf16_path(i) != FA_OK:
+                raise ValueError(f"bfloat16 path {name!r} cannot run here; it runs {bf16_paths()}")
+            return
+    raise ValueError(f"unknown bfloat16 path {name!r}")
+
+
+def bf16_emulated():
+    """Is this a test build whose bfloat16 products are emulated (FASTATTN_EMULATE_BF16)?"""
+    return bool(FA_BF16_EMULATED)
 
 
 def build_info():

@@ -74,6 +74,47 @@ unsigned fa_cpu_bf16_features(void)
     return f;
 }
 
+/* ---- the bfloat16 path (fastattn.h) ---- */
+static const char *const fa_bf16_names[FA_BF16_COUNT] = {"float32", "avx512-bf16"};
+
+const char *fa_bf16_path_name(int path)
+{
+    return path >= 0 && path < FA_BF16_COUNT ? fa_bf16_names[path] : "unknown";
+}
+
+/* AVX512-BF16 pairs need the avx512 kernel, AVX512BW (the pair shuffles) and the
+ * instruction itself, or, in the emulated test build, only the first two. */
+unsigned fa_bf16_paths(void)
+{
+    unsigned paths = 1u << FA_BF16_FLOAT32;
+#if defined(FA_X86) && defined(FA_HAVE_BF16_KERNELS)
+    unsigned a, b, c, d;
+    const int bw = __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((b >> 30) & 1);
+#ifdef FA_EMULATE_BF16
+    const int dp = 1;
+#else
+    const int dp = (fa_cpu_bf16_features() & 1) != 0;
+#endif
+    if ((fa_cpu_supported_isas() & (1u << FA_ISA_AVX512)) && bw && dp) paths |= 1u << FA_BF16_AVX512;
+#endif
+    return paths;
+}
+
+static int fa_bf16_current = -1;
+
+int fa_bf16_path(void)
+{
+    if (fa_bf16_current < 0) (void)fa_cpu_select(NULL, NULL, 0);
+    return fa_bf16_current;
+}
+
+int fa_set_bf16_path(int path)
+{
+    if (path < 0 || path >= FA_BF16_COUNT || !(fa_bf16_paths() & (1u << path))) return FA_ERR_ARG;
+    fa_bf16_current = path;
+    return FA_OK;
+}
+
 /* Size of the L2 cache that one core uses, and where the figure came from.
  * Intel describes its caches in CPUID leaf 4; AMD leaves that leaf empty and
  * describes them in 0x8000001D (the same layout, with TOPOEXT) and, more coarsely,
@@ -244,5 +285,8 @@ int fa_cpu_select(const char *disabled, char *why, int why_len)
     }
     if (why && why_len > 0) snprintf(why, (size_t)why_len, "%s", reason);
     fa_default = isa;
+    const int no_bf16 = disabled && (fa_list_has(disabled, "AVX512_BF16") || fa_list_has(disabled, "AVX512BF16"));
+    fa_bf16_current = !no512 && !no_bf16 && (fa_bf16_paths() & (1u << FA_BF16_AVX512)) ? FA_BF16_AVX512
+                                                                                        : FA_BF16_FLOAT32;
     return isa;
 }

@@ -201,8 +201,16 @@ int fa_attention_forward(const fa_params *p)
     if (rc != FA_OK) return rc;
     /* int8 K/V are dequantized into float32 tiles: the float32 kernel reads them */
     const int ki = p->kv_store == FA_STORE_BF16 ? FA_KVB16 : p->kv_store == FA_STORE_F16 ? FA_KV16 : p->dtype;
-    const fa_qblock_fn qblock = kern->qblock[ki];
-    const size_t scratch_bytes = kern->scratch_bytes[ki](p, &pl.bl);
+    fa_qblock_fn qblock = kern->qblock[ki];
+    size_t scratch_bytes = kern->scratch_bytes[ki](p, &pl.bl);
+#ifdef FA_HAVE_BF16_KERNELS
+    /* q, k and v bfloat16 on the avx512 kernel: the products on AVX512-BF16 pairs */
+    if (kern == fa_kernel_for_isa(FA_ISA_AVX512) && fa_bf16_path() == FA_BF16_AVX512 &&
+        p->q_store == FA_STORE_BF16 && p->kv_store == FA_STORE_BF16) {
+        qblock = fa_kernel_avx512_bf16.qblock;
+        scratch_bytes = fa_kernel_avx512_bf16.scratch_bytes(p, &pl.bl);
+    }
+#endif
     const int64_t items = pl.items;
 
     int nth = nth_req;

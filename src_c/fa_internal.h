@@ -331,6 +331,19 @@ extern const fa_kernel fa_kernel_avx2;
 extern const fa_kernel fa_kernel_avx512;
 #endif
 
+/* A bfloat16 path: the forward of q, k and v all bfloat16 with the products on
+ * bfloat16 hardware (kernels_avx512bf16.c), in place of the avx512 kernel's
+ * qblock[FA_KVB16] (which converts to float32) when fa_bf16_path() selects it
+ * (fastattn.h). */
+typedef struct fa_bf16_kernel {
+    const char *name;
+    fa_qblock_fn qblock;
+    fa_scratch_fn scratch_bytes;
+} fa_bf16_kernel;
+#ifdef FA_HAVE_BF16_KERNELS
+extern const fa_bf16_kernel fa_kernel_avx512_bf16;
+#endif
+
 /* The table for an ISA, or NULL if it was not compiled in. */
 const fa_kernel *fa_kernel_for_isa(int isa);
 

@@ -86,6 +86,13 @@ typedef struct FA_NAME(fa_scratch) {
     void **orow; /* FA_T, or float16 bits for a float16 output */
     FA_KV *kst, *vst;
     FA_T *ones; /* brp ones (no rescale), with kst */
+#ifdef FA_BF16_DP
+    /* bfloat16 pairs (kern_bf16dp.h), one uint32 each: Q (D/2 rounded up) x brp, P
+     * (bc/2 rounded up) x brp, V (bc/2 rounded up) x dvp; dp: this block's products
+     * take them (fa_setup_rows) */
+    uint32_t *qp, *pp, *vp;
+    int dp;
+#endif
 } FA_NAME(fa_scratch);
 
 static inline void *FA_NAME(fa_carve)(char **cur, size_t bytes)
@@ -143,6 +150,12 @@ static size_t FA_NAME(fa_layout)(const fa_params *p, const fa_blocks *bl, void *
                   ? (FA_KV *)FA_NAME(fa_carve)(&cur, bc * (size_t)p->Dv * sizeof(FA_KV))
                   : NULL;
     sc->ones = fa_kv_staged(p) ? (FA_T *)FA_NAME(fa_carve)(&cur, brp * t) : NULL;
+#ifdef FA_BF16_DP
+    sc->dp = 0;
+    sc->qp = (uint32_t *)FA_NAME(fa_carve)(&cur, (size_t)(p->D + 1) / 2 * brp * sizeof(uint32_t));
+    sc->pp = (uint32_t *)FA_NAME(fa_carve)(&cur, (bc + 1) / 2 * brp * sizeof(uint32_t));
+    sc->vp = (uint32_t *)FA_NAME(fa_carve)(&cur, (bc + 1) / 2 * dvp * sizeof(uint32_t));
+#endif
     if (base && sc->ones)
         for (size_t i = 0; i < brp; i++) sc->ones[i] = (FA_T)1;
     return (size_t)(cur - first);

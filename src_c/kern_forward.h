@@ -227,8 +227,14 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
                     FA_NAME(fa_pv_tile_nonfinite)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, vt,
                                                   v_sl, dvp);
                 }
-            } else if (FA_NAME(fa_v_finite)(vt, v_sl, nk, Dv))
-                FA_NAME(fa_pv_tile)(sc.s, nr, nk, vt, v_sl, Dv, sc.o, dvp, sc.alpha, brp);
+            } else if (FA_NAME(fa_v_finite)(vt, v_sl, nk, Dv)) {
+#ifdef FA_BF16_DP
+                if (sc.dp)
+                    FA_NAME(fa_pv_tile_dp)(sc.s, nr, nv, nk, vt, v_sl, Dv, sc.o, dvp, sc.alpha, brp, sc.pp, sc.vp);
+                else
+#endif
+                    FA_NAME(fa_pv_tile)(sc.s, nr, nk, vt, v_sl, Dv, sc.o, dvp, sc.alpha, brp);
+            }
             else
                 FA_NAME(fa_pv_tile_nonfinite)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, vt, v_sl,
                                               dvp);

@@ -84,7 +84,14 @@ static void FA_NAME(fa_setup_rows)(const fa_params *p, const fa_item *it, int64_
         if (sc->bt)
             for (int64_t j = 0; j < bc; j++) sc->bt[j * brp + r] = (FA_T)0;
     }
-    FA_NAME(fa_pack_q)(p, it, nr, brp, qscale, sc->qt);
+#ifdef FA_BF16_DP
+    /* bfloat16 q, k, v and a prefill block: the products take bfloat16 pairs */
+    sc->dp = p->q_store == FA_STORE_BF16 && p->kv_store == FA_STORE_BF16 && nr > FA_DOT_ROWS;
+    if (sc->dp)
+        FA_NAME(fa_pack_q_pairs)(p, it, nr, nvl, brp, sc->qp);
+    else
+#endif
+        FA_NAME(fa_pack_q)(p, it, nr, brp, qscale, sc->qt);
     for (int64_t r = 0; r < nr; r++) {
         const int64_t h = it->h0 + r / it->nq, i = it->q0 + r % it->nq, row = it->qoff + i;
         const int64_t a = i + diag; /* the aligned diagonal of this row */
@@ -294,7 +301,14 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
             sc->cmx_valid = !logits && !sc->query_major && !FA_NAME(fa_has_logit_steps)(p, sc);
             if (sc->cmx_valid)
                 for (int64_t i = 0; i < (int64_t)nv * FA_VL; i++) sc->cmx[i] = -(FA_T)INFINITY;
-            FA_NAME(fa_qk_tile)(sc->qt, nv, k, k_sl, nk, p->D, sc->s, brp, sc->cmx_valid ? sc->cmx : NULL);
+#ifdef FA_BF16_DP
+            if (sc->dp)
+                FA_NAME(fa_qk_tile_dp)(sc->qp, nv, k, k_sl, nk, p->D, sc->s, brp,
+                                       (FA_T)(p->softcap > 0 ? p->scale / p->softcap : p->scale),
+                                       sc->cmx_valid ? sc->cmx : NULL);
+            else
+#endif
+                FA_NAME(fa_qk_tile)(sc->qt, nv, k, k_sl, nk, p->D, sc->s, brp, sc->cmx_valid ? sc->cmx : NULL);
         }
     }
     if (sc->need_range) {

@@ -44,6 +44,7 @@
  *   kern_common.h    defaults, tile-shape switches, the forward's scratch layout
  *   kern_source.h    a key tile's K/V rows: in place, or staged (int8, paged)
  *   kern_products.h  QK^T tiles, the keys-on-lanes decode product, P.V tiles
+ *   kern_bf16dp.h    (FA_BF16_DP only) both products on bfloat16 pairs
  *   kern_softmax.h   the online softmax, the chunk merge and the statistics
  *   kern_logits.h    row set-up, mask/bias tiles, the logit steps, fa_scores
  *   kern_forward.h   the forward block (prefill and decode rows), exp
@@ -52,6 +53,9 @@
 #include "kern_common.h"
 #include "kern_source.h"
 #include "kern_products.h"
+#ifdef FA_BF16_DP
+#include "kern_bf16dp.h"
+#endif
 #include "kern_softmax.h"
 #include "kern_logits.h"
 #include "kern_forward.h"

@@ -1,0 +1,187 @@
+/*
+ * kern_bf16dp.h -- part of the kernel template (kernels_tmpl.h), only where the ISA file
+ * defines FA_BF16_DP: the two products of a prefill block on bfloat16 pairs, for q, k
+ * and v all bfloat16 (the AVX512-BF16 instruction vdpbf16ps: each 32-bit lane adds the
+ * products of one pair of bfloat16 values to a float32 accumulator).
+ *   fa_pack_q_pairs  a block's Q rows as pairs of features, qp[t][r] = (q[r][2t],
+ *                    q[r][2t+1]) as one 32-bit word (low half the first; 0 past D),
+ *                    not scaled: the scale goes on the float32 logits
+ *   fa_qk_tile_dp    S^T = K Q^T over the pairs: one key's pair broadcast (read in place
+ *                    from its bfloat16 row) against 16 queries' pairs, then times the
+ *                    scale (scale / softcap with a softcap), stored as float32 logits
+ *   fa_pv_tile_dp    P rounded to bfloat16 (round to nearest even, as PyTorch and
+ *                    FlashAttention do) and paired along the keys, V paired along the
+ *                    keys once per tile, then O = alpha O + P V in float32
+ * The softmax, the logit steps, the merge and the statistics are the float32 ones.
+ * Blocks of at most FA_DOT_ROWS rows (decoding) take the float32 products.
+ *
+ * Needs from the ISA file, on FA_DP_V (16 pairs of bfloat16):
+ *   FA_DP_LOAD(p)         16 pairs from 64-byte-aligned uint32 words
+ *   FA_DP_BCAST(w)        a uint32 pair in every lane
+ *   FA_DP_FMA(acc, a, b)  acc + a.lo * b.lo + a.hi * b.hi per lane (float32 acc)
+ *   FA_DP_CVT2(x0, x1)    pairs (bf16(x0[i]), bf16(x1[i])) of two float32 vectors
+ *   FA_DP_ZIP(a, b, n, lo, hi)  the first n (<= 32) bfloat16 values of rows a and b
+ *                         (b NULL: zeros) as pairs: lo = channels 0-15, hi = 16-31
+ *   FA_DP_STORE(p, x)     store 16 pairs (64-byte aligned)
+ */
+
+/* Q pairs of a block's rows (padded rows nr .. nvl-1 zero). */
+static void FA_NAME(fa_pack_q_pairs)(const fa_params *p, const fa_item *it, int64_t nr, int64_t nvl,
+                                     int64_t brp, uint32_t *FA_RESTRICT qp)
+{
+    const int64_t D = p->D, np = (D + 1) / 2;
+    for (int64_t r = 0; r < nvl; r++) {
+        if (r >= nr) {
+            for (int64_t t = 0; t < np; t++) qp[t * brp + r] = 0;
+            continue;
+        }
+        const int64_t h = it->h0 + r / it->nq, row = it->qoff + it->q0 + r % it->nq;
+        const uint16_t *qh = (const uint16_t *)p->q + it->b * p->q_sb + h * p->q_sh + row * p->q_sl;
+        for (int64_t t = 0; t < D / 2; t++) qp[t * brp + r] = (uint32_t)qh[2 * t] | (uint32_t)qh[2 * t + 1] << 16;
+        if (D & 1) qp[(np - 1) * brp + r] = qh[D - 1];
+    }
+}
+
+/* R keys x NV query vectors of logits, accumulators in registers; with cm, each
+ * lane's max folded in (as fa_qk_micro). */
+FA_ALWAYS_INLINE void FA_NAME(fa_qk_dp_micro)(const int R, const int NV, const uint32_t *FA_RESTRICT qp,
+                                              const uint16_t *FA_RESTRICT k, int64_t k_sl, int64_t D,
+                                              FA_T *FA_RESTRICT s, int64_t brp, FA_T scale,
+                                              FA_T *FA_RESTRICT cm)
+{
+    FA_V acc[FA_QK_R][FA_QK_NV];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NV; c++) acc[r][c] = FA_VZERO();
+    const int64_t full = D / 2;
+    for (int64_t t = 0; t < full; t++) {
+        FA_DP_V qv[FA_QK_NV];
+        for (int c = 0; c < NV; c++) qv[c] = FA_DP_LOAD(qp + t * brp + c * FA_VL);
+        for (int r = 0; r < R; r++) {
+            uint32_t w;
+            memcpy(&w, k + r * k_sl + 2 * t, sizeof w);
+            const FA_DP_V kb = FA_DP_BCAST(w);
+            for (int c = 0; c < NV; c++) acc[r][c] = FA_DP_FMA(acc[r][c], kb, qv[c]);
+        }
+    }
+    if (D & 1) { /* the last feature alone: (k, 0) against (q, 0) */
+        FA_DP_V qv[FA_QK_NV];
+        for (int c = 0; c < NV; c++) qv[c] = FA_DP_LOAD(qp + full * brp + c * FA_VL);
+        for (int r = 0; r < R; r++) {
+            const FA_DP_V kb = FA_DP_BCAST((uint32_t)k[r * k_sl + D - 1]);
+            for (int c = 0; c < NV; c++) acc[r][c] = FA_DP_FMA(acc[r][c], kb, qv[c]);
+        }
+    }
+    const FA_V sv = FA_VSET1(scale);
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NV; c++) {
+            acc[r][c] = FA_VMUL(acc[r][c], sv);
+            FA_VSTORE(s + r * brp + c * FA_VL, acc[r][c]);
+        }
+    if (cm)
+        for (int c = 0; c < NV; c++) {
+            FA_V mx = FA_VLOAD(cm + c * FA_VL);
+            for (int r = 0; r < R; r++) mx = FA_VMAX(mx, acc[r][c]);
+            FA_VSTORE(cm + c * FA_VL, mx);
+        }
+}
+
+#define FA_QK_DP_CASE(R, NV)                                                                 \
+    case (R) * 8 + (NV):                                                                     \
+        if ((R) <= FA_QK_R && (NV) <= FA_QK_NV)                                              \
+            FA_NAME(fa_qk_dp_micro)(R, NV, qp + cv * FA_VL, kj, k_sl, D, sj, brp, scale, cmj); \
+        break;
+
+/* The logits of nk bfloat16 keys against a block's Q pairs (nv vectors), as fa_qk_tile. */
+static void FA_NAME(fa_qk_tile_dp)(const uint32_t *FA_RESTRICT qp, int nv, const uint16_t *FA_RESTRICT k,
+                                   int64_t k_sl, int64_t nk, int64_t D, FA_T *FA_RESTRICT s, int64_t brp,
+                                   FA_T scale, FA_T *FA_RESTRICT colmax)
+{
+    for (int cv = 0; cv < nv; cv += FA_QK_NV) {
+        const int ncv = nv - cv < FA_QK_NV ? nv - cv : FA_QK_NV;
+        for (int64_t j = 0; j < nk; j += FA_QK_R) {
+            const int r = (int)(nk - j < FA_QK_R ? nk - j : FA_QK_R);
+            const uint16_t *kj = k + j * k_sl;
+            FA_T *sj = s + j * brp + cv * FA_VL;
+            FA_T *cmj = colmax ? colmax + cv * FA_VL : NULL;
+            switch (r * 8 + ncv) {
+                FA_TILE_ROWS(FA_QK_DP_CASE)
+                default: break;
+            }
+        }
+    }
+}
+#undef FA_QK_DP_CASE
+
+/* o[i][c0 ...] = alpha[i] o[i][c0 ...] + sum_t (p pair t of row i) . (v pair t) for R
+ * rows and NC value vectors; pp[t * brp + i], vp[t * dvp + c]. */
+FA_ALWAYS_INLINE void FA_NAME(fa_pv_dp_micro)(const int R, const int NC, const uint32_t *FA_RESTRICT pp,
+                                              const uint32_t *FA_RESTRICT vp, int64_t npairs,
+                                              FA_T *FA_RESTRICT o, int64_t dvp,
+                                              const FA_T *FA_RESTRICT alpha, int64_t brp)
+{
+    FA_V acc[FA_PV_R][FA_PV_NC];
+    int rescale = 0;
+    for (int r = 0; r < R; r++) rescale |= alpha[r] != (FA_T)1;
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NC; c++) acc[r][c] = FA_VLOAD(o + r * dvp + c * FA_VL);
+    if (rescale)
+        for (int r = 0; r < R; r++) {
+            const FA_V a = FA_VSET1(alpha[r]);
+            for (int c = 0; c < NC; c++) acc[r][c] = FA_VMUL(acc[r][c], a);
+        }
+    for (int64_t t = 0; t < npairs; t++) {
+        FA_DP_V vv[FA_PV_NC];
+        for (int c = 0; c < NC; c++) vv[c] = FA_DP_LOAD(vp + t * dvp + c * FA_VL);
+        for (int r = 0; r < R; r++) {
+            const FA_DP_V pb = FA_DP_BCAST(pp[t * brp + r]);
+            for (int c = 0; c < NC; c++) acc[r][c] = FA_DP_FMA(acc[r][c], pb, vv[c]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NC; c++) FA_VSTORE(o + r * dvp + c * FA_VL, acc[r][c]);
+}
+
+#define FA_PV_DP_CASE(R, NC)                                                                \
+    case (R) * 16 + (NC):                                                                   \
+        if ((R) <= FA_PV_R && (NC) <= FA_PV_NC)                                             \
+            FA_NAME(fa_pv_dp_micro)(R, NC, pp + i, vp + c0, npairs, o + i * dvp + c0, dvp, alpha + i, brp); \
+        break;
+
+/* A tile's P.V on bfloat16 pairs: P (s[jj * brp + i], float32 probabilities of nv
+ * query vectors) rounded and paired into pp, the V tile (nk rows of v_sl, Dv wide)
+ * paired into vp, then the rows' products. */
+static void FA_NAME(fa_pv_tile_dp)(const FA_T *FA_RESTRICT s, int64_t nq, int nv, int64_t nk,
+                                   const uint16_t *FA_RESTRICT v, int64_t v_sl, int64_t Dv,
+                                   FA_T *FA_RESTRICT o, int64_t dvp, const FA_T *FA_RESTRICT alpha,
+                                   int64_t brp, uint32_t *FA_RESTRICT pp, uint32_t *FA_RESTRICT vp)
+{
+    const int64_t npairs = (nk + 1) / 2;
+    for (int64_t t = 0; t < npairs; t++) {
+        const int two = 2 * t + 1 < nk;
+        const FA_T *s0 = s + 2 * t * brp, *s1 = s0 + brp;
+        for (int c = 0; c < nv; c++) {
+            const FA_V x0 = FA_VLOAD(s0 + c * FA_VL), x1 = two ? FA_VLOAD(s1 + c * FA_VL) : FA_VZERO();
+            FA_DP_STORE(pp + t * brp + c * FA_VL, FA_DP_CVT2(x0, x1));
+        }
+        const uint16_t *v0 = v + 2 * t * v_sl, *v1 = two ? v0 + v_sl : NULL;
+        for (int64_t c0 = 0; c0 < dvp; c0 += 2 * FA_VL) {
+            const int n = (int)(Dv - c0 < 2 * FA_VL ? Dv - c0 : 2 * FA_VL);
+            FA_DP_V lo, hi;
+            FA_DP_ZIP(v0 + c0, v1 ? v1 + c0 : NULL, n, lo, hi);
+            FA_DP_STORE(vp + t * dvp + c0, lo);
+            if (c0 + FA_VL < dvp) FA_DP_STORE(vp + t * dvp + c0 + FA_VL, hi);
+        }
+    }
+    const int64_t chunk = (int64_t)FA_PV_NC * FA_VL;
+    for (int64_t c0 = 0; c0 < dvp; c0 += chunk) {
+        const int nc = (int)((dvp - c0 < chunk ? dvp - c0 : chunk) / FA_VL);
+        for (int64_t i = 0; i < nq; i += FA_PV_R) {
+            const int r = (int)(nq - i < FA_PV_R ? nq - i : FA_PV_R);
+            switch (r * 16 + nc) {
+                FA_TILE_ROWS(FA_PV_DP_CASE)
+                default: break;
+            }
+        }
+    }
+}
+#undef FA_PV_DP_CASE
