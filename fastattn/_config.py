@@ -35,12 +35,24 @@ def config() -> dict[str, Any]:
 
 
 def _bf16_line(info: dict[str, Any]) -> str:
-    """Which kernel computes bfloat16 and why."""
+    """How bfloat16 q, k, v compute, and why."""
     have = [n for n, k in (("AVX512-BF16", "bf16_avx512"), ("AMX-BF16", "bf16_amx")) if info.get(k)]
-    cpu = (f"this CPU has {' and '.join(have)}, which fastattn does not use yet" if have
-           else "this CPU has no AVX512-BF16 or AMX-BF16")
+    cpu = f"this CPU has {' and '.join(have)}" if have else "this CPU has no AVX512-BF16 or AMX-BF16"
+    if _kernels.bf16_path() == "avx512-bf16" and _kernels.current_kernel() == "avx512":
+        how = ("the avx512 kernel takes both products on AVX512-BF16 pairs (vdpbf16ps, float32 "
+               "sums and softmax, P rounded to bfloat16)")
+        if _kernels.bf16_emulated():
+            how += ", emulated by SIMDe: a test build, not for speed"
+        return f"{how}; {cpu}; FASTATTN_DISABLE_CPU_FEATURES=AVX512_BF16 turns it off"
+    if "avx512-bf16" in _kernels.bf16_paths():
+        why = (f"{cpu}, whose pairs are off here (FASTATTN_DISABLE_CPU_FEATURES=AVX512_BF16, "
+               "or a kernel other than avx512)")
+    elif info.get("bf16_avx512"):
+        why = f"{cpu}, but this build has no AVX512-BF16 kernel (its compiler lacked -mavx512bf16)"
+    else:
+        why = cpu
     return (f"the {_kernels.current_kernel()} kernel reads bfloat16 and computes in float32 "
-            f"(converted in registers); {cpu}")
+            f"(converted in registers); {why}")
 
 
 def _size(n: int) -> str:

@@ -46,6 +46,25 @@ def kernel(request):
     _kernels.set_kernel(before)
 
 
+# bfloat16 q/k/v compute either converted to float32 (every kernel) or, on the avx512
+# kernel where the build and CPU have it, on AVX512-BF16 pairs: each kernel with the
+# float32 path, and the avx512 kernel with every other path this machine runs.
+BF16_PATHS = _kernels.bf16_paths()
+BF16_KERNELS = [(k, "float32") for k in KERNELS] + \
+    [("avx512", p) for p in BF16_PATHS if p != "float32" and "avx512" in KERNELS]
+
+
+@pytest.fixture(params=BF16_KERNELS, ids=[f"{k}-{p}" for k, p in BF16_KERNELS])
+def bf16_kernel(request):
+    """Run the test under each (kernel, bfloat16 path) pair this machine can execute."""
+    before = _kernels.current_kernel(), _kernels.bf16_path()
+    _kernels.set_kernel(request.param[0])
+    _kernels.set_bf16_path(request.param[1])
+    yield request.param
+    _kernels.set_kernel(before[0])
+    _kernels.set_bf16_path(before[1])
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
@@ -53,7 +72,8 @@ def rng():
 
 def pytest_report_header(config):
     return (f"fastattn {fastattn.__version__} from {fastattn.__file__}; "
-            f"kernels {KERNELS}, default {_kernels.current_kernel()}")
+            f"kernels {KERNELS}, default {_kernels.current_kernel()}; bfloat16 paths {BF16_PATHS}"
+            + (" (emulated: a test build)" if _kernels.bf16_emulated() else ""))
 
 
 def pytest_configure(config):

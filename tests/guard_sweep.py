@@ -62,12 +62,15 @@ def cases(n, seed, offsets=True):
     r = np.random.default_rng(seed)
     ro = np.random.default_rng([seed, 7])
     kernels = _kernels.supported_kernels()
+    # bfloat16 q/k/v on the avx512 kernel alternate between the bfloat16 paths
+    paths = _kernels.bf16_paths() if hasattr(_kernels, "bf16_paths") else ["float32"]
     out = []
     for i in range(n):
         fn = FUNCTIONS[r.integers(len(FUNCTIONS))]
         dq, dkv = _dtypes_for(fn, r)
         c = dict(i=i, fn=fn, kernel=kernels[i % len(kernels)], dq=dq, dkv=dkv,
-                 seed=int(r.integers(2 ** 31)), threads=int(r.choice([1, 2, 3])))
+                 seed=int(r.integers(2 ** 31)), threads=int(r.choice([1, 2, 3])),
+                 bf16_path=paths[i // len(kernels) % len(paths)])
         c["nd"] = 3 if fn == "varlen" else int(r.choice([2, 3, 4, 4, 4]))
         c["layout"] = "bshd" if fn == "varlen" else str(r.choice(["bhsd", "bhsd", "bshd"]))
         Hkv = int(r.choice([1, 1, 2, 3])) if c["nd"] > 2 else 1
@@ -367,6 +370,8 @@ def prepare(c):
     """The case ready to call: its kernel set, its keywords as the functions take them,
     its arrays (native dtypes) and the oracle's float64 copies."""
     _kernels.set_kernel(c["kernel"])
+    if hasattr(_kernels, "set_bf16_path"):
+        _kernels.set_bf16_path(c.get("bf16_path", "float32"))
     nat = _inputs(c)
     c = dict(c, kw=dict(c["kw"]))
     if c["fn"] not in ("varlen", "merge"):

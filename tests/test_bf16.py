@@ -1,7 +1,10 @@
 """bfloat16 (ml_dtypes.bfloat16): q, k, v all bf16 (output bf16, lse float32) and bf16
-K/V with float32 q, on every kernel this CPU runs, against the float64 oracle on the
-same bf16-rounded inputs; every variant, layouts, varlen, merge, attention_weights and
-the backward.
+K/V with float32 q, on every kernel this CPU runs and, for q, k, v all bf16, on every
+bfloat16 path (bf16_kernel: converted to float32, and the AVX512-BF16 pairs where the
+CPU, or the emulated test build, has them), against the float64 oracle on the same
+bf16-rounded inputs; every variant, layouts, varlen, merge, attention_weights and the
+backward; the edges of the pair products (odd D, Lq != Lk, 9 rows, strided views),
+non-finite values, and the bits across thread counts and calls on each path.
 
 Tolerance: bf16 keeps 8 significant bits, so rounding the output alone costs up to
 2^-9 of an element's magnitude (3.9e-3 relative to the largest); fastattn computes in
@@ -15,7 +18,8 @@ import pytest
 
 import fastattn
 from fastattn import reference
-from conftest import assert_lse_close, rel_err
+from conftest import BF16_PATHS, assert_lse_close, rel_err
+from fastattn import _kernels
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -46,7 +50,7 @@ def check(q, k, v, tol=TOL_BF16, **kw):
 @pytest.mark.parametrize("shape", [(1, 1, 1, 1, 1), (1, 2, 37, 53, 5), (2, 4, 130, 70, 64),
                                    (1, 2, 1, 3000, 64), (1, 8, 200, 200, 128)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_all_bf16(kernel, rng, shape):
+def test_all_bf16(bf16_kernel, rng, shape):
     B, H, Lq, Lk, D = shape
     q, k, v = bf(rng, B, H, Lq, D), bf(rng, B, H, Lk, D), bf(rng, B, H, Lk, D)
     check(q, k, v)
@@ -76,7 +80,7 @@ VARIANTS = {
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_variants_and_gqa(kernel, rng, name):
+def test_variants_and_gqa(bf16_kernel, rng, name):
     B, Hq, Hkv, Lq, Lk, D = 2, 4, 2, 45, 80, 16
     q, k, v = bf(rng, B, Hq, Lq, D), bf(rng, B, Hkv, Lk, D), bf(rng, B, Hkv, Lk, D)
     check(q, k, v, **VARIANTS[name](rng, B, Hq, Lq, Lk))
@@ -147,3 +151,90 @@ def test_no_worse_than_torch(rng):
         assert ours <= 1.5 * theirs
         worst = max(worst, theirs)
     assert 1.5 * worst <= TOL_BF16 * 1.25  # the fixed tolerance still reflects PyTorch's error
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 9, 9, 1), (1, 2, 9, 300, 3), (2, 3, 70, 17, 63), (1, 2, 33, 2, 65),
+                                   (1, 1, 300, 1, 16), (1, 2, 129, 257, 128), (1, 1, 40, 64, 256)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_pair_edges(bf16_kernel, rng, shape):
+    """Odd and tiny D (the last feature alone in its pair), Lq != Lk both ways, key
+    counts that are odd or not a tile multiple (the last key alone in its pair), 9
+    rows (the smallest block past the decode rows), D = 256, Dv != D."""
+    B, H, Lq, Lk, D = shape
+    q, k, v = bf(rng, B, H, Lq, D), bf(rng, B, H, Lk, D), bf(rng, B, H, Lk, D)
+    check(q, k, v)
+    check(q, k, v, causal=True)
+    check(q, k, v, window=(5, 7))
+    check(q, k, bf(rng, B, H, Lk, 19))  # Dv = 19: a value tail
+
+
+def test_strided_and_gqa_views(bf16_kernel, rng):
+    """bshd rows of a fused projection and every other head: K and V rows read in place."""
+    qkv = bf(rng, 2, 130, 3, 4, 48)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1, ::2], qkv[:, :, 2, ::2]  # GQA: 4 query heads, 2 kv heads
+    check(q, k, v, layout="bshd")
+    check(q, k, v, layout="bshd", causal=True)
+
+
+@pytest.mark.parametrize("nth", [1, 2, 3])
+def test_bits_across_threads_and_calls(bf16_kernel, rng, nth):
+    """On each path a row's bits do not depend on the thread count, the batch and heads
+    around it, or the other rows of its call while the call has more than 8 rows an
+    item; calls of at most 8 rows (decoding) take the float32 products, whose bits the
+    float32 path has (test_decode_rows_take_the_float32_products)."""
+    B, H, L, D = 2, 4, 1100, 64
+    q, k, v = bf(rng, B, H, L, D), bf(rng, B, H, L, D), bf(rng, B, H, L, D)
+    full, lse = fastattn.attention(q, k, v, causal=True, return_lse=True, num_threads=nth)
+    one = fastattn.attention(q, k, v, causal=True, num_threads=1)
+    np.testing.assert_array_equal(full.view(np.uint16), one.view(np.uint16))
+    for n in (9, 64, 333):
+        o, l = fastattn.attention(q[:, :, -n:], k, v, causal=True, return_lse=True, num_threads=nth)
+        np.testing.assert_array_equal(o.view(np.uint16), full[:, :, -n:].view(np.uint16))
+        np.testing.assert_array_equal(l, lse[:, :, -n:])
+    o = fastattn.attention(q[1:2, 1:3], k[1:2, 1:3], v[1:2, 1:3], causal=True, num_threads=nth)
+    np.testing.assert_array_equal(o.view(np.uint16), full[1:2, 1:3].view(np.uint16))
+
+
+@pytest.mark.parametrize("path", [p for p in BF16_PATHS if p != "float32"])
+def test_decode_rows_take_the_float32_products(rng, path):
+    """On a pair path, a prefill block's bits differ from the float32 path's (P is
+    rounded to bfloat16 before P.V) while staying within the tolerance, and decode
+    rows (at most 8 an item) are computed by the float32 products: the float32
+    path's bits.  (Parametrized over the pair paths this machine runs.)"""
+    before = _kernels.current_kernel(), _kernels.bf16_path()
+    q, k, v = bf(rng, 1, 8, 200, 64), bf(rng, 1, 2, 700, 64), bf(rng, 1, 2, 700, 64)
+    try:
+        _kernels.set_kernel("avx512")
+        outs = {}
+        for p in ("float32", path):
+            _kernels.set_bf16_path(p)
+            outs[p] = (fastattn.attention(q, k, v).view(np.uint16),
+                       fastattn.attention(q[:, :, -1:], k, v).view(np.uint16))
+            check(q, k, v)
+    finally:
+        _kernels.set_kernel(before[0])
+        _kernels.set_bf16_path(before[1])
+    assert not np.array_equal(outs["float32"][0], outs[path][0])
+    np.testing.assert_array_equal(outs["float32"][1], outs[path][1])
+
+
+def test_nan_and_inf_on_every_path(bf16_kernel, rng):
+    """A NaN query feature, a NaN key feature and an infinite value reach exactly the
+    rows the oracle says (the tile with the inf value takes the careful float32 P.V)."""
+    q, k, v = bf(rng, 1, 2, 60, 16), bf(rng, 1, 2, 200, 16), bf(rng, 1, 2, 200, 8)
+    q[0, 0, 7, 3] = np.nan
+    k[0, 1, 150, 0] = np.nan
+    v[0, 0, 30, 5] = np.inf
+    for kw in (dict(causal="top-left"), dict(window=(5, 5)), dict()):
+        out = fastattn.attention(q, k, v, **kw).astype(np.float64)
+        ref = reference.attention(f32(q), f32(k), f32(v), **kw)
+        np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+        np.testing.assert_array_equal(np.isinf(out), np.isinf(ref))
+        fin = np.isfinite(ref)
+        assert np.abs(out[fin] - ref[fin]).max() <= TOL_BF16 * np.abs(ref[fin]).max()
+
+
+def test_bf16_path_names_and_errors():
+    assert BF16_PATHS[0] == "float32" and _kernels.bf16_path() in BF16_PATHS
+    with pytest.raises(ValueError, match="unknown bfloat16 path"):
+        _kernels.set_bf16_path("amx")

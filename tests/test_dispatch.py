@@ -1,6 +1,7 @@
 """Run-time kernel choice: the kernels offered match what the CPU can do (read here
 from /proc/cpuinfo or NumPy, not from fastattn), FASTATTN_DISABLE_CPU_FEATURES
-forces a lower kernel, and show_config says which kernel runs and why.
+forces a lower kernel (and, with AVX512_BF16, the float32 bfloat16 path), and
+show_config says which kernel and which bfloat16 path run and why.
 
 The expectations come from the CPU, never from fastattn._kernels.supported_kernels():
 a build that lost its AVX kernels shrinks that list (and with it the `kernel` fixture
@@ -77,7 +78,7 @@ def _kernels_for(flags, disabled=""):
 def _in_subprocess(disabled):
     env = dict(os.environ, FASTATTN_DISABLE_CPU_FEATURES=disabled)
     code = ("import fastattn; fastattn.show_config(); from fastattn import _kernels; "
-            "print(_kernels.kernel_reason()); print(_kernels.current_kernel())")
+            "print(_kernels.kernel_reason()); print(_kernels.bf16_path()); print(_kernels.current_kernel())")
     # from a neutral directory, so the child imports the fastattn this process
     # tests, never a source tree in the working directory
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
@@ -178,3 +179,28 @@ def test_show_config_mentions_kernel(capsys):
     fastattn.show_config()
     out = capsys.readouterr().out
     assert "kernel:" in out and _kernels.current_kernel() in out and "openmp" in out
+
+
+def _bf16_path_for(flags, disabled=""):
+    """The bfloat16 path a CPU with `flags` takes: AVX512-BF16 pairs need the avx512
+    kernel, AVX512BW and AVX512-BF16 (only the first two in the emulated test build),
+    and none of them disabled (AVX512_BF16 in the list turns the pairs off)."""
+    off = {f.lower() for f in re.split(r"[,\s]+", disabled) if f}
+    if _kernels_for(flags, disabled)[-1] != "avx512" or "avx512_bf16" in off:
+        return "float32"
+    need = {"avx512bw"} | (set() if _kernels.bf16_emulated() else {"avx512_bf16"})
+    return "avx512-bf16" if need <= set(flags) and _is_x86_64() else "float32"
+
+
+@pytest.mark.parametrize("disabled", ["", "AVX512_BF16", "avx512_bf16, SSE3", "AVX512F", "AVX2"])
+def test_bf16_path_follows_the_cpu(disabled):
+    """The bfloat16 path (expected from the CPU's flags, not from fastattn), and
+    show_config's line naming it."""
+    flags, source = _cpu_features()
+    if _proc_cpuinfo_flags() is None:
+        pytest.skip("AVX512-BF16 is read from /proc/cpuinfo here, which this system lacks")
+    want = _bf16_path_for(flags, disabled)
+    lines = _in_subprocess(disabled)
+    assert lines[-2] == want, (lines, sorted(flags & {"avx512bw", "avx512_bf16"}))
+    bf = [ln for ln in lines if ln.strip().startswith("bfloat16:")]
+    assert bf and (("AVX512-BF16 pairs" in bf[0]) == (want == "avx512-bf16")), bf
