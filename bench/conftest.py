@@ -327,11 +327,15 @@ def _bf16_summary(terminalreporter, benchmarks):
     w = terminalreporter.write_line
     w("")
     w(f"bfloat16 and seqlens_k, interleaved (threads={rows[0][0]['threads']}, "
-      f"kernel={rows[0][0]['kernel']}): baseline time / fastattn time (best / median rounds)")
+      f"kernel={rows[0][0]['kernel']}, bfloat16 path={rows[0][0].get('bf16_path', 'float32')}): "
+      "baseline time / fastattn time (best / median rounds)")
     for info, st in rows:
         extra = ""
         if info.get("gflops"):
             extra = f"   {info['gflops']:.1f} GFLOP/s"
+            if info.get("pair_peak_gflops"):
+                extra += (f", {100 * info['gflops'] / info['pair_peak_gflops']:.0f}% of the "
+                          f"{info['bf16_path']} pair peak {info['pair_peak_gflops']:.0f}")
         if info.get("gbps"):
             extra = (f"   {info['gbps']:.1f} GB/s, {100 * info['gbps'] / info['read_bandwidth_gbps']:.0f}% "
                      "of the read bandwidth")

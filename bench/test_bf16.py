@@ -1,8 +1,10 @@
 """bfloat16 and per-sequence cache lengths, interleaved with their baselines in one
 process (each baseline call just before every timed round, 0.1 s idle around it).
 
-- prefill bf16 (ml_dtypes.bfloat16 q/k/v) against PyTorch's bf16 SDPA and against
-  fastattn float32, and its GFLOP/s;
+- prefill bf16 (ml_dtypes.bfloat16 q/k/v) against PyTorch's bf16 SDPA, against
+  fastattn float32 and, where the default bfloat16 path is a pair path (AVX512-BF16),
+  against fastattn's bf16 on the float32 conversion path; its GFLOP/s and, on a pair
+  path, its fraction of the pair instruction's peak (fastattn.bench.bf16_peak);
 - decode against a bf16 K/V cache against the float32 cache, and the bytes read per
   second against the machine's read bandwidth;
 - fwd+bwd bf16 against PyTorch's bf16 autograd;
@@ -25,14 +27,19 @@ def _torch_bf16(torch, x):
     return torch.from_numpy(x.view(np.uint16).astype(np.int16)).view(torch.bfloat16)
 
 
-PREFILL = {"B1 H8 L4096 D64": (1, 8, 4096, 64), "B1 H8 L2048 D128": (1, 8, 2048, 128)}
-CASES = [(n, b) for n in PREFILL for b in ("torch bf16", "fastattn float32")]
+PREFILL = {"B1 H8 L4096 D64": (1, 8, 4096, 64), "B1 H8 L2048 D128": (1, 8, 2048, 128),
+           "B1 H8 L4096 D64 causal": (1, 8, 4096, 64), "B4 H16 L256 D64": (4, 16, 256, 64)}
+PATH = fastattn._kernels.bf16_path()  # the path fastattn's bf16 calls take here
+# against the float32 conversion path too where a pair path is the default
+BASELINES = ("torch bf16", "fastattn float32") + (("fastattn bf16 on the float32 path",) if PATH != "float32" else ())
+CASES = [(n, b) for n in PREFILL for b in BASELINES]
 
 
 @pytest.mark.parametrize("name,baseline", CASES, ids=[f"{n.replace(' ', '-')}-vs-{b.replace(' ', '-')}"
                                                       for n, b in CASES])
 def test_prefill_bf16(benchmark, bench_threads, name, baseline):
     B, H, L, D = PREFILL[name]
+    causal = name.endswith("causal")
     if benchmark.disabled:
         L = 256
     rng = np.random.default_rng(0)
@@ -45,23 +52,32 @@ def test_prefill_bf16(benchmark, bench_threads, name, baseline):
 
         def base():
             with torch.no_grad():
-                return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv)
+                return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+    elif baseline == "fastattn float32":
+        def base():
+            return fastattn.attention(q32, k32, v32, causal=causal, num_threads=bench_threads)
     else:
         def base():
-            return fastattn.attention(q32, k32, v32, num_threads=bench_threads)
-    out, bmin, bmed = interleaved(benchmark, lambda: fastattn.attention(q, k, v, num_threads=bench_threads),
-                                   base, 3)
+            fastattn._kernels.set_bf16_path("float32")
+            try:
+                return fastattn.attention(q, k, v, causal=causal, num_threads=bench_threads)
+            finally:
+                fastattn._kernels.set_bf16_path(PATH)
+    out, bmin, bmed = interleaved(
+        benchmark, lambda: fastattn.attention(q, k, v, causal=causal, num_threads=bench_threads), base, 3)
     rows = np.linspace(0, L - 1, 6).astype(int)
-    ref = reference.attention(q32.astype(BF16).astype(np.float64)[0, 0, rows],
-                              k.astype(np.float64)[0, 0], v.astype(np.float64)[0, 0])
+    ref = reference.attention(q32.astype(BF16).astype(np.float64)[0, 0], k.astype(np.float64)[0, 0],
+                              v.astype(np.float64)[0, 0], causal=causal)[rows]
     err = float(np.max(np.abs(out[0, 0, rows].astype(np.float64) - ref)) / np.max(np.abs(ref)))
     assert err <= 5e-3
     st = benchmark.stats.stats if benchmark.stats else None
     benchmark.group = f"bf16 {name}"
+    gflops = 4.0 * B * H * L * L * D * (0.5 if causal else 1.0) / st.min / 1e9 if st else None
+    peak = fastattn.bench.bf16_peak(bench_threads) if st and PATH != "float32" else None
     benchmark.extra_info.update(bf16_case=f"prefill {name} vs {baseline}", baseline_min_s=bmin,
                                 baseline_median_s=bmed, threads=bench_threads,
-                                kernel=fastattn._kernels.current_kernel(),
-                                gflops=4.0 * B * H * L * L * D / st.min / 1e9 if st else None)
+                                kernel=fastattn._kernels.current_kernel(), bf16_path=PATH,
+                                gflops=gflops, pair_peak_gflops=peak)
 
 
 def test_decode_bf16_cache(benchmark, bench_threads, read_bandwidth):

@@ -95,6 +95,7 @@ cdef extern from "fastattn.h" nogil:
     const char *fa_build_info()
     int fa_exp_array(int isa, int dtype, const void *x, void *y, int64_t n)
     int fa_fma_peak(int isa, int dtype, int nthreads, double *gflops)
+    int fa_bf16_peak(int path, int nthreads, double *gflops)
     int fa_plan_balance(const fa_params *p, int nthreads, double *work, int64_t *nitems)
 
 
@@ -212,6 +213,20 @@ def fma_peak(kernel, bint float64, int num_threads):
         rc = fa_fma_peak(isa, FA_F64 if float64 else FA_F32, num_threads, &gf)
     if rc != FA_OK:
         raise ValueError(f"kernel {kernel!r} cannot run on this CPU")
+    return gf
+
+
+def bf16_peak(path, int num_threads):
+    """GFLOP/s of the bfloat16 pair path's independent chains (4 flops a lane) on
+    `num_threads` threads, GIL released."""
+    cdef int i, rc = FA_ERR_ARG
+    cdef double gf = 0.0
+    for i in range(FA_BF16_COUNT):
+        if fa_bf16_path_name(i).decode() == path:
+            with nogil:
+                rc = fa_bf16_peak(i, num_threads, &gf)
+    if rc != FA_OK:
+        raise ValueError(f"bfloat16 path {path!r} has no pair instruction here; the paths are {bf16_paths()}")
     return gf
 
 

@@ -157,6 +157,24 @@ def fma_peak(dtype="float32", num_threads=None, *, kernel=None):
     return _kernels.fma_peak(_kernel_arg(kernel, fn), dt == np.float64, num_threads)
 
 
+def bf16_peak(num_threads=None, *, path=None):
+    """The peak of the bfloat16 pair instruction in GFLOP/s, as fma_peak measures the FMA:
+    `num_threads` threads each run 12 independent chains of it (AVX512-BF16's
+    vdpbf16ps: 16 lanes, each two products added to a float32 sum, 4 flops a lane),
+    nothing else in the loop; the best of five rounds.  This is the ceiling of the
+    bfloat16 forward on that path (each of its two products is such pairs).
+
+    path: a bfloat16 path with a pair instruction ("avx512-bf16"; default the one
+    fastattn takes); ValueError where none runs (fastattn._kernels.bf16_paths())."""
+    fn = "bench.bf16_peak"
+    num_threads = parse_threads(num_threads, fn) or _kernels.max_threads()
+    path = _kernels.bf16_path() if path is None else path
+    if path == "float32" or path not in _kernels.bf16_paths():
+        raise ValueError(f"fastattn.{fn}: path must be a bfloat16 pair path this machine runs, one of "
+                         f"{[p for p in _kernels.bf16_paths() if p != 'float32']}, got {path!r}")
+    return _kernels.bf16_peak(path, num_threads)
+
+
 def plan_balance(q_shape, k_shape, *, causal=False, num_threads=None, v_shape=None,
                  layout="bhsd", window=None, seqlens_k=None, dtype="float32", kernel=None,
                  return_work=False):

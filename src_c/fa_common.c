@@ -76,13 +76,10 @@ static double fa_seconds(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-int fa_fma_peak(int isa, int dtype, int nthreads, double *gflops)
+/* The best of five timed rounds of `chains` on nthreads threads (each round about
+ * 20 ms once the iteration count has grown to it), per_iter flops an iteration. */
+static double fa_time_chains(fa_peak_fn chains, double per_iter, int nthreads)
 {
-    const fa_kernel *kern = fa_kernel_for_isa(isa);
-    if (!kern || !(fa_cpu_supported_isas() & (1u << isa))) return FA_ERR_ARG;
-    if ((dtype != FA_F32 && dtype != FA_F64) || nthreads < 1 || !gflops) return FA_ERR_ARG;
-    const fa_peak_fn chains = kern->fma_chains[dtype];
-    const double per_iter = 2.0 * FA_PEAK_CHAINS * kern->lanes[dtype];
     int64_t iters = 1 << 12;
     double best = 0.0;
     for (int timed = 0, round = 0; timed < 5 && round < 40; round++) {
@@ -108,8 +105,28 @@ int fa_fma_peak(int isa, int dtype, int nthreads, double *gflops)
         if (rate > best) best = rate;
         timed++;
     }
-    *gflops = best;
+    return best;
+}
+
+int fa_fma_peak(int isa, int dtype, int nthreads, double *gflops)
+{
+    const fa_kernel *kern = fa_kernel_for_isa(isa);
+    if (!kern || !(fa_cpu_supported_isas() & (1u << isa))) return FA_ERR_ARG;
+    if ((dtype != FA_F32 && dtype != FA_F64) || nthreads < 1 || !gflops) return FA_ERR_ARG;
+    *gflops = fa_time_chains(kern->fma_chains[dtype], 2.0 * FA_PEAK_CHAINS * kern->lanes[dtype], nthreads);
     return FA_OK;
+}
+
+int fa_bf16_peak(int path, int nthreads, double *gflops)
+{
+    if (nthreads < 1 || !gflops || !(fa_bf16_paths() & (1u << path))) return FA_ERR_ARG;
+#ifdef FA_HAVE_BF16_KERNELS
+    if (path == FA_BF16_AVX512) { /* 16 lanes, each two products and two adds */
+        *gflops = fa_time_chains(fa_kernel_avx512_bf16.dp_chains, 4.0 * FA_PEAK_CHAINS * 16, nthreads);
+        return FA_OK;
+    }
+#endif
+    return FA_ERR_ARG;
 }
 
 /* One merged row: parts in index order, part q's row at out + q*ostride, its lse at

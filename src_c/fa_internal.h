@@ -339,6 +339,7 @@ typedef struct fa_bf16_kernel {
     const char *name;
     fa_qblock_fn qblock;
     fa_scratch_fn scratch_bytes;
+    fa_peak_fn dp_chains; /* FA_PEAK_CHAINS independent chains of the pair instruction */
 } fa_bf16_kernel;
 #ifdef FA_HAVE_BF16_KERNELS
 extern const fa_bf16_kernel fa_kernel_avx512_bf16;

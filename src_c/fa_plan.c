@@ -179,13 +179,19 @@ static int64_t fa_count_items(const fa_params *p, const fa_plan *pl)
  * 176 items of 192 rows, on 128 threads two items for some, one for others: 0.67 of
  * the work a thread could do).  So for nth threads the query blocks are cut smaller,
  * equal blocks again, until there are FA_ITEMS_PER_THREAD items a thread or a block
- * is down to FA_MIN_BLOCK_VECS vectors: dynamic scheduling then ends within a small
+ * is down to FA_MIN_BLOCK_VECS vectors or FA_MIN_BLOCK_ROWS rows, whichever is fewer
+ * (at least one vector): dynamic scheduling then ends within a small
  * item of the mean (fastattn.bench.plan_balance measures it).  A row's bits do not
  * depend on the rows that share its block (tests/test_invariance.py), so the thread
  * count still changes no result; the key block never depends on it.
  */
 #define FA_ITEMS_PER_THREAD 12
 #define FA_MIN_BLOCK_VECS 4
+/* 16-lane vectors (avx512 float32) stop at 2 vectors, not 4: B1 H16 L512 causal has
+ * 8 blocks of 64 rows a head, 128 items, whose work grows along the diagonal; on 128
+ * threads the heaviest bound the call at 0.53 of the mean (measured with plan_balance
+ * on the AMD EPYC Zen 5), and 32-row blocks pair a heavy and a light one per thread */
+#define FA_MIN_BLOCK_ROWS 32
 
 int fa_make_plan(const fa_kernel *kern, const fa_params *p, int nth, fa_plan *pl)
 {
@@ -205,7 +211,9 @@ int fa_make_plan(const fa_kernel *kern, const fa_params *p, int nth, fa_plan *pl
         pl->nh = 1;
         pl->nhc = pl->G;
         pl->nqp = ((lmax + nblocks - 1) / nblocks + vl - 1) / vl * vl;
-        const int64_t floor = FA_MIN_BLOCK_VECS * vl < pl->nqp ? FA_MIN_BLOCK_VECS * vl : pl->nqp;
+        int64_t floor = FA_MIN_BLOCK_VECS * vl < FA_MIN_BLOCK_ROWS ? FA_MIN_BLOCK_VECS * vl : FA_MIN_BLOCK_ROWS;
+        if (floor < vl) floor = vl;
+        if (floor > pl->nqp) floor = pl->nqp;
         /* each step: equal blocks of at most one vector fewer (nqp falls every step) */
         while (nth > 1 && pl->nqp - vl >= floor &&
                fa_count_items(p, pl) < (int64_t)FA_ITEMS_PER_THREAD * nth) {

@@ -260,6 +260,9 @@ int fa_exp_array(int isa, int dtype, const void *x, void *y, int64_t n);
  * threads: *gflops from independent FMA chains (fa_common.c).  FA_ERR_ARG for an ISA
  * this CPU cannot run, another dtype or nthreads < 1. ---- */
 int fa_fma_peak(int isa, int dtype, int nthreads, double *gflops);
+/* The same for a bfloat16 pair path's instruction (FA_BF16_AVX512: vdpbf16ps chains,
+ * 4 flops a lane); FA_ERR_ARG for FA_BF16_FLOAT32 or a path that cannot run here. */
+int fa_bf16_peak(int path, int nthreads, double *gflops);
 
 /* ---- the forward's load balance on nthreads threads, without running it
  * (fa_forward.c): work[t] for t < nthreads, the flops (2 (D + Dv) per visible
