@@ -205,8 +205,7 @@ int fa_attention_forward(const fa_params *p)
     size_t scratch_bytes = kern->scratch_bytes[ki](p, &pl.bl);
 #ifdef FA_HAVE_BF16_KERNELS
     /* q, k and v bfloat16 on the avx512 kernel: the products on AVX512-BF16 pairs */
-    if (kern == fa_kernel_for_isa(FA_ISA_AVX512) && fa_bf16_path() == FA_BF16_AVX512 &&
-        p->q_store == FA_STORE_BF16 && p->kv_store == FA_STORE_BF16) {
+    if (fa_bf16_pairs(kern, p)) {
         qblock = fa_kernel_avx512_bf16.qblock;
         scratch_bytes = fa_kernel_avx512_bf16.scratch_bytes(p, &pl.bl);
     }

@@ -48,7 +48,16 @@
  * re-measure when the L2 reading was fixed; their L2 now allows the 192 x 64 blocks
  * (an earlier session measured 192 x 64 5-9% faster there than the 96 x 32 that the
  * misread 256 KiB L2 forced).
- * So: 192 x 64 for AVX-512 and for AVX2 (64 x 64 causal or windowed on AVX-512, 96 x
+ * The bfloat16 pair products (AVX512-BF16; AMD EPYC Zen 5, 1 MiB L2, 2 threads, medians
+ * of 9 interleaved rounds in shuffled order; a first run of 5 rounds over the whole grid
+ * put k = 128 or 256 in front everywhere, and 64 x 64 at 460-550):
+ *   avx512-bf16 D=64  L=4096: q=192 k=128 467 | q=128 k=256 463 | q=96 k=256 445 | q=192 k=64 444
+ *   avx512-bf16 D=128 L=2048: q=192 k=128 548 | q=128 k=256 527 | q=192 k=64 519 | q=128 k=128 510
+ *   avx512-bf16 D=64  L=4096 causal: q=192 k=128 424 | q=96 k=256 423 | q=128 k=256 417 | q=192 k=64 392
+ *   avx512-bf16 D=64  L=256 (B=4 H=16): q=128 k=128 418 | q=96 k=128 411 | q=192 k=64 404 | q=192 k=128 402
+ * (their tiles are half the bytes of float32's: the same L1 holds twice the keys).
+ * So: 192 x 128 for the pairs, causal too; otherwise
+ * 192 x 64 for AVX-512 and for AVX2 (64 x 64 causal or windowed on AVX-512, 96 x
  * 64 on AVX2: a window is a diagonal band too);
  * the generic kernel (not tuned: the portable fallback) 64 x 128.  Then two
  * adjustments:
@@ -59,6 +68,18 @@
  *    sizes on CPUs with small L2 caches do not spill.
  * Block sizes depend on the CPU and the shapes only, never on the thread count.
  */
+int fa_bf16_pairs(const fa_kernel *kern, const fa_params *p)
+{
+#ifdef FA_HAVE_BF16_KERNELS
+    return kern == fa_kernel_for_isa(FA_ISA_AVX512) && fa_bf16_path() == FA_BF16_AVX512 &&
+           p->q_store == FA_STORE_BF16 && p->kv_store == FA_STORE_BF16;
+#else
+    (void)kern;
+    (void)p;
+    return 0;
+#endif
+}
+
 static fa_blocks fa_default_blocks(const fa_kernel *kern, const fa_params *p)
 {
     const int64_t vl = kern->lanes[p->dtype];
@@ -67,6 +88,7 @@ static fa_blocks fa_default_blocks(const fa_kernel *kern, const fa_params *p)
     if (kern == fa_kernel_for_isa(FA_ISA_AVX512)) {
         bl.q = p->causal || p->window_left >= 0 || p->window_right >= 0 ? 64 : 192;
         bl.k = 64;
+        if (fa_bf16_pairs(kern, p)) bl = (fa_blocks){192, 128}; /* causal too: see above */
     } else if (kern == fa_kernel_for_isa(FA_ISA_AVX2)) {
         const int banded = p->causal || p->window_left >= 0 || p->window_right >= 0;
         bl.q = banded ? 96 : 192;
