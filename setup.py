@@ -35,7 +35,7 @@ SIMD_FILES = {
 }
 # The bfloat16 products (vdpbf16ps), where the compiler knows the instruction; cpu.c
 # runs them only on CPUs that have it.  FASTATTN_EMULATE_BF16=1 builds them for tests
-# over SIMDe instead (libsimde-dev; no -mavx512bf16): the same source on any AVX-512 CPU.
+# over SIMDe instead (libsimde-dev; AVX2 flags only): the same source on any AVX2 CPU.
 BF16_FILE = "kernels_avx512bf16.c"
 BF16_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512bf16", "-mavx2", "-mfma", "-mf16c"]
 EMULATE_BF16 = os.environ.get("FASTATTN_EMULATE_BF16", "") not in ("", "0")
@@ -139,7 +139,7 @@ class BuildExt(build_ext):
         if IS_X86_64:
             ext.define_macros.append(("FA_HAVE_X86_KERNELS", "1"))
             if EMULATE_BF16:
-                simd[BF16_FILE] = [f for f in BF16_FLAGS if f != "-mavx512bf16"]
+                simd[BF16_FILE] = ["-mavx2", "-mfma", "-mf16c"]
                 ext.define_macros += [("FA_HAVE_BF16_KERNELS", "1"), ("FA_EMULATE_BF16", "1")]
                 print("fastattn: the bfloat16 products emulated by SIMDe (a test build)")
             elif _try_compile(self.compiler, BF16_PROBE, BF16_FLAGS):

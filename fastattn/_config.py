@@ -38,9 +38,10 @@ def _bf16_line(info: dict[str, Any]) -> str:
     """How bfloat16 q, k, v compute, and why."""
     have = [n for n, k in (("AVX512-BF16", "bf16_avx512"), ("AMX-BF16", "bf16_amx")) if info.get(k)]
     cpu = f"this CPU has {' and '.join(have)}" if have else "this CPU has no AVX512-BF16 or AMX-BF16"
-    if _kernels.bf16_path() == "avx512-bf16" and _kernels.current_kernel() == "avx512":
-        how = ("the avx512 kernel takes both products on AVX512-BF16 pairs (vdpbf16ps, float32 "
-               "sums and softmax, P rounded to bfloat16)")
+    pair_kernels = ("avx2", "avx512") if _kernels.bf16_emulated() else ("avx512",)
+    if _kernels.bf16_path() == "avx512-bf16" and _kernels.current_kernel() in pair_kernels:
+        how = (f"the {_kernels.current_kernel()} kernel takes both products on AVX512-BF16 pairs "
+               "(vdpbf16ps, float32 sums and softmax, P rounded to bfloat16)")
         if _kernels.bf16_emulated():
             how += ", emulated by SIMDe: a test build, not for speed"
         return f"{how}; {cpu}; FASTATTN_DISABLE_CPU_FEATURES=AVX512_BF16 turns it off"

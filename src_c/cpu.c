@@ -83,19 +83,20 @@ const char *fa_bf16_path_name(int path)
 }
 
 /* AVX512-BF16 pairs need the avx512 kernel, AVX512BW (the pair shuffles) and the
- * instruction itself, or, in the emulated test build, only the first two. */
+ * instruction itself; in the emulated test build (compiled for AVX2 over SIMDe) only
+ * the avx2 kernel's instructions. */
 unsigned fa_bf16_paths(void)
 {
     unsigned paths = 1u << FA_BF16_FLOAT32;
 #if defined(FA_X86) && defined(FA_HAVE_BF16_KERNELS)
+#ifdef FA_EMULATE_BF16
+    if (fa_cpu_supported_isas() & (1u << FA_ISA_AVX2)) paths |= 1u << FA_BF16_AVX512;
+#else
     unsigned a, b, c, d;
     const int bw = __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((b >> 30) & 1);
-#ifdef FA_EMULATE_BF16
-    const int dp = 1;
-#else
-    const int dp = (fa_cpu_bf16_features() & 1) != 0;
+    if ((fa_cpu_supported_isas() & (1u << FA_ISA_AVX512)) && bw && (fa_cpu_bf16_features() & 1))
+        paths |= 1u << FA_BF16_AVX512;
 #endif
-    if ((fa_cpu_supported_isas() & (1u << FA_ISA_AVX512)) && bw && dp) paths |= 1u << FA_BF16_AVX512;
 #endif
     return paths;
 }
@@ -286,7 +287,9 @@ int fa_cpu_select(const char *disabled, char *why, int why_len)
     if (why && why_len > 0) snprintf(why, (size_t)why_len, "%s", reason);
     fa_default = isa;
     const int no_bf16 = disabled && (fa_list_has(disabled, "AVX512_BF16") || fa_list_has(disabled, "AVX512BF16"));
-    fa_bf16_current = !no512 && !no_bf16 && (fa_bf16_paths() & (1u << FA_BF16_AVX512)) ? FA_BF16_AVX512
-                                                                                        : FA_BF16_FLOAT32;
+    fa_bf16_current = !no_bf16 && (FA_BF16_EMULATED ? !no2 : !no512) &&
+                              (fa_bf16_paths() & (1u << FA_BF16_AVX512))
+                          ? FA_BF16_AVX512
+                          : FA_BF16_FLOAT32;
     return isa;
 }

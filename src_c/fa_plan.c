@@ -71,8 +71,11 @@
 int fa_bf16_pairs(const fa_kernel *kern, const fa_params *p)
 {
 #ifdef FA_HAVE_BF16_KERNELS
-    return kern == fa_kernel_for_isa(FA_ISA_AVX512) && fa_bf16_path() == FA_BF16_AVX512 &&
-           p->q_store == FA_STORE_BF16 && p->kv_store == FA_STORE_BF16;
+    /* (the emulated test build runs them from the avx2 kernel too) */
+    const int on = kern == fa_kernel_for_isa(FA_ISA_AVX512) ||
+                   (FA_BF16_EMULATED && kern == fa_kernel_for_isa(FA_ISA_AVX2));
+    return on && fa_bf16_path() == FA_BF16_AVX512 && p->q_store == FA_STORE_BF16 &&
+           p->kv_store == FA_STORE_BF16;
 #else
     (void)kern;
     (void)p;
@@ -80,20 +83,27 @@ int fa_bf16_pairs(const fa_kernel *kern, const fa_params *p)
 #endif
 }
 
+/* The vector width a call's blocks are made of: the kernel's, or the pair products'
+ * 16 float32 lanes (which the emulated build also runs from the 8-lane avx2 kernel). */
+static int64_t fa_plan_lanes(const fa_kernel *kern, const fa_params *p)
+{
+    return fa_bf16_pairs(kern, p) ? 16 : kern->lanes[p->dtype];
+}
+
 static fa_blocks fa_default_blocks(const fa_kernel *kern, const fa_params *p)
 {
-    const int64_t vl = kern->lanes[p->dtype];
+    const int64_t vl = fa_plan_lanes(kern, p);
     const int64_t item = p->dtype == FA_F64 ? 8 : 4;
     fa_blocks bl = {64, 128};
     if (kern == fa_kernel_for_isa(FA_ISA_AVX512)) {
         bl.q = p->causal || p->window_left >= 0 || p->window_right >= 0 ? 64 : 192;
         bl.k = 64;
-        if (fa_bf16_pairs(kern, p)) bl = (fa_blocks){192, 128}; /* causal too: see above */
     } else if (kern == fa_kernel_for_isa(FA_ISA_AVX2)) {
         const int banded = p->causal || p->window_left >= 0 || p->window_right >= 0;
         bl.q = banded ? 96 : 192;
         bl.k = 64;
     }
+    if (fa_bf16_pairs(kern, p)) bl = (fa_blocks){192, 128}; /* causal too: see above */
     const int64_t budget = fa_cpu_l2_bytes() / 2;
     for (;;) {
         int64_t ws = item * (bl.q * (p->D + p->Dv) + bl.k * (p->D + p->Dv + bl.q));
@@ -217,7 +227,7 @@ static int64_t fa_count_items(const fa_params *p, const fa_plan *pl)
 
 int fa_make_plan(const fa_kernel *kern, const fa_params *p, int nth, fa_plan *pl)
 {
-    const int64_t vl = kern->lanes[p->dtype];
+    const int64_t vl = fa_plan_lanes(kern, p);
     pl->bl = fa_choose_blocks(kern, p);
     pl->G = p->Hq / p->Hkv;
     pl->start = NULL;

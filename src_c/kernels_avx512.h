@@ -3,11 +3,65 @@
  * share: the vector exp, masks, copysign and register transposes, the 16-bit loads,
  * and the float32 vector operations of the kernel template (FA_T ... FA_I8_LOADU;
  * the including file names its instantiation with FA_NAME).  Include it only from a
- * file compiled with AVX-512F flags.
+ * file compiled with AVX-512F flags (or, in the emulated test build, over SIMDe).
  */
 #ifndef FA_KERNELS_AVX512_H
 #define FA_KERNELS_AVX512_H
+#if defined(FA_EMULATE_BF16) && !defined(__AVX512F__)
+/* the emulated test build of kernels_avx512bf16.c (setup.py, FASTATTN_EMULATE_BF16):
+ * compiled for AVX2, every AVX-512 operation from SIMDe, so it runs on any AVX2 CPU */
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+#include <string.h>
+/* What SIMDe 0.7.4 lacks of the operations used here, through memory (a test build) */
+static inline __m512i fa_emu_cvtepu16_epi32(__m256i x)
+{
+    uint16_t a[16];
+    int32_t b[16];
+    memcpy(a, &x, sizeof a);
+    for (int i = 0; i < 16; i++) b[i] = a[i];
+    return _mm512_loadu_si512((const void *)b);
+}
+static inline __m512i fa_emu_cvtepu8_epi32(__m128i x)
+{
+    uint8_t a[16];
+    int32_t b[16];
+    memcpy(a, &x, sizeof a);
+    for (int i = 0; i < 16; i++) b[i] = a[i];
+    return _mm512_loadu_si512((const void *)b);
+}
+static inline __m512i fa_emu_maskz_loadu_epi16(uint32_t m, const void *p)
+{
+    uint16_t a[32] = {0};
+    for (int i = 0; i < 32; i++)
+        if (m >> i & 1) memcpy(a + i, (const char *)p + 2 * i, 2);
+    return _mm512_loadu_si512((const void *)a);
+}
+static inline __m512 fa_emu_maskz_loadu_ps(uint32_t m, const void *p)
+{
+    float a[16] = {0};
+    for (int i = 0; i < 16; i++)
+        if (m >> i & 1) memcpy(a + i, (const char *)p + 4 * i, 4);
+    return _mm512_loadu_ps(a);
+}
+static inline float fa_emu_reduce_add_ps(__m512 x)
+{
+    float a[16];
+    memcpy(a, &x, sizeof a);
+    for (int w = 8; w >= 1; w /= 2)
+        for (int i = 0; i < w; i++) a[i] += a[i + w];
+    return a[0];
+}
+#define _mm512_cvtepu16_epi32(x) fa_emu_cvtepu16_epi32(x)
+#define _mm512_cvtepu8_epi32(x) fa_emu_cvtepu8_epi32(x)
+#define _mm512_maskz_loadu_epi16(m, p) fa_emu_maskz_loadu_epi16((uint32_t)(m), (p))
+#define _mm512_maskz_loadu_ps(m, p) fa_emu_maskz_loadu_ps((uint32_t)(m), (p))
+#define _mm512_reduce_add_ps(x) fa_emu_reduce_add_ps(x)
+#define _mm512_shuffle_f32x4(a, b, imm) simde_mm512_shuffle_f32x4((a), (b), (imm))
+#define _mm512_shuffle_f64x2(a, b, imm) simde_mm512_shuffle_f64x2((a), (b), (imm))
+#else
 #include <immintrin.h>
+#endif
 #include <math.h>
 #include <string.h>
 #include "fa_internal.h"

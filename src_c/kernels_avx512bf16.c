@@ -5,11 +5,12 @@
  * -mavx512bf16 (and the AVX2/FMA/F16C baseline); cpu.c offers it only where CPUID
  * reports AVX512-BF16 and AVX512BW and the avx512 kernel runs.
  *
- * Test-only build (FA_EMULATE_BF16, setup.py under FASTATTN_EMULATE_BF16=1, no
- * -mavx512bf16): vdpbf16ps comes from SIMDe (Debian's libsimde-dev, header only),
- * which adds the two products of a pair to the accumulator in order, each rounded,
- * and the float32 -> bfloat16 rounding is done with integer operations; so the same
- * source runs against the oracle on any AVX-512 CPU.  Never shipped.
+ * Test-only build (FA_EMULATE_BF16, setup.py under FASTATTN_EMULATE_BF16=1, compiled
+ * for AVX2 only): every AVX-512 operation and vdpbf16ps come from SIMDe (Debian's
+ * libsimde-dev, header only; its vdpbf16ps adds the two products of a pair to the
+ * accumulator in order, each rounded), and the float32 -> bfloat16 rounding is done
+ * with integer operations; so the same source runs against the oracle on any AVX2 or
+ * AVX-512 CPU, called from the avx2 or the avx512 kernel.  Never shipped.
  *
  * Per 16 logits at head size D: D/2 vdpbf16ps for QK^T and Dv/2 for P.V, each with
  * the work of two float32 FMAs, against D + Dv FMAs on the float32 path; the softmax
@@ -39,7 +40,7 @@ static inline void fa_dp_zip(const uint16_t *a, const uint16_t *b, int n, __m512
 }
 
 #ifdef FA_EMULATE_BF16
-#include <simde/x86/avx512/dpbf16.h>
+#include <simde/x86/avx512.h>
 static inline __m512 fa_dp_fma(__m512 acc, __m512i a, __m512i b)
 {
     simde__m512bh x, y;

@@ -47,11 +47,14 @@ def kernel(request):
 
 
 # bfloat16 q/k/v compute either converted to float32 (every kernel) or, on the avx512
-# kernel where the build and CPU have it, on AVX512-BF16 pairs: each kernel with the
-# float32 path, and the avx512 kernel with every other path this machine runs.
+# kernel where the build and CPU have it, on AVX512-BF16 pairs (the emulated test build,
+# FASTATTN_EMULATE_BF16, runs them from the avx2 kernel too): each kernel with the
+# float32 path, and each kernel that runs a pair path with it.
 BF16_PATHS = _kernels.bf16_paths()
+PAIR_KERNELS = [k for k in (("avx2", "avx512") if _kernels.bf16_emulated() else ("avx512",))
+                if k in KERNELS and len(BF16_PATHS) > 1]
 BF16_KERNELS = [(k, "float32") for k in KERNELS] + \
-    [("avx512", p) for p in BF16_PATHS if p != "float32" and "avx512" in KERNELS]
+    [(k, p) for k in PAIR_KERNELS for p in BF16_PATHS if p != "float32"]
 
 
 @pytest.fixture(params=BF16_KERNELS, ids=[f"{k}-{p}" for k, p in BF16_KERNELS])

@@ -18,7 +18,7 @@ import pytest
 
 import fastattn
 from fastattn import reference
-from conftest import BF16_PATHS, assert_lse_close, rel_err
+from conftest import BF16_PATHS, PAIR_KERNELS, assert_lse_close, rel_err
 from fastattn import _kernels
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -195,8 +195,8 @@ def test_bits_across_threads_and_calls(bf16_kernel, rng, nth):
     np.testing.assert_array_equal(o.view(np.uint16), full[1:2, 1:3].view(np.uint16))
 
 
-@pytest.mark.parametrize("path", [p for p in BF16_PATHS if p != "float32"])
-def test_decode_rows_take_the_float32_products(rng, path):
+@pytest.mark.parametrize("kern,path", [(k, p) for k in PAIR_KERNELS for p in BF16_PATHS if p != "float32"])
+def test_decode_rows_take_the_float32_products(rng, kern, path):
     """On a pair path, a prefill block's bits differ from the float32 path's (P is
     rounded to bfloat16 before P.V) while staying within the tolerance, and decode
     rows (at most 8 an item) are computed by the float32 products: the float32
@@ -204,7 +204,7 @@ def test_decode_rows_take_the_float32_products(rng, path):
     before = _kernels.current_kernel(), _kernels.bf16_path()
     q, k, v = bf(rng, 1, 8, 200, 64), bf(rng, 1, 2, 700, 64), bf(rng, 1, 2, 700, 64)
     try:
-        _kernels.set_kernel("avx512")
+        _kernels.set_kernel(kern)
         outs = {}
         for p in ("float32", path):
             _kernels.set_bf16_path(p)

@@ -183,13 +183,14 @@ def test_show_config_mentions_kernel(capsys):
 
 def _bf16_path_for(flags, disabled=""):
     """The bfloat16 path a CPU with `flags` takes: AVX512-BF16 pairs need the avx512
-    kernel, AVX512BW and AVX512-BF16 (only the first two in the emulated test build),
-    and none of them disabled (AVX512_BF16 in the list turns the pairs off)."""
+    kernel, AVX512BW and AVX512-BF16 (in the emulated test build, the avx2 kernel's
+    features), and none of them disabled (AVX512_BF16 in the list turns the pairs off)."""
     off = {f.lower() for f in re.split(r"[,\s]+", disabled) if f}
-    if _kernels_for(flags, disabled)[-1] != "avx512" or "avx512_bf16" in off:
-        return "float32"
-    need = {"avx512bw"} | (set() if _kernels.bf16_emulated() else {"avx512_bf16"})
-    return "avx512-bf16" if need <= set(flags) and _is_x86_64() else "float32"
+    if _kernels.bf16_emulated():  # over SIMDe, from the avx2 kernel up
+        ok = _kernels_for(flags, disabled)[-1] in ("avx2", "avx512")
+    else:
+        ok = _kernels_for(flags, disabled)[-1] == "avx512" and {"avx512bw", "avx512_bf16"} <= set(flags)
+    return "avx512-bf16" if ok and "avx512_bf16" not in off and _is_x86_64() else "float32"
 
 
 @pytest.mark.parametrize("disabled", ["", "AVX512_BF16", "avx512_bf16, SSE3", "AVX512F", "AVX2"])

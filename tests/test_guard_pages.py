@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import guard_sweep
-from conftest import BF16_PATHS, KERNELS
+from conftest import BF16_PATHS, KERNELS, PAIR_KERNELS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 N_CASES = int(os.environ.get("FASTATTN_GUARD_CASES", "6000"))
@@ -193,8 +193,8 @@ def test_sweep_reaches_every_path():
         have["top-left window Lq>Lk"] += (c["kw"].get("causal") == "top-left" and "window" in c["kw"]
                                           and c["Lq"] > c["Lk"])
         have[f"threads {c['threads']}"] += 1
-        if c["kernel"] == "avx512" and c["dq"] == "bf16":
-            have[f"bf16 {c['bf16_path']} on avx512"] += 1
+        if c["kernel"] in PAIR_KERNELS and c["dq"] == "bf16":
+            have[f"bf16 {c['bf16_path']} on {c['kernel']}"] += 1
     want = ([f"fn {f}" for f in set(guard_sweep.FUNCTIONS)] + [f"kernel {k}" for k in KERNELS]
             + ["dtypes f32/f32", "dtypes f64/f64", "dtypes f32/f16", "dtypes f16/f16", "dtypes bf16/bf16",
                "dtypes f32/bf16", "layout bhsd", "layout bshd"]
@@ -202,7 +202,7 @@ def test_sweep_reaches_every_path():
             + ["mask", "bias", "alibi", "seqlens_k", "out", "causal", "window", "softcap", "dropout_p",
                "return_lse", "q_offset", "Lq>Lk", "Lq<Lk", "L=0", "L=1", "decode split", "GQA",
                "top-left window Lq>Lk", "threads 1", "threads 2", "threads 3"]
-            + ([f"bf16 {p} on avx512" for p in BF16_PATHS] if "avx512" in KERNELS else []))
+            + [f"bf16 {p} on {k}" for k in PAIR_KERNELS for p in BF16_PATHS])
     thin = {w: have[w] for w in want if have[w] < 10}
     assert not thin, f"the sweep barely reaches {thin}"
 
