@@ -73,16 +73,8 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_dp_micro)(const int R, const int NV, const u
     }
     const FA_V sv = FA_VSET1(scale);
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < NV; c++) {
-            acc[r][c] = FA_VMUL(acc[r][c], sv);
-            FA_VSTORE(s + r * brp + c * FA_VL, acc[r][c]);
-        }
-    if (cm)
-        for (int c = 0; c < NV; c++) {
-            FA_V mx = FA_VLOAD(cm + c * FA_VL);
-            for (int r = 0; r < R; r++) mx = FA_VMAX(mx, acc[r][c]);
-            FA_VSTORE(cm + c * FA_VL, mx);
-        }
+        for (int c = 0; c < NV; c++) acc[r][c] = FA_VMUL(acc[r][c], sv);
+    FA_NAME(fa_qk_store)(R, NV, acc, s, brp, cm);
 }
 
 #define FA_QK_DP_CASE(R, NV)                                                                 \
@@ -119,16 +111,8 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_dp_micro)(const int R, const int NC, const u
                                               FA_T *FA_RESTRICT o, int64_t dvp,
                                               const FA_T *FA_RESTRICT alpha, int64_t brp)
 {
-    FA_V acc[FA_PV_R][FA_PV_NC];
-    int rescale = 0;
-    for (int r = 0; r < R; r++) rescale |= alpha[r] != (FA_T)1;
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < NC; c++) acc[r][c] = FA_VLOAD(o + r * dvp + c * FA_VL);
-    if (rescale)
-        for (int r = 0; r < R; r++) {
-            const FA_V a = FA_VSET1(alpha[r]);
-            for (int c = 0; c < NC; c++) acc[r][c] = FA_VMUL(acc[r][c], a);
-        }
+    FA_V acc[FA_PV_R][2 * FA_PV_NC];
+    FA_NAME(fa_pv_load)(R, NC, acc, o, dvp, alpha);
     for (int64_t t = 0; t < npairs; t++) {
         FA_DP_V vv[FA_PV_NC];
         for (int c = 0; c < NC; c++) vv[c] = FA_DP_LOAD(vp + t * dvp + c * FA_VL);

@@ -65,7 +65,9 @@ static inline int64_t FA_NAME(fa_round_up)(int64_t x, int64_t m) { return (x + m
  *   mrow brow orow     brp pointers: a row's mask, bias and output rows
  *   kst vst bc x D, bc x Dv  FA_KV: a staged K and V tile (int8 or paged K/V only,
  *                      fa_kv_tile; vst not for attention_weights), else NULL
- *   ones    brp        ones: no rescale (with kst) */
+ *   ones    brp        ones: no rescale (with kst)
+ *   kf vf   bc x D, bc x Dv  float32: a 16-bit prefill tile converted once (16-bit
+ *                      K/V instantiations, FA_F32) */
 typedef struct FA_NAME(fa_scratch) {
     FA_T *qt, *kt, *s, *s2, *o, *m, *l, *alpha, *rlo, *rhi, *slope, *apos, *bt;
     FA_T *u; /* return_stats: sum_j p_j (s_j - m), rescaled with l; NULL otherwise */
@@ -86,6 +88,10 @@ typedef struct FA_NAME(fa_scratch) {
     void **orow; /* FA_T, or float16 bits for a float16 output */
     FA_KV *kst, *vst;
     FA_T *ones; /* brp ones (no rescale), with kst */
+#if defined(FA_KV_HALF) && defined(FA_F32)
+    /* a prefill tile's 16-bit K and V rows as float32 (bc x D, bc x Dv; fa_tile_f32) */
+    float *kf, *vf;
+#endif
 #ifdef FA_BF16_DP
     /* bfloat16 pairs (kern_bf16dp.h), one uint32 each: Q (D/2 rounded up) x brp, P
      * (bc/2 rounded up) x brp, V (bc/2 rounded up) x dvp; dp: this block's products
@@ -150,6 +156,10 @@ static size_t FA_NAME(fa_layout)(const fa_params *p, const fa_blocks *bl, void *
                   ? (FA_KV *)FA_NAME(fa_carve)(&cur, bc * (size_t)p->Dv * sizeof(FA_KV))
                   : NULL;
     sc->ones = fa_kv_staged(p) ? (FA_T *)FA_NAME(fa_carve)(&cur, brp * t) : NULL;
+#if defined(FA_KV_HALF) && defined(FA_F32)
+    sc->kf = (float *)FA_NAME(fa_carve)(&cur, bc * (size_t)p->D * sizeof(float));
+    sc->vf = (float *)FA_NAME(fa_carve)(&cur, bc * (size_t)p->Dv * sizeof(float));
+#endif
 #ifdef FA_BF16_DP
     sc->dp = 0;
     sc->qp = (uint32_t *)FA_NAME(fa_carve)(&cur, (size_t)(p->D + 1) / 2 * brp * sizeof(uint32_t));

@@ -17,6 +17,7 @@
  * FA_VLOADU_N; for 16-bit outputs, FA_FLOAT_TO_16.
  */
 
+#if !(defined(FA_KV_HALF) && defined(FA_F32)) /* (16-bit V: the float32 one, on a float32 tile) */
 /* Is every value of a V tile finite?  v * 0 is 0 for a finite v and NaN for an inf
  * or NaN, so the tile's sum of them is 0 exactly when all are finite. */
 static int FA_NAME(fa_v_finite)(const FA_KV *FA_RESTRICT v, int64_t v_sl, int64_t nk, int64_t Dv)
@@ -36,6 +37,7 @@ static int FA_NAME(fa_v_finite)(const FA_KV *FA_RESTRICT v, int64_t v_sl, int64_
     }
     return FA_VREDUCE(FA_VADD(acc0, acc1)) == (FA_T)0;
 }
+#endif
 
 /* Are the n (a multiple of FA_VL) values at x, FA_VL-aligned, all finite? */
 static int FA_NAME(fa_all_finite)(const FA_T *FA_RESTRICT x, int64_t n)
@@ -227,17 +229,28 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
                     FA_NAME(fa_pv_tile_nonfinite)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, vt,
                                                   v_sl, dvp);
                 }
-            } else if (FA_NAME(fa_v_finite)(vt, v_sl, nk, Dv)) {
+            } else {
+#if defined(FA_KV_HALF) && defined(FA_F32)
+                /* 16-bit V: the tile as float32 once, checked and multiplied by the float32
+                 * functions (the same values, so the same decision and the same bits) */
+                const float *vf = FA_NAME(fa_tile_f32)(vt, v_sl, nk, Dv, sc.vf);
+                if (FA_F32(fa_v_finite)(vf, Dv, nk, Dv))
+                    FA_F32(fa_pv_tile)(sc.s, nr, nk, vf, Dv, Dv, sc.o, dvp, sc.alpha, brp);
+#else
+                if (FA_NAME(fa_v_finite)(vt, v_sl, nk, Dv)) {
 #ifdef FA_BF16_DP
-                if (sc.dp)
-                    FA_NAME(fa_pv_tile_dp)(sc.s, nr, nv, nk, vt, v_sl, Dv, sc.o, dvp, sc.alpha, brp, sc.pp, sc.vp);
-                else
+                    if (sc.dp)
+                        FA_NAME(fa_pv_tile_dp)(sc.s, nr, nv, nk, vt, v_sl, Dv, sc.o, dvp, sc.alpha, brp, sc.pp,
+                                               sc.vp);
+                    else
 #endif
-                    FA_NAME(fa_pv_tile)(sc.s, nr, nk, vt, v_sl, Dv, sc.o, dvp, sc.alpha, brp);
+                        FA_NAME(fa_pv_tile)(sc.s, nr, nk, vt, v_sl, Dv, sc.o, dvp, sc.alpha, brp);
+                }
+#endif
+                else
+                    FA_NAME(fa_pv_tile_nonfinite)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, vt, v_sl,
+                                                  dvp);
             }
-            else
-                FA_NAME(fa_pv_tile_nonfinite)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, vt, v_sl,
-                                              dvp);
         }
         if (!single) FA_NAME(fa_fold_chunk)(&sc, nr, Dv, dvp);
     }

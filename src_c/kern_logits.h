@@ -308,7 +308,13 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
                                        sc->cmx_valid ? sc->cmx : NULL);
             else
 #endif
+#if defined(FA_KV_HALF) && defined(FA_F32)
+                /* 16-bit K: the tile as float32 once, for the float32 product */
+                FA_F32(fa_qk_tile)(sc->qt, nv, FA_NAME(fa_tile_f32)(k, k_sl, nk, p->D, sc->kf), p->D, nk, p->D,
+                                   sc->s, brp, sc->cmx_valid ? sc->cmx : NULL);
+#else
                 FA_NAME(fa_qk_tile)(sc->qt, nv, k, k_sl, nk, p->D, sc->s, brp, sc->cmx_valid ? sc->cmx : NULL);
+#endif
         }
     }
     if (sc->need_range) {

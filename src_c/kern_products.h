@@ -14,6 +14,21 @@
  * FA_HAVE_TRANSPOSE is defined.
  */
 
+/* A logit tile's R x NV accumulators stored at s (rows brp apart) and, with cm (not
+ * NULL), each query vector's max over the R keys folded into cm. */
+FA_ALWAYS_INLINE void FA_NAME(fa_qk_store)(const int R, const int NV, FA_V acc[FA_QK_R][FA_QK_NV],
+                                           FA_T *FA_RESTRICT s, int64_t brp, FA_T *FA_RESTRICT cm)
+{
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NV; c++) FA_VSTORE(s + r * brp + c * FA_VL, acc[r][c]);
+    if (cm)
+        for (int c = 0; c < NV; c++) {
+            FA_V mx = FA_VLOAD(cm + c * FA_VL);
+            for (int r = 0; r < R; r++) mx = FA_VMAX(mx, acc[r][c]);
+            FA_VSTORE(cm + c * FA_VL, mx);
+        }
+}
+
 /* S^T tile: s[j][c*VL ...] = sum_d k[j][d] * qt[d][c*VL ...] for R keys and NV query
  * vectors, accumulators in registers (R and NV are constants after inlining).  With
  * cm (not NULL), also cm[c*VL ...] = max(cm, the R logits) per lane, from the
@@ -33,14 +48,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_micro)(const int R, const int NV, const FA_T
             for (int c = 0; c < NV; c++) acc[r][c] = FA_VFMA(kb, qv[c], acc[r][c]);
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < NV; c++) FA_VSTORE(s + r * brp + c * FA_VL, acc[r][c]);
-    if (cm)
-        for (int c = 0; c < NV; c++) {
-            FA_V mx = FA_VLOAD(cm + c * FA_VL);
-            for (int r = 0; r < R; r++) mx = FA_VMAX(mx, acc[r][c]);
-            FA_VSTORE(cm + c * FA_VL, mx);
-        }
+    FA_NAME(fa_qk_store)(R, NV, acc, s, brp, cm);
 }
 
 #define FA_QK_CASE(R, NV)                                                                   \
@@ -49,6 +57,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_micro)(const int R, const int NV, const FA_T
             FA_NAME(fa_qk_micro)(R, NV, qt + cv * FA_VL, kj, k_sl, D, sj, brp, cmj);             \
         break;
 
+#if !(defined(FA_KV_HALF) && defined(FA_F32)) /* (16-bit K/V: the float32 one, on a float32 tile) */
 /* The logits of nk keys (rows of k) against the packed query block (nv vectors);
  * with colmax (nv vectors, not NULL), also each lane's max over the keys, folded
  * into what colmax holds (the max of the same values in another order: the same
@@ -74,6 +83,7 @@ static void FA_NAME(fa_qk_tile)(const FA_T *FA_RESTRICT qt, int nv, const FA_KV 
         }
     }
 }
+#endif
 #undef FA_QK_CASE
 
 /* The logits of a block of at most FA_DOT_ROWS rows (decoding: one position, or a
@@ -307,6 +317,22 @@ static void FA_NAME(fa_qk_keys_i8)(const FA_T *FA_RESTRICT qt, int64_t brp, int6
 }
 #endif
 
+/* R rows x NC vectors of the running output o (rows dvp apart) into acc, times each
+ * row's alpha unless every alpha is 1 (no row's max changed). */
+FA_ALWAYS_INLINE void FA_NAME(fa_pv_load)(const int R, const int NC, FA_V acc[FA_PV_R][2 * FA_PV_NC],
+                                          const FA_T *FA_RESTRICT o, int64_t dvp, const FA_T *FA_RESTRICT alpha)
+{
+    int rescale = 0;
+    for (int r = 0; r < R; r++) rescale |= alpha[r] != (FA_T)1;
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NC; c++) acc[r][c] = FA_VLOAD(o + r * dvp + c * FA_VL);
+    if (rescale)
+        for (int r = 0; r < R; r++) {
+            FA_V a = FA_VSET1(alpha[r]);
+            for (int c = 0; c < NC; c++) acc[r][c] = FA_VMUL(acc[r][c], a);
+        }
+}
+
 /* o[i][c0 ...] = alpha[i] * o[i][c0 ...] + sum_j p[j][i] * v[j][c0 ...] for R query
  * rows and NC value vectors (the last one `tail` lanes wide when tail > 0), with
  * p[j][i] at p[j * ks + i * rs] (ks = brp, rs = 1 query-major; ks = 1 key-major).
@@ -317,15 +343,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_micro)(const int R, const int NC, const FA_T
                                            const FA_T *FA_RESTRICT alpha, int64_t ks, int64_t rs)
 {
     FA_V acc[FA_PV_R][2 * FA_PV_NC];
-    int rescale = 0;
-    for (int r = 0; r < R; r++) rescale |= alpha[r] != (FA_T)1;
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < NC; c++) acc[r][c] = FA_VLOAD(o + r * dvp + c * FA_VL);
-    if (rescale)
-        for (int r = 0; r < R; r++) {
-            FA_V a = FA_VSET1(alpha[r]);
-            for (int c = 0; c < NC; c++) acc[r][c] = FA_VMUL(acc[r][c], a);
-        }
+    FA_NAME(fa_pv_load)(R, NC, acc, o, dvp, alpha);
     if (tail == 0) {
         for (int64_t j = 0; j < nk; j++) {
             FA_V vv[2 * FA_PV_NC];

@@ -7,6 +7,11 @@
  *                    staged into the thread's tile buffer: an int8 cache dequantized
  *                    (data * scale, one float32 multiply per element, the bits of
  *                    fastattn.dequantize_kv), pages' rows gathered.
+ *   fa_tile_f32      (16-bit K/V, where the ISA file names its float32 instantiation
+ *                    FA_F32) a prefill tile's rows converted to float32 once, so that the
+ *                    float32 products read them: the same values the converting loads
+ *                    give, so the same bits, converted once a tile instead of once per
+ *                    row group (a V element was converted 32 times by a 192-row block)
  *   fa_by_segment, fa_kv_segment   decode rows instead read a paged or int8 tile in
  *                    place, page by page (int8 in registers: fa_qk_keys_i8,
  *                    fa_pv_rows_i8 of kern_products.h): the same values, no staging
@@ -110,3 +115,19 @@ static inline int FA_NAME(fa_group_shift)(const fa_params *p, int kv)
 {
     return __builtin_ctzll((unsigned long long)(kv ? p->v_group : p->k_group));
 }
+
+#if defined(FA_KV_HALF) && defined(FA_F32)
+/* nk rows of `width` 16-bit values, row stride sl, as float32 rows of `width` in buf. */
+static const float *FA_NAME(fa_tile_f32)(const FA_KV *FA_RESTRICT t, int64_t sl, int64_t nk, int64_t width,
+                                         float *FA_RESTRICT buf)
+{
+    const int64_t full = width / FA_VL * FA_VL;
+    for (int64_t j = 0; j < nk; j++) {
+        const FA_KV *row = t + j * sl;
+        float *dst = buf + j * width;
+        for (int64_t c = 0; c < full; c += FA_VL) FA_VSTOREU(dst + c, FA_KV_LOADU(row + c));
+        for (int64_t c = full; c < width; c++) dst[c] = FA_KV_SCALAR(row[c]);
+    }
+    return buf;
+}
+#endif

@@ -137,6 +137,9 @@ static inline fa_v4f fa_half_loadu_n(const uint16_t *p, int n)
 }
 /* The same float32 operations, K and V read as float16. */
 #include "kernels_kv16.h"
+/* the float32 instantiation's functions, which the 16-bit ones call on float32 copies
+ * of their prefill tiles (kern_source.h, fa_tile_f32) */
+#define FA_F32(x) x##_f32_generic
 #define FA_NAME(x) x##_kv16_generic
 #define FA_KV_HALF 1
 #define FA_KV uint16_t

@@ -44,3 +44,4 @@
 #undef FA_FLOAT_TO_16
 #undef FA_I8_LOADU
 #undef FA_HAVE_I8_PRODUCTS
+#undef FA_F32
