@@ -185,6 +185,15 @@ static int64_t fa_l2_from_sysfs(void)
     return 0;
 }
 
+int fa_cpu_amd(void)
+{
+#ifdef FA_X86
+    return fa_cpu_is_amd();
+#else
+    return 0;
+#endif
+}
+
 int64_t fa_cpu_l2_bytes(void)
 {
     if (fa_l2_cached) return fa_l2_cached;

@@ -331,6 +331,9 @@ extern const fa_kernel fa_kernel_avx2;
 extern const fa_kernel fa_kernel_avx512;
 #endif
 
+/* Is this an AMD (or Hygon) CPU?  (cpu.c; the block sizes differ by vendor) */
+int fa_cpu_amd(void);
+
 /* A bfloat16 path: the forward of q, k and v all bfloat16 with the products on
  * bfloat16 hardware (kernels_avx512bf16.c), in place of the avx512 kernel's
  * qblock[FA_KVB16] (which converts to float32) when fa_bf16_path() selects it

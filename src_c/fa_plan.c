@@ -48,6 +48,14 @@
  * re-measure when the L2 reading was fixed; their L2 now allows the 192 x 64 blocks
  * (an earlier session measured 192 x 64 5-9% faster there than the 96 x 32 that the
  * misread 256 KiB L2 forced).
+ * AMD EPYC Zen 5 (family 26 model 2, 1 MiB L2), float32 avx512, 2 threads, medians of
+ * 15 interleaved rounds (two more runs of 9-11 gave the same order):
+ *   avx512 f32 D=64  L=4096: q=192 k=128 288 | q=192 k=64 284
+ *   avx512 f32 D=128 L=2048: q=192 k=128 300 | q=192 k=64 292
+ *   avx512 f32 D=64  L=4096 causal: q=192 k=128 277 | q=96 k=128 267 | q=64 k=64 249
+ *   avx512 f32 D=128 L=2048 causal: q=192 k=128 271 | q=96 k=128 254 | q=64 k=64 236
+ *   avx512 f32 D=64  L=256 (B=4 H=16) causal: q=192 k=128 84 | q=64 k=64 58
+ * so on AMD's AVX-512 CPUs (Zen 4/5) 192 x 128 for every call; the Xeon keeps its own.
  * The bfloat16 pair products (AVX512-BF16; AMD EPYC Zen 5, 1 MiB L2, 2 threads, medians
  * of 9 interleaved rounds in shuffled order; a first run of 5 rounds over the whole grid
  * put k = 128 or 256 in front everywhere, and 64 x 64 at 460-550):
@@ -56,8 +64,8 @@
  *   avx512-bf16 D=64  L=4096 causal: q=192 k=128 424 | q=96 k=256 423 | q=128 k=256 417 | q=192 k=64 392
  *   avx512-bf16 D=64  L=256 (B=4 H=16): q=128 k=128 418 | q=96 k=128 411 | q=192 k=64 404 | q=192 k=128 402
  * (their tiles are half the bytes of float32's: the same L1 holds twice the keys).
- * So: 192 x 128 for the pairs, causal too; otherwise
- * 192 x 64 for AVX-512 and for AVX2 (64 x 64 causal or windowed on AVX-512, 96 x
+ * So: 192 x 128 for the pairs, causal too; otherwise, on AMD's AVX-512, 192 x 128;
+ * otherwise 192 x 64 for AVX-512 and for AVX2 (64 x 64 causal or windowed on AVX-512, 96 x
  * 64 on AVX2: a window is a diagonal band too);
  * the generic kernel (not tuned: the portable fallback) 64 x 128.  Then two
  * adjustments:
@@ -95,7 +103,10 @@ static fa_blocks fa_default_blocks(const fa_kernel *kern, const fa_params *p)
     const int64_t vl = fa_plan_lanes(kern, p);
     const int64_t item = p->dtype == FA_F64 ? 8 : 4;
     fa_blocks bl = {64, 128};
-    if (kern == fa_kernel_for_isa(FA_ISA_AVX512)) {
+    if (kern == fa_kernel_for_isa(FA_ISA_AVX512) && fa_cpu_amd()) {
+        bl.q = 192; /* Zen 4/5: causal and windowed too (see above) */
+        bl.k = 128;
+    } else if (kern == fa_kernel_for_isa(FA_ISA_AVX512)) {
         bl.q = p->causal || p->window_left >= 0 || p->window_right >= 0 ? 64 : 192;
         bl.k = 64;
     } else if (kern == fa_kernel_for_isa(FA_ISA_AVX2)) {
