@@ -185,13 +185,19 @@ static int64_t fa_l2_from_sysfs(void)
     return 0;
 }
 
+/* read once (CPUID traps to the hypervisor in a guest: microseconds a call) */
+static int fa_amd_cached = -1;
+
 int fa_cpu_amd(void)
 {
+    if (fa_amd_cached < 0) {
 #ifdef FA_X86
-    return fa_cpu_is_amd();
+        fa_amd_cached = fa_cpu_is_amd();
 #else
-    return 0;
+        fa_amd_cached = 0;
 #endif
+    }
+    return fa_amd_cached;
 }
 
 int64_t fa_cpu_l2_bytes(void)
@@ -270,6 +276,7 @@ int fa_cpu_select(const char *disabled, char *why, int why_len)
 {
     unsigned have = fa_cpu_supported_isas();
     (void)fa_cpu_l2_bytes(); /* read once here, at import, before any thread uses it */
+    (void)fa_cpu_amd();
     /* both SIMD kernels convert float16 K/V with F16C */
     int no2 = disabled && (fa_list_has(disabled, "AVX2") || fa_list_has(disabled, "FMA") ||
                            fa_list_has(disabled, "F16C"));
