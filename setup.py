@@ -44,6 +44,24 @@ BF16_PROBE = r"""
 __m512 f(__m512 a, __m512bh b, __m512bh c) { return _mm512_dpbf16_ps(a, b, c); }
 __m512bh g(__m512 a, __m512 b) { return _mm512_cvtne2ps_pbh(a, b); }
 """
+# The AMX tiles (tdpbf16ps), where the compiler knows them (gcc 11+, clang 12+); cpu.c
+# runs them only where CPUID, the OS and Linux's permission allow.  Under
+# FASTATTN_EMULATE_BF16=1 the same file is built over SIMDe with a software model of
+# the tiles (src_c/amx_model.h; AVX2 flags only).
+AMX_FILE = "kernels_amx.c"
+AMX_FLAGS = BF16_FLAGS + ["-mamx-tile", "-mamx-bf16"]
+AMX_PROBE = r"""
+#include <immintrin.h>
+void f(const void *cfg, const void *a, const void *b, void *c) {
+    _tile_loadconfig(cfg);
+    _tile_loadd(4, a, 64);
+    _tile_loadd(6, b, 64);
+    _tile_zero(0);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_stored(0, c, 64);
+    _tile_release();
+}
+"""
 IS_X86_64 = platform.machine().lower() in ("x86_64", "amd64")
 # Every header a C file may include (a change to one rebuilds them all).
 HEADERS = sorted(os.path.basename(h) for h in os.listdir(SRC) if h.endswith(".h"))
@@ -140,11 +158,19 @@ class BuildExt(build_ext):
             ext.define_macros.append(("FA_HAVE_X86_KERNELS", "1"))
             if EMULATE_BF16:
                 simd[BF16_FILE] = ["-mavx2", "-mfma", "-mf16c"]
-                ext.define_macros += [("FA_HAVE_BF16_KERNELS", "1"), ("FA_EMULATE_BF16", "1")]
-                print("fastattn: the bfloat16 products emulated by SIMDe (a test build)")
+                simd[AMX_FILE] = ["-mavx2", "-mfma", "-mf16c"]
+                ext.define_macros += [("FA_HAVE_BF16_KERNELS", "1"), ("FA_EMULATE_BF16", "1"),
+                                      ("FA_HAVE_AMX_KERNELS", "1"), ("FA_EMULATE_AMX", "1")]
+                print("fastattn: the bfloat16 products emulated by SIMDe and the AMX tiles by a "
+                      "software model (a test build)")
             elif _try_compile(self.compiler, BF16_PROBE, BF16_FLAGS):
                 simd[BF16_FILE] = list(BF16_FLAGS)
                 ext.define_macros.append(("FA_HAVE_BF16_KERNELS", "1"))
+                if _try_compile(self.compiler, AMX_PROBE, AMX_FLAGS):
+                    simd[AMX_FILE] = list(AMX_FLAGS)
+                    ext.define_macros.append(("FA_HAVE_AMX_KERNELS", "1"))
+                else:
+                    print("fastattn: the compiler has no -mamx-tile/-mamx-bf16; no AMX kernel")
             else:
                 print("fastattn: the compiler has no -mavx512bf16; bfloat16 computes in float32")
         def simd_args(name, flags):  # one SIMD file, with its own flags only

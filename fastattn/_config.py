@@ -38,13 +38,26 @@ def _bf16_line(info: dict[str, Any]) -> str:
     """How bfloat16 q, k, v compute, and why."""
     have = [n for n, k in (("AVX512-BF16", "bf16_avx512"), ("AMX-BF16", "bf16_amx")) if info.get(k)]
     cpu = f"this CPU has {' and '.join(have)}" if have else "this CPU has no AVX512-BF16 or AMX-BF16"
+    if info.get("bf16_amx_refused"):
+        cpu += " (and AMX-BF16, whose tile data Linux refused this process)"
     pair_kernels = ("avx2", "avx512") if _kernels.bf16_emulated() else ("avx512",)
-    if _kernels.bf16_path() == "avx512-bf16" and _kernels.current_kernel() in pair_kernels:
-        how = (f"the {_kernels.current_kernel()} kernel takes both products on AVX512-BF16 pairs "
+    path, kern = _kernels.bf16_path(), _kernels.current_kernel()
+    if path == "amx-bf16" and kern in pair_kernels:
+        how = (f"the {kern} kernel takes both products on AMX tiles (tdpbf16ps, 16 x 16 float32 "
+               "tiles, float32 softmax in AVX-512, P rounded to bfloat16; tails on AVX512-BF16 pairs)")
+        if _kernels.bf16_emulated():
+            how += ", the tiles a software model and AVX-512 from SIMDe: a test build, not for speed"
+        return f"{how}; {cpu}; FASTATTN_DISABLE_CPU_FEATURES=AMX turns the tiles off"
+    if path == "avx512-bf16" and kern in pair_kernels:
+        how = (f"the {kern} kernel takes both products on AVX512-BF16 pairs "
                "(vdpbf16ps, float32 sums and softmax, P rounded to bfloat16)")
         if _kernels.bf16_emulated():
             how += ", emulated by SIMDe: a test build, not for speed"
-        return f"{how}; {cpu}; FASTATTN_DISABLE_CPU_FEATURES=AVX512_BF16 turns it off"
+        off = "FASTATTN_DISABLE_CPU_FEATURES=AVX512_BF16 turns it off"
+        if "amx-bf16" in _kernels.bf16_paths():
+            off += (" (the AMX model runs where set_bf16_path('amx-bf16') asks)" if _kernels.bf16_emulated()
+                    else " (the AMX tiles are off: FASTATTN_DISABLE_CPU_FEATURES=AMX)")
+        return f"{how}; {cpu}; {off}"
     if "avx512-bf16" in _kernels.bf16_paths():
         why = (f"{cpu}, whose pairs are off here (FASTATTN_DISABLE_CPU_FEATURES=AVX512_BF16, "
                "or a kernel other than avx512)")

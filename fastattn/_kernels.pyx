@@ -84,6 +84,8 @@ cdef extern from "fastattn.h" nogil:
     unsigned fa_cpu_bf16_features()
     int fa_bf16_path()
     unsigned fa_bf16_paths()
+    unsigned fa_bf16_paths_built()
+    long fa_amx_model_ops()
     int fa_set_bf16_path(int path)
     const char *fa_bf16_path_name(int path)
     int FA_BF16_COUNT, FA_BF16_EMULATED
@@ -143,10 +145,22 @@ def kernel_reason():
 
 def bf16_paths():
     """How bfloat16 q/k/v can compute here: "float32" (converted in registers, every
-    kernel) and, where the build and CPU have it, "avx512-bf16" (the products on
-    vdpbf16ps pairs, avx512 kernel)."""
+    kernel) and, where the build and CPU have them, "avx512-bf16" (the products on
+    vdpbf16ps pairs, avx512 kernel) and "amx-bf16" (the products on AMX tiles)."""
     cdef unsigned have = fa_bf16_paths()
     return [fa_bf16_path_name(i).decode() for i in range(FA_BF16_COUNT) if have & (1u << i)]
+
+
+def bf16_paths_built():
+    """The bfloat16 paths this build compiled, whether or not this CPU runs them."""
+    cdef unsigned have = fa_bf16_paths_built()
+    return [fa_bf16_path_name(i).decode() for i in range(FA_BF16_COUNT) if have & (1u << i)]
+
+
+def amx_model_ops():
+    """The emulated test build: the tdpbf16ps its AMX model has run since import (all
+    threads); -1 in every other build."""
+    return fa_amx_model_ops()
 
 
 def bf16_path():
@@ -173,7 +187,8 @@ def build_info():
             "max_threads": fa_max_threads(), "l2_bytes": fa_cpu_l2_bytes(),
             "l2_source": fa_cpu_l2_source().decode(),
             "bf16_avx512": bool(fa_cpu_bf16_features() & 1),
-            "bf16_amx": bool(fa_cpu_bf16_features() & 2)}
+            "bf16_amx": bool(fa_cpu_bf16_features() & 2),
+            "bf16_amx_refused": bool(fa_cpu_bf16_features() & 4)}
 
 
 def max_threads():

@@ -158,14 +158,17 @@ def fma_peak(dtype="float32", num_threads=None, *, kernel=None):
 
 
 def bf16_peak(num_threads=None, *, path=None):
-    """The peak of the bfloat16 pair instruction in GFLOP/s, as fma_peak measures the FMA:
-    `num_threads` threads each run 12 independent chains of it (AVX512-BF16's
-    vdpbf16ps: 16 lanes, each two products added to a float32 sum, 4 flops a lane),
-    nothing else in the loop; the best of five rounds.  This is the ceiling of the
-    bfloat16 forward on that path (each of its two products is such pairs).
+    """The peak of a bfloat16 path's product instruction in GFLOP/s, as fma_peak measures
+    the FMA: `num_threads` threads each run independent chains of it, nothing else in
+    the loop; the best of five rounds.  "avx512-bf16": 12 chains of vdpbf16ps (16 lanes,
+    each two products added to a float32 sum, 4 flops a lane); "amx-bf16": 4 tile
+    accumulators of tdpbf16ps (16 x 16 x 32 multiply-adds, 16,384 flops each).  This is
+    the ceiling of the bfloat16 forward on that path (each of its two products runs on
+    that instruction).  In the emulated test build the figure is the emulation's.
 
-    path: a bfloat16 path with a pair instruction ("avx512-bf16"; default the one
-    fastattn takes); ValueError where none runs (fastattn._kernels.bf16_paths())."""
+    path: a bfloat16 path with a product instruction ("avx512-bf16", "amx-bf16";
+    default the one fastattn takes); ValueError where none runs
+    (fastattn._kernels.bf16_paths())."""
     fn = "bench.bf16_peak"
     num_threads = parse_threads(num_threads, fn) or _kernels.max_threads()
     path = _kernels.bf16_path() if path is None else path

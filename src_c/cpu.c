@@ -12,6 +12,10 @@
 #include <cpuid.h>
 #define FA_X86 1
 #endif
+#if defined(FA_X86) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 static const char *const fa_isa_names[FA_ISA_COUNT] = {"generic", "avx2", "avx512"};
 
@@ -60,22 +64,76 @@ unsigned fa_cpu_supported_isas(void)
     return isas;
 }
 
-/* The CPU's bfloat16 instructions (bit 0 AVX512-BF16, bit 1 AMX-BF16), for
- * show_config: fastattn's bfloat16 path converts to float32 in registers on every
- * kernel and uses neither yet. */
+/* Linux gives a process the AMX tile data (a large, dynamically enabled XSAVE state)
+ * only on request: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), asked once, at
+ * import, for the whole process; a refusal (another OS, an old kernel, a seccomp
+ * policy) leaves the tiles unused.  1 granted, 0 refused. */
+static int fa_amx_granted = -1;
+static int fa_amx_permission(void)
+{
+    if (fa_amx_granted < 0) {
+#if defined(FA_X86) && defined(__linux__) && defined(SYS_arch_prctl)
+        const long ARCH_GET_XCOMP_PERM = 0x1022, ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        unsigned long bits = 0;
+        int ok = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+        ok = ok && syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &bits) == 0 && ((bits >> XFEATURE_XTILEDATA) & 1);
+        fa_amx_granted = ok;
+#else
+        fa_amx_granted = 0;
+#endif
+    }
+    return fa_amx_granted;
+}
+
+/* The CPU's bfloat16 instructions (fastattn.h): bit 0 AVX512-BF16 (CPUID 7.1 EAX 5);
+ * bit 1 AMX-BF16 with AMX-TILE (CPUID 7.0 EDX 22 and 24), the tile configuration and
+ * data saved by the OS (XCR0 bits 17 and 18) and the process's permission; bit 2 the
+ * same but the permission refused. */
 unsigned fa_cpu_bf16_features(void)
 {
     unsigned f = 0;
 #ifdef FA_X86
     unsigned a, b, c, d;
     if (__get_cpuid_max(0, NULL) >= 7 && __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 5) & 1)) f |= 1;
-    if (__get_cpuid_max(0, NULL) >= 7 && __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 22) & 1)) f |= 2;
+    if (__get_cpuid_max(0, NULL) >= 7 && __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 22) & 1) &&
+        ((d >> 24) & 1) && __get_cpuid(1, &a, &b, &c, &d) && ((c >> 27) & 1) &&
+        (fa_xgetbv0() & 0x60000) == 0x60000)
+        f |= fa_amx_permission() ? 2u : 4u;
 #endif
     return f;
 }
 
 /* ---- the bfloat16 path (fastattn.h) ---- */
-static const char *const fa_bf16_names[FA_BF16_COUNT] = {"float32", "avx512-bf16"};
+static const char *const fa_bf16_names[FA_BF16_COUNT] = {"float32", "avx512-bf16", "amx-bf16"};
+
+#ifndef FA_EMULATE_AMX
+long fa_amx_model_ops(void) { return -1; } /* (kernels_amx.c in the emulated build) */
+#endif
+
+unsigned fa_bf16_paths_built(void)
+{
+    unsigned paths = 1u << FA_BF16_FLOAT32;
+#ifdef FA_HAVE_BF16_KERNELS
+    paths |= 1u << FA_BF16_AVX512;
+#endif
+#ifdef FA_HAVE_AMX_KERNELS
+    paths |= 1u << FA_BF16_AMX;
+#endif
+    return paths;
+}
+
+const fa_bf16_kernel *fa_bf16_kernel_for_path(int path)
+{
+    switch (path) {
+#ifdef FA_HAVE_BF16_KERNELS
+    case FA_BF16_AVX512: return &fa_kernel_avx512_bf16;
+#endif
+#ifdef FA_HAVE_AMX_KERNELS
+    case FA_BF16_AMX: return &fa_kernel_amx_bf16;
+#endif
+    default: return NULL;
+    }
+}
 
 const char *fa_bf16_path_name(int path)
 {
@@ -83,19 +141,29 @@ const char *fa_bf16_path_name(int path)
 }
 
 /* AVX512-BF16 pairs need the avx512 kernel, AVX512BW (the pair shuffles) and the
- * instruction itself; in the emulated test build (compiled for AVX2 over SIMDe) only
- * the avx2 kernel's instructions. */
+ * instruction itself; the AMX tiles all that (their tails run on the pairs) and the
+ * tiles.  In the emulated test build (compiled for AVX2 over SIMDe, the tiles a
+ * software model) only the avx2 kernel's instructions. */
 unsigned fa_bf16_paths(void)
 {
     unsigned paths = 1u << FA_BF16_FLOAT32;
 #if defined(FA_X86) && defined(FA_HAVE_BF16_KERNELS)
 #ifdef FA_EMULATE_BF16
-    if (fa_cpu_supported_isas() & (1u << FA_ISA_AVX2)) paths |= 1u << FA_BF16_AVX512;
+    if (fa_cpu_supported_isas() & (1u << FA_ISA_AVX2)) {
+        paths |= 1u << FA_BF16_AVX512;
+#ifdef FA_HAVE_AMX_KERNELS
+        paths |= 1u << FA_BF16_AMX;
+#endif
+    }
 #else
     unsigned a, b, c, d;
     const int bw = __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((b >> 30) & 1);
-    if ((fa_cpu_supported_isas() & (1u << FA_ISA_AVX512)) && bw && (fa_cpu_bf16_features() & 1))
+    if ((fa_cpu_supported_isas() & (1u << FA_ISA_AVX512)) && bw && (fa_cpu_bf16_features() & 1)) {
         paths |= 1u << FA_BF16_AVX512;
+#ifdef FA_HAVE_AMX_KERNELS
+        if (fa_cpu_bf16_features() & 2) paths |= 1u << FA_BF16_AMX;
+#endif
+    }
 #endif
 #endif
     return paths;
@@ -302,10 +370,16 @@ int fa_cpu_select(const char *disabled, char *why, int why_len)
     }
     if (why && why_len > 0) snprintf(why, (size_t)why_len, "%s", reason);
     fa_default = isa;
+    /* the AMX path's tails run on the pairs: disabling AVX512_BF16 disables both */
     const int no_bf16 = disabled && (fa_list_has(disabled, "AVX512_BF16") || fa_list_has(disabled, "AVX512BF16"));
-    fa_bf16_current = !no_bf16 && (FA_BF16_EMULATED ? !no2 : !no512) &&
-                              (fa_bf16_paths() & (1u << FA_BF16_AVX512))
-                          ? FA_BF16_AVX512
-                          : FA_BF16_FLOAT32;
+    const int no_amx = no_bf16 || (disabled && (fa_list_has(disabled, "AMX") || fa_list_has(disabled, "AMX_BF16") ||
+                                                fa_list_has(disabled, "AMX_TILE")));
+    const int kern_ok = FA_BF16_EMULATED ? !no2 : !no512;
+    const unsigned paths = fa_bf16_paths();
+    fa_bf16_current = FA_BF16_FLOAT32;
+    if (kern_ok && !no_amx && (paths & (1u << FA_BF16_AMX)) && !FA_BF16_EMULATED)
+        fa_bf16_current = FA_BF16_AMX; /* (the emulated build starts on the pairs: the model is slow) */
+    else if (kern_ok && !no_bf16 && (paths & (1u << FA_BF16_AVX512)))
+        fa_bf16_current = FA_BF16_AVX512;
     return isa;
 }

@@ -120,13 +120,10 @@ int fa_fma_peak(int isa, int dtype, int nthreads, double *gflops)
 int fa_bf16_peak(int path, int nthreads, double *gflops)
 {
     if (nthreads < 1 || !gflops || !(fa_bf16_paths() & (1u << path))) return FA_ERR_ARG;
-#ifdef FA_HAVE_BF16_KERNELS
-    if (path == FA_BF16_AVX512) { /* 16 lanes, each two products and two adds */
-        *gflops = fa_time_chains(fa_kernel_avx512_bf16.dp_chains, 4.0 * FA_PEAK_CHAINS * 16, nthreads);
-        return FA_OK;
-    }
-#endif
-    return FA_ERR_ARG;
+    const fa_bf16_kernel *bk = fa_bf16_kernel_for_path(path);
+    if (!bk) return FA_ERR_ARG;
+    *gflops = fa_time_chains(bk->dp_chains, bk->round_flops, nthreads);
+    return FA_OK;
 }
 
 /* One merged row: parts in index order, part q's row at out + q*ostride, its lse at

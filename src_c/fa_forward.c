@@ -204,10 +204,12 @@ int fa_attention_forward(const fa_params *p)
     fa_qblock_fn qblock = kern->qblock[ki];
     size_t scratch_bytes = kern->scratch_bytes[ki](p, &pl.bl);
 #ifdef FA_HAVE_BF16_KERNELS
-    /* q, k and v bfloat16 on the avx512 kernel: the products on AVX512-BF16 pairs */
+    /* q, k and v bfloat16 on the avx512 kernel: the products on AVX512-BF16 pairs or
+     * AMX tiles */
     if (fa_bf16_pairs(kern, p)) {
-        qblock = fa_kernel_avx512_bf16.qblock;
-        scratch_bytes = fa_kernel_avx512_bf16.scratch_bytes(p, &pl.bl);
+        const fa_bf16_kernel *bk = fa_bf16_kernel_for_path(fa_bf16_path());
+        qblock = bk->qblock;
+        scratch_bytes = bk->scratch_bytes(p, &pl.bl);
     }
 #endif
     const int64_t items = pl.items;

@@ -342,11 +342,18 @@ typedef struct fa_bf16_kernel {
     const char *name;
     fa_qblock_fn qblock;
     fa_scratch_fn scratch_bytes;
-    fa_peak_fn dp_chains; /* FA_PEAK_CHAINS independent chains of the pair instruction */
+    fa_peak_fn dp_chains; /* the instruction's peak loop (fastattn.bench.bf16_peak) */
+    double round_flops;   /* flops of one round of that loop, all threads' lanes apart */
 } fa_bf16_kernel;
 #ifdef FA_HAVE_BF16_KERNELS
 extern const fa_bf16_kernel fa_kernel_avx512_bf16;
 #endif
+#ifdef FA_HAVE_AMX_KERNELS
+extern const fa_bf16_kernel fa_kernel_amx_bf16;
+#endif
+/* The bfloat16 kernel of a path (fastattn.h), or NULL for FA_BF16_FLOAT32 and a path
+ * this build lacks. */
+const fa_bf16_kernel *fa_bf16_kernel_for_path(int path);
 
 /* The table for an ISA, or NULL if it was not compiled in. */
 const fa_kernel *fa_kernel_for_isa(int isa);

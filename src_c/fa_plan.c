@@ -82,7 +82,7 @@ int fa_bf16_pairs(const fa_kernel *kern, const fa_params *p)
     /* (the emulated test build runs them from the avx2 kernel too) */
     const int on = kern == fa_kernel_for_isa(FA_ISA_AVX512) ||
                    (FA_BF16_EMULATED && kern == fa_kernel_for_isa(FA_ISA_AVX2));
-    return on && fa_bf16_path() == FA_BF16_AVX512 && p->q_store == FA_STORE_BF16 &&
+    return on && fa_bf16_path() != FA_BF16_FLOAT32 && p->q_store == FA_STORE_BF16 &&
            p->kv_store == FA_STORE_BF16;
 #else
     (void)kern;

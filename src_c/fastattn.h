@@ -222,22 +222,30 @@ int fa_default_isa(void);
  * a 256 KiB guess.  fa_cpu_l2_source says which (a static string). */
 int64_t fa_cpu_l2_bytes(void);
 const char *fa_cpu_l2_source(void);
-/* bfloat16 instructions of this CPU: bit 0 AVX512-BF16, bit 1 AMX-BF16. */
+/* bfloat16 instructions of this CPU: bit 0 AVX512-BF16, bit 1 AMX-BF16 (with AMX-TILE,
+ * the OS's tile state and Linux's permission for it; bit 2 set where the permission
+ * was refused). */
 unsigned fa_cpu_bf16_features(void);
 /* How calls with q, k and v all bfloat16 compute on the avx512 kernel: FA_BF16_FLOAT32
  * converts to float32 in registers (every kernel does, and the other kernels always);
- * FA_BF16_AVX512 takes the products on AVX512-BF16 (vdpbf16ps) pairs.  fa_cpu_select
- * picks the best this build and CPU run, unless its list names AVX512_BF16;
+ * FA_BF16_AVX512 takes the products on AVX512-BF16 (vdpbf16ps) pairs; FA_BF16_AMX on
+ * AMX tiles (tdpbf16ps), its tails on the pairs.  fa_cpu_select picks the best this
+ * build and CPU run, unless its list names AVX512_BF16 (both) or AMX;
  * fa_bf16_paths has bit `path` set for each one that can run; fa_set_bf16_path
  * (tests, start-up) returns FA_ERR_ARG for one that cannot. */
-enum fa_bf16_path { FA_BF16_FLOAT32 = 0, FA_BF16_AVX512 = 1, FA_BF16_COUNT = 2 };
-#ifdef FA_EMULATE_BF16 /* a test build: the bfloat16 products over SIMDe (setup.py) */
+enum fa_bf16_path { FA_BF16_FLOAT32 = 0, FA_BF16_AVX512 = 1, FA_BF16_AMX = 2, FA_BF16_COUNT = 3 };
+#ifdef FA_EMULATE_BF16 /* a test build: the bfloat16 products over SIMDe and the AMX model (setup.py) */
 #define FA_BF16_EMULATED 1
 #else
 #define FA_BF16_EMULATED 0
 #endif
 int fa_bf16_path(void);
 unsigned fa_bf16_paths(void);
+/* The paths this build compiled, whatever the CPU (bit `path` each). */
+unsigned fa_bf16_paths_built(void);
+/* The emulated test build: how many tdpbf16ps the AMX model has run (all threads, since
+ * import); -1 in every other build. */
+long fa_amx_model_ops(void);
 int fa_set_bf16_path(int path);
 const char *fa_bf16_path_name(int path);
 int fa_set_default_isa(int isa);

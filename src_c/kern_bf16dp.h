@@ -40,6 +40,10 @@ static void FA_NAME(fa_pack_q_pairs)(const fa_params *p, const fa_item *it, int6
         for (int64_t t = 0; t < D / 2; t++) qp[t * brp + r] = (uint32_t)qh[2 * t] | (uint32_t)qh[2 * t + 1] << 16;
         if (D & 1) qp[(np - 1) * brp + r] = qh[D - 1];
     }
+#ifdef FA_BF16_AMX /* the pair rows of whole tiles past D: zero */
+    for (int64_t t = np; t < FA_NAME(fa_amx_dz)(D) / 2; t++)
+        for (int64_t r = 0; r < nvl; r++) qp[t * brp + r] = 0;
+#endif
 }
 
 /* R keys x NV query vectors of logits, accumulators in registers; with cm, each
@@ -104,6 +108,7 @@ static void FA_NAME(fa_qk_tile_dp)(const uint32_t *FA_RESTRICT qp, int nv, const
 }
 #undef FA_QK_DP_CASE
 
+#ifndef FA_BF16_AMX /* (the AMX kernel's P.V is fa_pv_tile_amx) */
 /* o[i][c0 ...] = alpha[i] o[i][c0 ...] + sum_t (p pair t of row i) . (v pair t) for R
  * rows and NC value vectors; pp[t * brp + i], vp[t * dvp + c]. */
 FA_ALWAYS_INLINE void FA_NAME(fa_pv_dp_micro)(const int R, const int NC, const uint32_t *FA_RESTRICT pp,
@@ -169,3 +174,4 @@ static void FA_NAME(fa_pv_tile_dp)(const FA_T *FA_RESTRICT s, int64_t nq, int nv
     }
 }
 #undef FA_PV_DP_CASE
+#endif /* FA_BF16_AMX */

@@ -40,6 +40,18 @@ static inline int64_t FA_NAME(fa_round_up)(int64_t x, int64_t m) { return (x + m
 #define FA_PV_SEQ_ROWS 4 /* P.V of up to this many rows: keys outermost (fa_pv_rows_seq) */
 #endif
 
+#ifdef FA_BF16_AMX
+/* whole tiles: 16 keys (or queries) a tile, 32 bfloat16 a row */
+#define FA_AMX_ROWS 16
+#define FA_AMX_K 32
+
+/* Feature pairs of Q (and of a staged K) in whole tiles: D rounded up to 32. */
+static inline int64_t FA_NAME(fa_amx_dz)(int64_t D) { return (D + FA_AMX_K - 1) / FA_AMX_K * FA_AMX_K; }
+
+/* Key pairs of a P.V tile in whole tiles: (nk + 1) / 2 rounded up to 16. */
+static inline int64_t FA_NAME(fa_amx_kpp)(int64_t nk) { return ((nk + 1) / 2 + 15) / 16 * 16; }
+#endif
+
 /* The scratch of one thread, carved from one allocation into FA_ALIGN-aligned
  * pieces (brp = the block's query rows, a multiple of FA_VL; dvp = Dv rounded up
  * to FA_VL; bc = keys per block):
@@ -98,6 +110,13 @@ typedef struct FA_NAME(fa_scratch) {
      * take them (fa_setup_rows) */
     uint32_t *qp, *pp, *vp;
     int dp;
+#endif
+#ifdef FA_BF16_AMX
+    /* AMX tiles (kern_amx.h): P as query rows of key pairs (brp x fa_amx_kpp(bc)),
+     * and K staged zero-padded to whole 32-feature rows (bc x fa_amx_dz(D)); qp holds
+     * fa_amx_dz(D) / 2 pair rows and vp fa_amx_kpp(bc) */
+    uint32_t *pa;
+    uint16_t *kz;
 #endif
 } FA_NAME(fa_scratch);
 
@@ -161,10 +180,23 @@ static size_t FA_NAME(fa_layout)(const fa_params *p, const fa_blocks *bl, void *
     sc->vf = (float *)FA_NAME(fa_carve)(&cur, bc * (size_t)p->Dv * sizeof(float));
 #endif
 #ifdef FA_BF16_DP
+#ifdef FA_BF16_AMX /* whole tiles: Q pairs to D rounded up to 32, key pairs to 16 */
+    const size_t qpairs = (size_t)FA_NAME(fa_amx_dz)(p->D) / 2, kpairs = (size_t)FA_NAME(fa_amx_kpp)((int64_t)bc);
+#else
+    const size_t qpairs = (size_t)(p->D + 1) / 2, kpairs = (bc + 1) / 2;
+#endif
     sc->dp = 0;
-    sc->qp = (uint32_t *)FA_NAME(fa_carve)(&cur, (size_t)(p->D + 1) / 2 * brp * sizeof(uint32_t));
+    sc->qp = (uint32_t *)FA_NAME(fa_carve)(&cur, qpairs * brp * sizeof(uint32_t));
+#ifdef FA_BF16_AMX
+    sc->pp = NULL; /* P's pairs go to pa */
+#else
     sc->pp = (uint32_t *)FA_NAME(fa_carve)(&cur, (bc + 1) / 2 * brp * sizeof(uint32_t));
-    sc->vp = (uint32_t *)FA_NAME(fa_carve)(&cur, (bc + 1) / 2 * dvp * sizeof(uint32_t));
+#endif
+    sc->vp = (uint32_t *)FA_NAME(fa_carve)(&cur, kpairs * dvp * sizeof(uint32_t));
+#ifdef FA_BF16_AMX
+    sc->pa = (uint32_t *)FA_NAME(fa_carve)(&cur, brp * kpairs * sizeof(uint32_t));
+    sc->kz = (uint16_t *)FA_NAME(fa_carve)(&cur, bc * (size_t)FA_NAME(fa_amx_dz)(p->D) * sizeof(uint16_t));
+#endif
 #endif
     if (base && sc->ones)
         for (size_t i = 0; i < brp; i++) sc->ones[i] = (FA_T)1;

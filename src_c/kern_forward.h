@@ -240,8 +240,12 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
                 if (FA_NAME(fa_v_finite)(vt, v_sl, nk, Dv)) {
 #ifdef FA_BF16_DP
                     if (sc.dp)
+#ifdef FA_BF16_AMX
+                        FA_NAME(fa_pv_tile_amx)(sc.s, nv, nk, vt, v_sl, Dv, sc.o, dvp, sc.alpha, brp, sc.pa, sc.vp);
+#else
                         FA_NAME(fa_pv_tile_dp)(sc.s, nr, nv, nk, vt, v_sl, Dv, sc.o, dvp, sc.alpha, brp, sc.pp,
                                                sc.vp);
+#endif
                     else
 #endif
                         FA_NAME(fa_pv_tile)(sc.s, nr, nk, vt, v_sl, Dv, sc.o, dvp, sc.alpha, brp);

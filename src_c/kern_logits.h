@@ -303,9 +303,15 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
                 for (int64_t i = 0; i < (int64_t)nv * FA_VL; i++) sc->cmx[i] = -(FA_T)INFINITY;
 #ifdef FA_BF16_DP
             if (sc->dp)
+#ifdef FA_BF16_AMX
+                FA_NAME(fa_qk_tile_amx)(sc->qp, nv, k, k_sl, nk, p->D, sc->s, brp,
+                                        (FA_T)(p->softcap > 0 ? p->scale / p->softcap : p->scale),
+                                        sc->cmx_valid ? sc->cmx : NULL, sc->kz);
+#else
                 FA_NAME(fa_qk_tile_dp)(sc->qp, nv, k, k_sl, nk, p->D, sc->s, brp,
                                        (FA_T)(p->softcap > 0 ? p->scale / p->softcap : p->scale),
                                        sc->cmx_valid ? sc->cmx : NULL);
+#endif
             else
 #endif
 #if defined(FA_KV_HALF) && defined(FA_F32)

@@ -45,6 +45,7 @@
  *   kern_source.h    a key tile's K/V rows: in place, or staged (int8, paged)
  *   kern_products.h  QK^T tiles, the keys-on-lanes decode product, P.V tiles
  *   kern_bf16dp.h    (FA_BF16_DP only) both products on bfloat16 pairs
+ *   kern_amx.h       (FA_BF16_AMX only) both products on AMX tiles
  *   kern_softmax.h   the online softmax, the chunk merge and the statistics
  *   kern_logits.h    row set-up, mask/bias tiles, the logit steps, fa_scores
  *   kern_forward.h   the forward block (prefill and decode rows), exp
@@ -55,6 +56,9 @@
 #include "kern_products.h"
 #ifdef FA_BF16_DP
 #include "kern_bf16dp.h"
+#endif
+#ifdef FA_BF16_AMX
+#include "kern_amx.h"
 #endif
 #include "kern_softmax.h"
 #include "kern_logits.h"

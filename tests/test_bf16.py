@@ -1,7 +1,8 @@
 """bfloat16 (ml_dtypes.bfloat16): q, k, v all bf16 (output bf16, lse float32) and bf16
 K/V with float32 q, on every kernel this CPU runs and, for q, k, v all bf16, on every
-bfloat16 path (bf16_kernel: converted to float32, and the AVX512-BF16 pairs where the
-CPU, or the emulated test build, has them), against the float64 oracle on the same
+bfloat16 path (bf16_kernel: converted to float32, the AVX512-BF16 pairs and the AMX
+tiles where the CPU, or the emulated test build, has them: there the tiles are a software
+model, src_c/amx_model.h), against the float64 oracle on the same
 bf16-rounded inputs; every variant, layouts, varlen, merge, attention_weights and the
 backward; the edges of the pair products (odd D, Lq != Lk, 9 rows, strided views),
 non-finite values, and the bits across thread counts and calls on each path.
@@ -238,3 +239,66 @@ def test_bf16_path_names_and_errors():
     assert BF16_PATHS[0] == "float32" and _kernels.bf16_path() in BF16_PATHS
     with pytest.raises(ValueError, match="unknown bfloat16 path"):
         _kernels.set_bf16_path("amx")
+
+
+EMULATED_AMX = _kernels.bf16_emulated() and "amx-bf16" in BF16_PATHS
+
+
+@pytest.mark.skipif(not EMULATED_AMX, reason="the AMX model counts its operations only in the emulated "
+                    "test build (FASTATTN_EMULATE_BF16=1), which CI's second build is")
+@pytest.mark.parametrize("kern", PAIR_KERNELS)
+def test_amx_path_runs_the_tiles(rng, kern):
+    """On the AMX path a prefill block's whole 16 x 16 tiles go to the tiles: the model
+    counts the tdpbf16ps of a call, exactly as many as the tiles of its products
+    (QK^T: 16-key x 16-query tiles times 32-feature chunks; P.V: 16-query x 16-channel
+    tiles times 32-key chunks); decode rows (at most 8 an item) and the pair path use
+    none."""
+    before = _kernels.current_kernel(), _kernels.bf16_path()
+    B, H, Lq, Lk, D = 1, 1, 40, 70, 48  # one block: 3 query vectors, keys 64 whole + 6 left
+    q, k, v = bf(rng, B, H, Lq, D), bf(rng, B, H, Lk, D), bf(rng, B, H, Lk, D)
+    try:
+        _kernels.set_kernel(kern)
+        counts = {}
+        for path in ("avx512-bf16", "amx-bf16"):
+            _kernels.set_bf16_path(path)
+            for name, qq in (("prefill", q), ("decode", q[:, :, :1])):
+                n0 = _kernels.amx_model_ops()
+                fastattn.attention(qq, k, v, num_threads=1)
+                counts[path, name] = _kernels.amx_model_ops() - n0
+    finally:
+        _kernels.set_kernel(before[0])
+        _kernels.set_bf16_path(before[1])
+    qv, dz = 3, 2  # query vectors; 32-feature chunks of D = 48 (zero-padded)
+    tiles = {}
+    for bk in (64, 128):  # the key block (the plan's, which the shape caps at 70 keys)
+        keys = [min(bk, Lk - j) for j in range(0, Lk, bk)]
+        qk = sum(n // 16 for n in keys) * qv * dz
+        pv = sum(((n + 1) // 2 + 15) // 16 for n in keys) * qv * 3  # Dv = 48: 3 channel tiles
+        tiles[bk] = qk + pv
+    assert counts["amx-bf16", "prefill"] in tiles.values(), (counts, tiles)
+    assert counts["amx-bf16", "decode"] == 0 and counts["avx512-bf16", "prefill"] == 0
+
+
+@pytest.mark.skipif(not EMULATED_AMX, reason="the AMX model exists only in the emulated test build")
+@pytest.mark.parametrize("shape", [(1, 2, 129, 257, 128), (2, 3, 70, 17, 63), (1, 1, 300, 301, 33),
+                                   (1, 2, 40, 64, 256)], ids=lambda s: "x".join(map(str, s)))
+def test_amx_model_has_the_pair_paths_bits(rng, shape):
+    """The model adds a tile's products in the order vdpbf16ps does (each pair's even
+    product, then its odd one, in order of the pairs, one rounding each) and the AMX
+    kernel rescales the output rows before the tiles as the pairs do before theirs, so
+    on normal numbers the model's bits are the pair path's: any packing, padding or
+    tail mistake shows as a bit difference.  (Real AMX hardware sums in its own order,
+    so there the two paths agree only to the tolerance.)"""
+    B, H, Lq, Lk, D = shape
+    q, k, v = bf(rng, B, H, Lq, D), bf(rng, B, H, Lk, D), bf(rng, B, H, Lk, D + 5)
+    before = _kernels.bf16_path()
+    try:
+        outs = {}
+        for path in ("avx512-bf16", "amx-bf16"):
+            _kernels.set_bf16_path(path)
+            outs[path] = [fastattn.attention(q, k, v, **kw).view(np.uint16)
+                          for kw in (dict(), dict(causal=True), dict(window=(20, 3), softcap=30.0))]
+    finally:
+        _kernels.set_bf16_path(before)
+    for a, b in zip(outs["avx512-bf16"], outs["amx-bf16"]):
+        np.testing.assert_array_equal(a, b)

@@ -184,16 +184,25 @@ def test_show_config_mentions_kernel(capsys):
 def _bf16_path_for(flags, disabled=""):
     """The bfloat16 path a CPU with `flags` takes: AVX512-BF16 pairs need the avx512
     kernel, AVX512BW and AVX512-BF16 (in the emulated test build, the avx2 kernel's
-    features), and none of them disabled (AVX512_BF16 in the list turns the pairs off)."""
+    features), and none of them disabled (AVX512_BF16 in the list turns the pairs off,
+    and the AMX tiles with them); the AMX tiles all that, AMX-TILE and AMX-BF16, a build
+    with the AMX kernel, Linux's permission for the tile data, and AMX not disabled.
+    The emulated build starts on the pairs (its tiles are a slow software model)."""
     off = {f.lower() for f in re.split(r"[,\s]+", disabled) if f}
     if _kernels.bf16_emulated():  # over SIMDe, from the avx2 kernel up
         ok = _kernels_for(flags, disabled)[-1] in ("avx2", "avx512")
+        amx = False
     else:
         ok = _kernels_for(flags, disabled)[-1] == "avx512" and {"avx512bw", "avx512_bf16"} <= set(flags)
-    return "avx512-bf16" if ok and "avx512_bf16" not in off and _is_x86_64() else "float32"
+        amx = ({"amx_tile", "amx_bf16"} <= set(flags) and "amx-bf16" in _kernels.bf16_paths_built()
+               and not _kernels.build_info()["bf16_amx_refused"] and not off & {"amx", "amx_bf16", "amx_tile"})
+    if not (ok and "avx512_bf16" not in off and _is_x86_64()):
+        return "float32"
+    return "amx-bf16" if amx else "avx512-bf16"
 
 
-@pytest.mark.parametrize("disabled", ["", "AVX512_BF16", "avx512_bf16, SSE3", "AVX512F", "AVX2"])
+@pytest.mark.parametrize("disabled", ["", "AVX512_BF16", "avx512_bf16, SSE3", "AVX512F", "AVX2", "AMX",
+                                      "amx_bf16"])
 def test_bf16_path_follows_the_cpu(disabled):
     """The bfloat16 path (expected from the CPU's flags, not from fastattn), and
     show_config's line naming it."""
@@ -205,3 +214,21 @@ def test_bf16_path_follows_the_cpu(disabled):
     assert lines[-2] == want, (lines, sorted(flags & {"avx512bw", "avx512_bf16"}))
     bf = [ln for ln in lines if ln.strip().startswith("bfloat16:")]
     assert bf and (("AVX512-BF16 pairs" in bf[0]) == (want == "avx512-bf16")), bf
+    assert ("on AMX tiles" in bf[0]) == (want == "amx-bf16"), bf
+
+
+def test_bf16_paths_built_and_run():
+    """Every path that runs was built; the emulated build builds both products' paths
+    and runs them from the avx2 kernel up; a real build runs the AMX tiles only where
+    /proc/cpuinfo shows AMX-TILE and AMX-BF16."""
+    built, runs = _kernels.bf16_paths_built(), _kernels.bf16_paths()
+    assert set(runs) <= set(built) and built[0] == runs[0] == "float32"
+    flags = _proc_cpuinfo_flags()
+    if _kernels.bf16_emulated():
+        assert built == ["float32", "avx512-bf16", "amx-bf16"] and _kernels.amx_model_ops() >= 0
+        if "avx2" in SUPPORTED:
+            assert runs == built
+    else:
+        assert _kernels.amx_model_ops() == -1
+        if flags is not None and "amx-bf16" in runs:
+            assert {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags)
