@@ -125,8 +125,13 @@ static const float *FA_NAME(fa_tile_f32)(const FA_KV *FA_RESTRICT t, int64_t sl,
     for (int64_t j = 0; j < nk; j++) {
         const FA_KV *row = t + j * sl;
         float *dst = buf + j * width;
+#ifdef FA_KV_TILE_SCALAR /* a plain loop of the branch-free conversion: the compiler vectorizes it */
+        (void)full;
+        for (int64_t c = 0; c < width; c++) dst[c] = FA_KV_SCALAR(row[c]);
+#else
         for (int64_t c = 0; c < full; c += FA_VL) FA_VSTOREU(dst + c, FA_KV_LOADU(row + c));
         for (int64_t c = full; c < width; c++) dst[c] = FA_KV_SCALAR(row[c]);
+#endif
     }
     return buf;
 }

@@ -147,6 +147,7 @@ static inline fa_v4f fa_half_loadu_n(const uint16_t *p, int n)
 #define FA_KV_LOADU(p) fa_half_loadu_n((p), 4)
 #define FA_KV_LOADU_N(p, n) fa_half_loadu_n((p), (n))
 #define FA_KV_SCALAR(x) fa_half_to_float(x)
+#define FA_KV_TILE_SCALAR 1
 #include "kernels_tmpl.h"
 
 /* ---------------- float32 with bfloat16 K/V: a bfloat16 is a float's high half ---------------- */
@@ -165,6 +166,7 @@ static inline fa_v4f fa_bf16_loadu_n(const uint16_t *p, int n)
 #define FA_KV_LOADU(p) fa_bf16_loadu(p)
 #define FA_KV_LOADU_N(p, n) fa_bf16_loadu_n((p), (n))
 #define FA_KV_SCALAR(x) fa_bf16_to_float(x)
+#define FA_KV_TILE_SCALAR 1
 #define FA_16_TO_FLOAT(x) fa_bf16_to_float(x)
 #define FA_FLOAT_TO_16(x) fa_float_to_bf16(x)
 #include "kernels_tmpl.h"

@@ -40,6 +40,7 @@
 #undef FA_KV_LOADU_N
 #undef FA_KV_HALF
 #undef FA_KV_SCALAR
+#undef FA_KV_TILE_SCALAR
 #undef FA_16_TO_FLOAT
 #undef FA_FLOAT_TO_16
 #undef FA_I8_LOADU

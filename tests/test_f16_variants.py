@@ -158,3 +158,26 @@ def test_f16_kv_thread_counts_bitwise(kernel, rng):
         got = fastattn.attention(q, k, v, layout=layout, return_lse=True, num_threads=n, **kw)
         np.testing.assert_array_equal(got[0], base[0])
         np.testing.assert_array_equal(got[1], base[1])
+
+
+def test_every_float16_value_reads_exactly(kernel):
+    """Each of the 65536 float16 bit patterns, as a V value seen through one visible key
+    (weight exactly 1, Lk = 1) by a 16-row prefill block, comes out as its exact float32
+    value (NumPy's conversion): the 16-bit tile conversion (fa_tile_f32, on the generic
+    kernel the branch-free fa_half_to_float) loses nothing, subnormals and the largest
+    values included (-0 comes out +0: the sum starts at +0); inf and NaN in V give inf
+    and NaN (the careful P.V)."""
+    bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    h = bits.view(np.float16)
+    finite = np.isfinite(h)
+    for vals in (h[finite], h[~finite]):
+        n = -(-vals.size // 64) * 64
+        v = np.zeros(n, np.float16)
+        v[:vals.size] = vals
+        v = v.reshape(n // 64, 1, 1, 64)         # (B, Hkv, Lk=1, Dv=64)
+        k = np.ones((n // 64, 1, 1, 8), np.float16)
+        q = np.ones((n // 64, 1, 16, 8), np.float32)
+        out = fastattn.attention(q, k, v)
+        want = np.broadcast_to(v.astype(np.float32), out.shape)
+        same = (out == want) | (np.isnan(out) & np.isnan(want))
+        assert same.all(), (kernel, np.flatnonzero(~same.ravel())[:5])
