@@ -473,17 +473,28 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     """
     fn = "attention_backward"
     qa_, ka_, va_ = as_array(q, "q", fn), as_array(k, "k", fn), as_array(v, "v", fn)
-    pr = Problem(fn, qa_, ka_, va_, layout)
+    Problem(fn, qa_, ka_, va_, layout)  # the shapes and dtypes, checked once
+    kw = dict(scale=scale, causal=causal, window=window, mask=mask, bias=bias,
+              alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed,
+              seqlens_k=seqlens_k, q_offset=q_offset, k_offset=k_offset, layout=layout,
+              return_dbias=return_dbias, num_threads=num_threads)
     if BF16 is not None and BF16 in (qa_.dtype, ka_.dtype, va_.dtype):
-        # bfloat16: the float32 backward on float32 copies (float32 accumulation, as the
-        # forward), each gradient rounded to its input's dtype
-        grads = attention_backward(
-            dout, qa_.astype(F32), ka_.astype(F32), va_.astype(F32), out, lse, scale=scale,
-            causal=causal, window=window, mask=mask, bias=bias, alibi_slopes=alibi_slopes,
-            softcap=softcap, dropout_p=dropout_p, seed=seed, seqlens_k=seqlens_k,
-            q_offset=q_offset, k_offset=k_offset, layout=layout, return_dbias=return_dbias,
-            num_threads=num_threads)
+        # bfloat16: the float32 backward on float32 copies (exact), each gradient rounded
+        # to its input's dtype; with q, k and v all bfloat16, its products take bfloat16
+        # pairs where a bfloat16 path runs (semantics.md section 9), else float32
+        pairs = qa_.dtype == ka_.dtype == va_.dtype == BF16
+        grads = _backward(fn, dout, qa_.astype(F32), ka_.astype(F32), va_.astype(F32), out, lse,
+                          bf16=pairs, **kw)
         return tuple(g.astype(x.dtype) for g, x in zip(grads, (qa_, ka_, va_))) + grads[3:]
+    return _backward(fn, dout, qa_, ka_, va_, out, lse, bf16=False, **kw)
+
+
+def _backward(fn, dout, qa_, ka_, va_, out, lse, *, scale, causal, window, mask, bias,
+              alibi_slopes, softcap, dropout_p, seed, seqlens_k, q_offset, k_offset, layout,
+              return_dbias, num_threads, bf16):
+    """attention_backward on checked arrays; bf16: q, k, v hold bfloat16 values (the
+    products may take bfloat16 pairs)."""
+    pr = Problem(fn, qa_, ka_, va_, layout)
     return_dbias = backward_flags(pr, return_dbias, bias)
     dt = pr.dtype
     opt = pr.options(causal, scale, num_threads, window, mask, bias, alibi_slopes, softcap,
@@ -505,7 +516,7 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     if dq.size + dk.size + dv.size or ds is not None:
         _kernels.backward(qa, ka, vv, out_a, lse_a, dout_a, dqa, dka, dva,
                           None if ds is None else ds.reshape((1,) * (4 - pr.nd) + pr.logits_shape),
-                          opt.scale, opt.causal, opt.threads, 0, 0, opt.variants)
+                          opt.scale, opt.causal, opt.threads, 0, 0, opt.variants, 0, int(bf16))
     if ds is None:
         return dq, dk, dv
     return dq, dk, dv, _sum_to(ds, as_array(bias, "bias", fn).shape)

@@ -67,6 +67,7 @@ cdef extern from "fastattn.h" nogil:
         void *ds
         int64_t ds_sb, ds_sh, ds_sq
         int passes
+        int bf16
     int fa_attention_backward(const fa_bwd_params *bp)
     int fa_key_mass(const fa_params *p, void *mass, int64_t m_sb, int64_t m_sh)
     int fa_dropout_keep(uint64_t seed, uint32_t threshold, int64_t b, int64_t h, int64_t i, int64_t j)
@@ -612,13 +613,15 @@ def merge(cnp.ndarray outs, cnp.ndarray lses, cnp.ndarray out, cnp.ndarray lse):
 def backward(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, cnp.ndarray lse,
              cnp.ndarray dout, cnp.ndarray dq, cnp.ndarray dk, cnp.ndarray dv, object ds_obj,
              double scale, int causal, int num_threads, int64_t block_q=0, int64_t block_k=0,
-             Variants variants=None, int passes=0):
+             Variants variants=None, int passes=0, int bf16=0):
     """Gradients of attention (fa_attention_backward): q, k, v, out, lse as for
     forward (the forward's output and lse), dout like out; dq, dk, dv written, with
     q's, k's, v's shapes; ds_obj (B, Hq, Lq, Lk) zeroed, key axis contiguous, or
     None.  One float dtype (float32 or float64) throughout, every array readable in
     place (checked by fastattn._api, which copies what is not).  passes: 0 the
-    library's choice, 1 or 2 to force a schedule (tests: the bits are the same)."""
+    library's choice, 1 or 2 to force a schedule (tests: the bits are the same).
+    bf16: q, k, v are float32 copies of bfloat16 arrays, so where a bfloat16 path runs
+    the products take bfloat16 pairs (dout and the weights rounded to bfloat16)."""
     cdef fa_bwd_params bp
     cdef int64_t item = cnp.PyArray_ITEMSIZE(q)
     cdef int64_t sh[4]
@@ -648,6 +651,7 @@ def backward(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, cnp.n
         _dims(a, item, sh, st)
         bp.ds_sb = st[0]; bp.ds_sh = st[1]; bp.ds_sq = st[2]
     bp.passes = passes
+    bp.bf16 = bf16
     with nogil:
         rc = fa_attention_backward(&bp)
     _check_rc(rc, &bp.f)

@@ -124,7 +124,14 @@ int fa_attention_backward(const fa_bwd_params *bp_in)
     cx.delta_sh = p->Lq;
     cx.drop_thresh = fa_dropout_threshold(p->dropout_p);
     const int ki = p->dtype;
-    const int64_t vl = kern->lanes[ki];
+    /* bfloat16 inputs where a bfloat16 path runs: the products on pairs (16 lanes) */
+    const fa_bf16_kernel *pk = fa_bf16_bwd_pairs(kern, &bpl);
+    fa_bwd_kv_fn bwd_kv = pk ? pk->bwd_kv : kern->bwd_kv[ki];
+    fa_bwd_q_fn bwd_q = pk ? pk->bwd_q : kern->bwd_q[ki];
+    fa_bwd_reduce_fn bwd_reduce = pk ? pk->bwd_reduce : kern->bwd_reduce[ki];
+    const int64_t vl = pk ? 16 : kern->lanes[ki];
+    if (pk) /* whole 16-lane vectors of rows (the emulated build's avx2 plan has 8) */
+        cx.bl.q = (cx.bl.q + 15) / 16 * 16;
     const int64_t bk = cx.bl.k, heads = p->B * p->Hkv, nth1 = nth_req < 1 ? 1 : nth_req;
     {   /* the dQ chunk: at least FA_BWD_CHUNK blocks, at most FA_BWD_MAX_CHUNKS chunks */
         const int64_t nkb = (p->Lk + bk - 1) / bk;
@@ -134,7 +141,7 @@ int fa_attention_backward(const fa_bwd_params *bp_in)
     const int64_t nchq = (p->Lk + cx.kc - 1) / cx.kc;
     const int64_t dkp = (p->D + vl - 1) / vl * vl;
     cx.part_sc = p->B * p->Hq * p->Lq * dkp;
-    const size_t scratch_bytes = kern->bwd_scratch[ki](&cx);
+    const size_t scratch_bytes = pk ? pk->bwd_scratch(&cx) : kern->bwd_scratch[ki](&cx);
     const int64_t per_head = pl.nhc * ((p->Lq + pl.nqp - 1) / pl.nqp);
     const int64_t row_bytes = (dkp + (p->Dv + vl - 1) / vl * vl) * item;
     int sched = bpl.passes == 2 ? 3 : 0;
@@ -174,7 +181,7 @@ int fa_attention_backward(const fa_bwd_params *bp_in)
             if (t < n2) { /* dQ items first: each is a whole query block's row of tiles */
                 fa_item it;
                 fa_item_of(p, &pl, t, &it);
-                kern->bwd_q[ki](&cx, &it, scratch);
+                bwd_q(&cx, &it, scratch);
                 continue;
             }
             const int64_t u = t - n2, b = u / (p->Hkv * nch), g = (u / nch) % p->Hkv, c = u % nch;
@@ -193,8 +200,7 @@ int fa_attention_backward(const fa_bwd_params *bp_in)
                 have_b = b;
                 have_g = g;
             }
-            kern->bwd_kv[ki](&cx, items, per_head, k0, k1, sched == 1 ? 1 : sched == 2 ? 2 : 0, scratch,
-                             acc, part);
+            bwd_kv(&cx, items, per_head, k0, k1, sched == 1 ? 1 : sched == 2 ? 2 : 0, scratch, acc, part);
         }
         free(items);
         free(acc);
@@ -204,7 +210,7 @@ int fa_attention_backward(const fa_bwd_params *bp_in)
                              not used) */
 #pragma omp for schedule(static)
             for (int64_t r0 = 0; r0 < rows; r0 += 64)
-                kern->bwd_reduce[ki](&cx, part, nchq, r0, rows - r0 < 64 ? rows : r0 + 64);
+                bwd_reduce(&cx, part, nchq, r0, rows - r0 < 64 ? rows : r0 + 64);
         }
     }
     free(part);

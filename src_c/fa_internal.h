@@ -353,6 +353,12 @@ typedef struct fa_bf16_kernel {
     fa_scratch_fn scratch_bytes;
     fa_peak_fn dp_chains; /* the instruction's peak loop (fastattn.bench.bf16_peak) */
     double round_flops;   /* flops of one round of that loop, all threads' lanes apart */
+    /* the float32 backward with its products on pairs (NULL: none), for calls whose
+     * inputs hold bfloat16 values (fa_bwd_params.bf16); 16 lanes */
+    fa_bwd_kv_fn bwd_kv;
+    fa_bwd_q_fn bwd_q;
+    fa_bwd_scratch_fn bwd_scratch;
+    fa_bwd_reduce_fn bwd_reduce;
 } fa_bf16_kernel;
 #ifdef FA_HAVE_BF16_KERNELS
 extern const fa_bf16_kernel fa_kernel_avx512_bf16;

@@ -91,6 +91,24 @@ int fa_bf16_pairs(const fa_kernel *kern, const fa_params *p)
 #endif
 }
 
+
+const fa_bf16_kernel *fa_bf16_bwd_pairs(const fa_kernel *kern, const fa_bwd_params *bp)
+{
+#ifdef FA_HAVE_BF16_KERNELS
+    const int on = kern == fa_kernel_for_isa(FA_ISA_AVX512) ||
+                   (FA_BF16_EMULATED && kern == fa_kernel_for_isa(FA_ISA_AVX2));
+    /* every bfloat16 path takes the pairs' backward (AMX has none of its own) */
+    return on && bp->bf16 && bp->f.dtype == FA_F32 && fa_bf16_path() != FA_BF16_FLOAT32 &&
+                   fa_kernel_avx512_bf16.bwd_kv
+               ? &fa_kernel_avx512_bf16
+               : NULL;
+#else
+    (void)kern;
+    (void)bp;
+    return NULL;
+#endif
+}
+
 /* The vector width a call's blocks are made of: the kernel's, or the pair products'
  * 16 float32 lanes (which the emulated build also runs from the 8-lane avx2 kernel). */
 static int64_t fa_plan_lanes(const fa_kernel *kern, const fa_params *p)

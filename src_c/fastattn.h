@@ -173,6 +173,10 @@ typedef struct fa_bwd_params {
                            makes dK and dV: fewer products, parallel over kv heads only);
                            2: two passes (parallel over key and query blocks too).  The
                            result has the same bits either way. */
+    int bf16;           /* q, k, v (float32) hold bfloat16 values, the float32 copies of
+                           bfloat16 arrays: where a bfloat16 path runs (fa_bf16_path),
+                           the products take bfloat16 pairs, with W, dS and dout rounded
+                           to bfloat16 (0: float32 products)                       */
 } fa_bwd_params;
 
 /* Thread-safe; the result is bitwise identical for any thread count.  Memory beyond

@@ -45,6 +45,14 @@ typedef struct FA_NAME(fa_bscratch) {
     FA_NAME(fa_scratch) f;
     FA_T *dot, *don, *qr, *dp, *pz, *sg, *lsev, *dvec, *ones, *qa, *qs;
     uint8_t *keep;
+#ifdef FA_BF16_BWD
+    /* the products on bfloat16 pairs (kern_bf16bwd.h): dO feature pairs ((Dv+1)/2 x
+     * brp), Q and dO row pairs (brp/2 x dkp, brp/2 x dvp), a tile's W or dS rows as row
+     * pairs (bc x brp/2), the V tile as bfloat16 rows (bc x Dv), and dQ's key pairs of
+     * dS (bc/2 x brp) and of K (bc/2 x dkp) */
+    uint32_t *dop, *qz, *doz, *w16, *pp, *kp;
+    uint16_t *vb;
+#endif
 } FA_NAME(fa_bscratch);
 
 static size_t FA_NAME(fa_blayout)(const fa_bwd_ctx *cx, void *base, FA_NAME(fa_bscratch) *sc)
@@ -70,6 +78,18 @@ static size_t FA_NAME(fa_blayout)(const fa_bwd_ctx *cx, void *base, FA_NAME(fa_b
     sc->ones = (FA_T *)FA_NAME(fa_carve)(&cur, (bc > brp ? bc : brp) * t);
     sc->qa = (FA_T *)FA_NAME(fa_carve)(&cur, brp * dkp * t);
     sc->qs = (FA_T *)FA_NAME(fa_carve)(&cur, brp * dkp * t);
+#ifdef FA_BF16_BWD
+    {
+        const size_t w = sizeof(uint32_t), rp = (brp + 1) / 2, kp = (bc + 1) / 2;
+        sc->dop = (uint32_t *)FA_NAME(fa_carve)(&cur, (size_t)(p->Dv + 1) / 2 * brp * w);
+        sc->qz = (uint32_t *)FA_NAME(fa_carve)(&cur, rp * dkp * w);
+        sc->doz = (uint32_t *)FA_NAME(fa_carve)(&cur, rp * dvp * w);
+        sc->w16 = (uint32_t *)FA_NAME(fa_carve)(&cur, bc * rp * w);
+        sc->pp = (uint32_t *)FA_NAME(fa_carve)(&cur, kp * brp * w);
+        sc->kp = (uint32_t *)FA_NAME(fa_carve)(&cur, kp * dkp * w);
+        sc->vb = (uint16_t *)FA_NAME(fa_carve)(&cur, bc * (size_t)p->Dv * sizeof(uint16_t));
+    }
+#endif
     if (base)
         for (size_t i = 0; i < (bc > brp ? bc : brp); i++) sc->ones[i] = (FA_T)1;
     return (size_t)(cur - first);
@@ -97,10 +117,24 @@ static void FA_NAME(fa_bwd_rows)(const fa_bwd_ctx *cx, const fa_item *it, int64_
     }
     *lo_max = INT64_MIN;
     *hi_min = INT64_MAX;
+#ifdef FA_BF16_BWD
+    /* the pairs: padded rows and columns 0 */
+    sc->f.bw = 1;
+    memset(sc->qz, 0, (size_t)((nr + 1) / 2 * dkp) * sizeof(uint32_t));
+    memset(sc->doz, 0, (size_t)((nr + 1) / 2 * dvp) * sizeof(uint32_t));
+    for (int64_t r = nr; r < nvl; r++) {
+        for (int64_t t = 0; t < (D + 1) / 2; t++) sc->f.qp[t * brp + r] = 0;
+        for (int64_t t = 0; t < (Dv + 1) / 2; t++) sc->dop[t * brp + r] = 0;
+    }
+#endif
     for (int64_t r = 0; r < nr; r++) {
         const int64_t h = it->h0 + r / it->nq, row = it->qoff + it->q0 + r % it->nq;
         const FA_T *dor = (const FA_T *)bp->dout + it->b * bp->do_sb + h * bp->do_sh + row * bp->do_sl;
         const FA_T *qi = (const FA_T *)p->q + it->b * p->q_sb + h * p->q_sh + row * p->q_sl;
+#ifdef FA_BF16_BWD
+        FA_NAME(fa_bw_pack_row)(qi, D, r, sc->f.qp, brp, sc->qz, dkp);
+        FA_NAME(fa_bw_pack_row)(dor, Dv, r, sc->dop, brp, sc->doz, dvp);
+#endif
         for (int64_t d = 0; d < Dv; d++) sc->dot[d * brp + r] = dor[d];
         for (int64_t d = 0; d < dvp; d++) sc->don[r * dvp + d] = d < Dv ? dor[d] : (FA_T)0;
         for (int64_t d = 0; d < dkp; d++) sc->qr[r * dkp + d] = d < D ? qi[d] : (FA_T)0;
@@ -144,7 +178,12 @@ static int FA_NAME(fa_bwd_tile)(const fa_bwd_ctx *cx, const fa_item *it, int64_t
         }
     }
     const FA_T *v = (const FA_T *)p->v + it->b * p->v_sb + it->g * p->v_sh + (it->koff + j0) * p->v_sl;
+#ifdef FA_BF16_BWD
+    FA_NAME(fa_qk_tile_dp)(sc->dop, nv, FA_NAME(fa_bw_rows16)(v, p->v_sl, nk, p->Dv, sc->vb), p->Dv, nk, p->Dv,
+                           sc->dp, brp, (FA_T)1, NULL);
+#else
     FA_NAME(fa_qk_tile)(sc->dot, nv, v, p->v_sl, nk, p->Dv, sc->dp, brp, NULL);
+#endif
     *pw = s;
     if (p->dropout_p > 0) { /* dV takes P z; dS takes z dP */
         const FA_T inv = (FA_T)(1.0 / (1.0 - p->dropout_p));
@@ -213,6 +252,19 @@ static void FA_NAME(fa_bwd_chunks)(const fa_bwd_ctx *cx, const fa_item *it, int6
             if (!FA_NAME(fa_bwd_tile)(cx, it, nr, nv, j0, nk, lo_max, hi_min, sc, &w,
                                       want_dq && bp->ds != NULL))
                 continue;
+#ifdef FA_BF16_BWD
+            if (ka) { /* the same sums over pairs of rows, W and dS rounded to bfloat16 */
+                const int64_t ws = (brp + 1) / 2, npairs = (nr + 1) / 2;
+                FA_NAME(fa_bw_tile16)(w, nk, nr, brp, sc->w16, ws);
+                FA_NAME(fa_bw_kv_tile)(sc->w16, ws, nk, sc->doz, dvp, npairs, dvp, va + (j0 - k0) * dvp, dvp);
+                FA_NAME(fa_bw_tile16)(sc->dp, nk, nr, brp, sc->w16, ws);
+                FA_NAME(fa_bw_kv_tile)(sc->w16, ws, nk, sc->qz, dkp, npairs, dkp, ka + (j0 - k0) * dkp, dkp);
+            }
+            if (want_dq) /* dS and K paired along the keys (K's bfloat16 rows from S's tile) */
+                FA_NAME(fa_pv_tile_dp)(sc->dp, nr, nv, nk, FA_NAME(fa_bw_rows16)(k + j0 * p->k_sl, p->k_sl, nk, D,
+                                                                                 sc->f.kb),
+                                       D, D, sc->qa, dkp, sc->ones, brp, sc->pp, sc->kp);
+#else
             if (ka) {
                 /* dV[j] += sum_r w[j][r] dO[r]; dK[j] += sum_r dS[j][r] Q[r]: output rows
                  * are keys (stride brp in the tile), the reduction runs over the rows */
@@ -223,6 +275,7 @@ static void FA_NAME(fa_bwd_chunks)(const fa_bwd_ctx *cx, const fa_item *it, int6
             }
             if (want_dq)
                 FA_NAME(fa_pv_tile)(sc->dp, nr, nk, k + j0 * p->k_sl, p->k_sl, D, sc->qa, dkp, sc->ones, brp);
+#endif
         }
         if (!want_dq) continue;
         if (part) {

@@ -111,6 +111,14 @@ typedef struct FA_NAME(fa_scratch) {
     uint32_t *qp, *pp, *vp;
     int dp;
 #endif
+#ifdef FA_BF16_BWD
+    /* the backward on bfloat16 pairs (kern_bf16bwd.h): Q as feature pairs ((D+1)/2 x
+     * brp, unscaled) and a K tile as bfloat16 rows (bc x D), for S = Q K^T on pairs;
+     * bw: this block's products take them (fa_bwd_rows) */
+    uint32_t *qp;
+    uint16_t *kb;
+    int bw;
+#endif
 #ifdef FA_BF16_AMX
     /* AMX tiles (kern_amx.h): P as query rows of key pairs (brp x fa_amx_kpp(bc)),
      * and K staged zero-padded to whole 32-feature rows (bc x fa_amx_dz(D)); qp holds
@@ -197,6 +205,11 @@ static size_t FA_NAME(fa_layout)(const fa_params *p, const fa_blocks *bl, void *
     sc->pa = (uint32_t *)FA_NAME(fa_carve)(&cur, brp * kpairs * sizeof(uint32_t));
     sc->kz = (uint16_t *)FA_NAME(fa_carve)(&cur, bc * (size_t)FA_NAME(fa_amx_dz)(p->D) * sizeof(uint16_t));
 #endif
+#endif
+#ifdef FA_BF16_BWD
+    sc->bw = 0;
+    sc->qp = (uint32_t *)FA_NAME(fa_carve)(&cur, (size_t)(p->D + 1) / 2 * brp * sizeof(uint32_t));
+    sc->kb = (uint16_t *)FA_NAME(fa_carve)(&cur, bc * (size_t)p->D * sizeof(uint16_t));
 #endif
     if (base && sc->ones)
         for (size_t i = 0; i < brp; i++) sc->ones[i] = (FA_T)1;

@@ -122,4 +122,8 @@ const fa_bf16_kernel fa_kernel_amx_bf16 = {
     fa_scratch_bytes_amx,
     fa_amx_chains,
     4.0 * 16 * 16 * 32 * 2, /* flops a round: 4 tiles of 16 x 16 x 32 multiply-adds */
+    NULL, /* the backward: the AVX512-BF16 pairs' (fa_bf16_bwd_pairs) */
+    NULL,
+    NULL,
+    NULL,
 };

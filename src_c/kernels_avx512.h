@@ -52,6 +52,17 @@ static inline float fa_emu_reduce_add_ps(__m512 x)
         for (int i = 0; i < w; i++) a[i] += a[i + w];
     return a[0];
 }
+static inline __m256i fa_emu_cvtepi32_epi16(__m512i x) /* vpmovdw: the low halves */
+{
+    uint32_t a[16];
+    uint16_t b[16];
+    __m256i y;
+    memcpy(a, &x, sizeof a);
+    for (int i = 0; i < 16; i++) b[i] = (uint16_t)a[i];
+    memcpy(&y, b, sizeof y);
+    return y;
+}
+#define _mm512_cvtepi32_epi16(x) fa_emu_cvtepi32_epi16(x)
 #define _mm512_cvtepu16_epi32(x) fa_emu_cvtepu16_epi32(x)
 #define _mm512_cvtepu8_epi32(x) fa_emu_cvtepu8_epi32(x)
 #define _mm512_maskz_loadu_epi16(m, p) fa_emu_maskz_loadu_epi16((uint32_t)(m), (p))

@@ -12,6 +12,9 @@
  * float32 -> bfloat16 rounding is done with integer operations; so the same source runs against the oracle on any AVX2 or
  * AVX-512 CPU, called from the avx2 or the avx512 kernel.  Never shipped.
  *
+ * The backward of such calls (fa_bf16_bwd_pairs) takes the same pairs for its five
+ * products: the template instantiated a second time, for float32, with FA_BF16_BWD.
+ *
  * Per 16 logits at head size D: D/2 vdpbf16ps for QK^T and Dv/2 for P.V, each with
  * the work of two float32 FMAs, against D + Dv FMAs on the float32 path; the softmax
  * (about 15 vector instructions) is unchanged.
@@ -24,6 +27,22 @@
 #include "kernels_avx512_kvb16.h"
 #define FA_NAME(x) x##_bdp_avx512
 #include "kernels_tmpl.h"
+
+/* The backward on pairs (kern_bf16bwd.h): the float32 backward, its data float32 copies
+ * of bfloat16 arrays, with the five products on vdpbf16ps. */
+#include "kernels_kv16.h" /* keeps the float32 operations */
+#undef FA_KV_HALF
+#undef FA_16_TO_FLOAT
+#undef FA_FLOAT_TO_16
+#undef FA_BF16_DP
+#define FA_BF16_BWD 1
+#define FA_NAME(x) x##_bbw_avx512
+/* (of this instantiation only the backward is used: the forward's pieces go unused) */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-function"
+#include "kernels_tmpl.h"
+#pragma GCC diagnostic pop
+#undef FA_BF16_BWD
 #include "kernels_undef.h"
 
 /* The pair instruction's peak loop (fastattn.bench.bf16_peak): iters rounds of
@@ -53,4 +72,8 @@ const fa_bf16_kernel fa_kernel_avx512_bf16 = {
     fa_scratch_bytes_bdp_avx512,
     fa_dp_chains,
     4.0 * FA_PEAK_CHAINS * 16, /* 16 lanes, each two products and two adds */
+    fa_bwd_kv_bbw_avx512,
+    fa_bwd_q_bbw_avx512,
+    fa_bwd_scratch_bytes_bbw_avx512,
+    fa_bwd_reduce_bbw_avx512,
 };

@@ -55,6 +55,7 @@ static inline __m512i fa_bf16_round(__m512 x)
 }
 #define FA_DP_FMA(acc, a, b) fa_dp_fma((acc), (a), (b))
 #define FA_DP_CVT2(x0, x1) _mm512_or_si512(fa_bf16_round(x0), _mm512_slli_epi32(fa_bf16_round(x1), 16))
+#define FA_DP_CVT1(x) _mm512_cvtepi32_epi16(fa_bf16_round(x))
 #else
 #define FA_DP_FMA(acc, a, b) _mm512_dpbf16_ps((acc), (__m512bh)(a), (__m512bh)(b))
 /* vcvtne2ps2bf16 puts x0's 16 values in elements 0-15 and x1's in 16-31; the permute
@@ -67,6 +68,8 @@ static inline __m512i fa_dp_cvt2(__m512 x0, __m512 x1)
     return _mm512_permutexvar_epi16(idx, y);
 }
 #define FA_DP_CVT2(x0, x1) fa_dp_cvt2((x0), (x1))
+/* 16 float32 values as 16 bfloat16 (vcvtneps2bf16), in order */
+#define FA_DP_CVT1(x) ((__m256i)_mm512_cvtneps_pbh(x))
 #endif
 
 #endif /* FA_KERNELS_AVX512BF16_H */

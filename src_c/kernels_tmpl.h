@@ -44,7 +44,8 @@
  *   kern_common.h    defaults, tile-shape switches, the forward's scratch layout
  *   kern_source.h    a key tile's K/V rows: in place, or staged (int8, paged)
  *   kern_products.h  QK^T tiles, the keys-on-lanes decode product, P.V tiles
- *   kern_bf16dp.h    (FA_BF16_DP only) both products on bfloat16 pairs
+ *   kern_bf16dp.h    (FA_BF16_DP, FA_BF16_BWD) both products on bfloat16 pairs
+ *   kern_bf16bwd.h   (FA_BF16_BWD only) the backward's packing and row-pair products
  *   kern_amx.h       (FA_BF16_AMX only) both products on AMX tiles
  *   kern_softmax.h   the online softmax, the chunk merge and the statistics
  *   kern_logits.h    row set-up, mask/bias tiles, the logit steps, fa_scores
@@ -54,8 +55,11 @@
 #include "kern_common.h"
 #include "kern_source.h"
 #include "kern_products.h"
-#ifdef FA_BF16_DP
+#if defined(FA_BF16_DP) || defined(FA_BF16_BWD)
 #include "kern_bf16dp.h"
+#endif
+#ifdef FA_BF16_BWD
+#include "kern_bf16bwd.h"
 #endif
 #ifdef FA_BF16_AMX
 #include "kern_amx.h"
