@@ -331,7 +331,8 @@ def _bf16_summary(terminalreporter, benchmarks):
     w = terminalreporter.write_line
     w("")
     w(f"bfloat16 and seqlens_k, interleaved (threads={rows[0][0]['threads']}, "
-      f"kernel={rows[0][0]['kernel']}, bfloat16 path={rows[0][0].get('bf16_path', 'float32')}): "
+      f"kernel={rows[0][0]['kernel']}, bfloat16 path="
+      f"{next((i['bf16_path'] for i, _ in rows if i.get('bf16_path')), 'float32')}): "
       "baseline time / fastattn time (best / median rounds)")
     for info, st in rows:
         extra = ""

@@ -7,7 +7,8 @@ process (each baseline call just before every timed round, 0.1 s idle around it)
   path, its fraction of the pair instruction's peak (fastattn.bench.bf16_peak);
 - decode against a bf16 K/V cache against the float32 cache, and the bytes read per
   second against the machine's read bandwidth;
-- fwd+bwd bf16 against PyTorch's bf16 autograd;
+- fwd+bwd bf16 against PyTorch's bf16 autograd, and the backward alone against
+  PyTorch's and against fastattn's own backward on float32 products;
 - seqlens_k: a batch of 4 decode rows at cache lengths [8192, 512, 512, 512] against
   4 x 8192 (the bytes read are ~0.31x).
 Every case checks its result against the float64 oracle (sampled rows for big ones).
@@ -130,6 +131,64 @@ def test_fwd_bwd_bf16(benchmark, bench_threads):
     benchmark.extra_info.update(bf16_case=f"fwd+bwd B{B} H{H} L{L} D{D} bf16 vs torch bf16",
                                 baseline_min_s=bmin, baseline_median_s=bmed, threads=bench_threads,
                                 kernel=fastattn._kernels.current_kernel())
+
+
+BWD = {"B1 H8 L2048 D64": (1, 8, 2048, 64), "B1 H8 L2048 D128": (1, 8, 2048, 128)}
+BWD_BASELINES = ("torch bf16",) + (("fastattn bf16 on the float32 path",) if PATH != "float32" else ())
+BWD_CASES = [(n, b) for n in BWD for b in BWD_BASELINES]
+
+
+@pytest.mark.parametrize("name,baseline", BWD_CASES,
+                         ids=[f"{n.replace(' ', '-')}-vs-{b.replace(' ', '-')}" for n, b in BWD_CASES])
+def test_bwd_bf16(benchmark, bench_threads, name, baseline):
+    """The backward alone (attention_backward of bfloat16 q, k, v: on a pair path its
+    products take the pairs) against PyTorch's bf16 backward (o.backward on a graph made
+    in the set-up) and against fastattn's own float32 products; GFLOP/s count the five
+    products, 10 B H L^2 D."""
+    B, H, L, D = BWD[name]
+    if benchmark.disabled:
+        L = 256
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal((B, H, L, D), dtype=np.float32).astype(BF16) for _ in range(4))
+    out, lse = fastattn.attention(q, k, v, return_lse=True, num_threads=bench_threads)
+    if baseline == "torch bf16":
+        torch = pytest.importorskip("torch")
+        torch.set_num_threads(bench_threads)
+        tq, tk, tv = (_torch_bf16(torch, x).requires_grad_() for x in (q, k, v))
+        tdo = _torch_bf16(torch, dout)
+
+        def base():
+            for x in (tq, tk, tv):
+                x.grad = None
+            torch.nn.functional.scaled_dot_product_attention(tq, tk, tv).backward(tdo)
+    else:
+        def base():
+            fastattn._kernels.set_bf16_path("float32")
+            try:
+                return fastattn.attention_backward(dout, q, k, v, out, lse, num_threads=bench_threads)
+            finally:
+                fastattn._kernels.set_bf16_path(PATH)
+    grads, bmin, bmed = interleaved(
+        benchmark, lambda: fastattn.attention_backward(dout, q, k, v, out, lse, num_threads=bench_threads),
+        base, 3 if L >= 2048 else 11)
+    # sampled rows of dq and keys of dk, dv of the first head, from the definitions
+    f = np.float64
+    qh, kh, vh, doh, oh = (x[0, 0].astype(f) for x in (q, k, v, dout, out))
+    s = qh @ kh.T / np.sqrt(D)
+    p = np.exp(s - lse[0, 0].astype(f)[:, None])
+    ds = p * (doh @ vh.T - np.sum(doh * oh, axis=1)[:, None])
+    idx = np.linspace(0, L - 1, 6).astype(int)
+    for g, r in ((grads[0][0, 0][idx], (ds @ kh / np.sqrt(D))[idx]), (grads[1][0, 0][idx], (ds.T @ qh / np.sqrt(D))[idx]),
+                 (grads[2][0, 0][idx], (p.T @ doh)[idx])):
+        assert np.max(np.abs(g.astype(f) - r)) <= 2e-2 * np.max(np.abs(r))
+    st = benchmark.stats.stats if benchmark.stats else None
+    benchmark.group = f"bf16 bwd {name}"
+    gflops = 10.0 * B * H * L * L * D / st.min / 1e9 if st else None
+    peak = fastattn.bench.bf16_peak(bench_threads) if st and PATH != "float32" else None
+    benchmark.extra_info.update(bf16_case=f"bwd {name} vs {baseline}", baseline_min_s=bmin,
+                                baseline_median_s=bmed, threads=bench_threads,
+                                kernel=fastattn._kernels.current_kernel(), bf16_path=PATH,
+                                gflops=gflops, pair_peak_gflops=peak)
 
 
 def test_seqlens_k_decode(benchmark, bench_threads):

@@ -260,10 +260,15 @@ static void FA_NAME(fa_bwd_chunks)(const fa_bwd_ctx *cx, const fa_item *it, int6
                 FA_NAME(fa_bw_tile16)(sc->dp, nk, nr, brp, sc->w16, ws);
                 FA_NAME(fa_bw_kv_tile)(sc->w16, ws, nk, sc->qz, dkp, npairs, dkp, ka + (j0 - k0) * dkp, dkp);
             }
-            if (want_dq) /* dS and K paired along the keys (K's bfloat16 rows from S's tile) */
-                FA_NAME(fa_pv_tile_dp)(sc->dp, nr, nv, nk, FA_NAME(fa_bw_rows16)(k + j0 * p->k_sl, p->k_sl, nk, D,
-                                                                                 sc->f.kb),
-                                       D, D, sc->qa, dkp, sc->ones, brp, sc->pp, sc->kp);
+            if (want_dq) { /* dS and K paired along the keys (K's bfloat16 rows: S's, if it made them) */
+                const FA_T *kj = k + j0 * p->k_sl;
+                if (sc->f.kb_src != kj || sc->f.kb_n < nk) {
+                    FA_NAME(fa_bw_rows16)(kj, p->k_sl, nk, D, sc->f.kb);
+                    sc->f.kb_src = kj;
+                    sc->f.kb_n = nk;
+                }
+                FA_NAME(fa_pv_tile_dp)(sc->dp, nr, nv, nk, sc->f.kb, D, D, sc->qa, dkp, sc->ones, brp, sc->pp, sc->kp);
+            }
 #else
             if (ka) {
                 /* dV[j] += sum_r w[j][r] dO[r]; dK[j] += sum_r dS[j][r] Q[r]: output rows

@@ -117,6 +117,8 @@ typedef struct FA_NAME(fa_scratch) {
      * bw: this block's products take them (fa_bwd_rows) */
     uint32_t *qp;
     uint16_t *kb;
+    const FA_KV *kb_src; /* kb holds kb_n K rows from kb_src (S's tile; dQ reuses them) */
+    int64_t kb_n;
     int bw;
 #endif
 #ifdef FA_BF16_AMX
@@ -208,6 +210,8 @@ static size_t FA_NAME(fa_layout)(const fa_params *p, const fa_blocks *bl, void *
 #endif
 #ifdef FA_BF16_BWD
     sc->bw = 0;
+    sc->kb_src = NULL;
+    sc->kb_n = 0;
     sc->qp = (uint32_t *)FA_NAME(fa_carve)(&cur, (size_t)(p->D + 1) / 2 * brp * sizeof(uint32_t));
     sc->kb = (uint16_t *)FA_NAME(fa_carve)(&cur, bc * (size_t)p->D * sizeof(uint16_t));
 #endif

@@ -302,11 +302,13 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
             if (sc->cmx_valid)
                 for (int64_t i = 0; i < (int64_t)nv * FA_VL; i++) sc->cmx[i] = -(FA_T)INFINITY;
 #ifdef FA_BF16_BWD
-            if (sc->bw) /* the backward on pairs: the K tile as bfloat16 rows, then pairs */
+            if (sc->bw) { /* the backward on pairs: the K tile as bfloat16 rows, then pairs */
                 FA_NAME(fa_qk_tile_dp)(sc->qp, nv, FA_NAME(fa_bw_rows16)(k, k_sl, nk, p->D, sc->kb), p->D, nk,
                                        p->D, sc->s, brp, (FA_T)(p->softcap > 0 ? p->scale / p->softcap : p->scale),
                                        NULL);
-            else
+                sc->kb_src = k;
+                sc->kb_n = nk;
+            } else
 #endif
 #ifdef FA_BF16_DP
             if (sc->dp)
