@@ -269,7 +269,7 @@ def cache_attention(src, q, scale, causal, window, mask, bias, alibi_slopes, sof
         raise TypeError(f"fastattn.attention: with an int8 cache (QuantizedKV k and v) q must be "
                         f"float32, float16 or bfloat16, got dtype {qa.dtype}")
     if int8 and qa.dtype != F32:
-        res = _attention(qa.astype(F32), src, None, scale, causal, window, mask, bias,
+        res = _attention(fresh(qa, F32), src, None, scale, causal, window, mask, bias,
                          alibi_slopes, softcap, dropout_p, seed, seqlens_k, layout, return_lse,
                          return_stats, None, num_threads, positions)
         o = res[0] if isinstance(res, tuple) else res
@@ -483,7 +483,7 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
         # to its input's dtype; with q, k and v all bfloat16, its products take bfloat16
         # pairs where a bfloat16 path runs (semantics.md section 9), else float32
         pairs = qa_.dtype == ka_.dtype == va_.dtype == BF16
-        grads = _backward(fn, dout, qa_.astype(F32), ka_.astype(F32), va_.astype(F32), out, lse,
+        grads = _backward(fn, dout, fresh(qa_, F32), fresh(ka_, F32), fresh(va_, F32), out, lse,
                           bf16=pairs, **kw)
         return tuple(g.astype(x.dtype) for g, x in zip(grads, (qa_, ka_, va_))) + grads[3:]
     return _backward(fn, dout, qa_, ka_, va_, out, lse, bf16=False, **kw)
