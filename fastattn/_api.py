@@ -473,7 +473,7 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     """
     fn = "attention_backward"
     qa_, ka_, va_ = as_array(q, "q", fn), as_array(k, "k", fn), as_array(v, "v", fn)
-    Problem(fn, qa_, ka_, va_, layout)  # the shapes and dtypes, checked once
+    pr = Problem(fn, qa_, ka_, va_, layout)  # the shapes and dtypes, checked once
     kw = dict(scale=scale, causal=causal, window=window, mask=mask, bias=bias,
               alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed,
               seqlens_k=seqlens_k, q_offset=q_offset, k_offset=k_offset, layout=layout,
@@ -484,17 +484,18 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
         # pairs where a bfloat16 path runs (semantics.md section 9), else float32
         pairs = qa_.dtype == ka_.dtype == va_.dtype == BF16
         grads = _backward(fn, dout, fresh(qa_, F32), fresh(ka_, F32), fresh(va_, F32), out, lse,
-                          bf16=pairs, **kw)
+                          bf16=pairs, pr=None, **kw)
         return tuple(g.astype(x.dtype) for g, x in zip(grads, (qa_, ka_, va_))) + grads[3:]
-    return _backward(fn, dout, qa_, ka_, va_, out, lse, bf16=False, **kw)
+    return _backward(fn, dout, qa_, ka_, va_, out, lse, bf16=False, pr=pr, **kw)
 
 
 def _backward(fn, dout, qa_, ka_, va_, out, lse, *, scale, causal, window, mask, bias,
               alibi_slopes, softcap, dropout_p, seed, seqlens_k, q_offset, k_offset, layout,
-              return_dbias, num_threads, bf16):
-    """attention_backward on checked arrays; bf16: q, k, v hold bfloat16 values (the
-    products may take bfloat16 pairs)."""
-    pr = Problem(fn, qa_, ka_, va_, layout)
+              return_dbias, num_threads, bf16, pr):
+    """attention_backward on checked arrays (pr: their Problem, or None to make it); bf16:
+    q, k, v hold bfloat16 values (the products may take bfloat16 pairs)."""
+    if pr is None:
+        pr = Problem(fn, qa_, ka_, va_, layout)
     return_dbias = backward_flags(pr, return_dbias, bias)
     dt = pr.dtype
     opt = pr.options(causal, scale, num_threads, window, mask, bias, alibi_slopes, softcap,

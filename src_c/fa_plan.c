@@ -91,7 +91,6 @@ int fa_bf16_pairs(const fa_kernel *kern, const fa_params *p)
 #endif
 }
 
-
 const fa_bf16_kernel *fa_bf16_bwd_pairs(const fa_kernel *kern, const fa_bwd_params *bp)
 {
 #ifdef FA_HAVE_BF16_KERNELS

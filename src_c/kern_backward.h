@@ -134,10 +134,11 @@ static void FA_NAME(fa_bwd_rows)(const fa_bwd_ctx *cx, const fa_item *it, int64_
 #ifdef FA_BF16_BWD
         FA_NAME(fa_bw_pack_row)(qi, D, r, sc->f.qp, brp, sc->qz, dkp);
         FA_NAME(fa_bw_pack_row)(dor, Dv, r, sc->dop, brp, sc->doz, dvp);
-#endif
+#else /* (the float32 products' copies) */
         for (int64_t d = 0; d < Dv; d++) sc->dot[d * brp + r] = dor[d];
         for (int64_t d = 0; d < dvp; d++) sc->don[r * dvp + d] = d < Dv ? dor[d] : (FA_T)0;
         for (int64_t d = 0; d < dkp; d++) sc->qr[r * dkp + d] = d < D ? qi[d] : (FA_T)0;
+#endif
         const FA_T l = ((const FA_T *)p->lse)[it->b * p->lse_sb + h * p->lse_sh + row * p->lse_sl];
         sc->lsev[r] = l == -(FA_T)INFINITY ? (FA_T)INFINITY : l;
         sc->dvec[r] = ((const FA_T *)cx->delta)[it->b * cx->delta_sb + h * cx->delta_sh + row];
