@@ -76,36 +76,36 @@
  *    sizes on CPUs with small L2 caches do not spill.
  * Block sizes depend on the CPU and the shapes only, never on the thread count.
  */
-int fa_bf16_pairs(const fa_kernel *kern, const fa_params *p)
+/* Is a bfloat16 path on for calls on `kern`: one selected (not FA_BF16_FLOAT32) and
+ * the kernel the pairs run from, avx512 (the emulated test build's avx2 too)? */
+static int fa_bf16_on(const fa_kernel *kern)
 {
 #ifdef FA_HAVE_BF16_KERNELS
-    /* (the emulated test build runs them from the avx2 kernel too) */
-    const int on = kern == fa_kernel_for_isa(FA_ISA_AVX512) ||
-                   (FA_BF16_EMULATED && kern == fa_kernel_for_isa(FA_ISA_AVX2));
-    return on && fa_bf16_path() != FA_BF16_FLOAT32 && p->q_store == FA_STORE_BF16 &&
-           p->kv_store == FA_STORE_BF16;
+    return (kern == fa_kernel_for_isa(FA_ISA_AVX512) ||
+            (FA_BF16_EMULATED && kern == fa_kernel_for_isa(FA_ISA_AVX2))) &&
+           fa_bf16_path() != FA_BF16_FLOAT32;
 #else
     (void)kern;
-    (void)p;
     return 0;
 #endif
+}
+
+int fa_bf16_pairs(const fa_kernel *kern, const fa_params *p)
+{
+    return fa_bf16_on(kern) && p->q_store == FA_STORE_BF16 && p->kv_store == FA_STORE_BF16;
 }
 
 const fa_bf16_kernel *fa_bf16_bwd_pairs(const fa_kernel *kern, const fa_bwd_params *bp)
 {
 #ifdef FA_HAVE_BF16_KERNELS
-    const int on = kern == fa_kernel_for_isa(FA_ISA_AVX512) ||
-                   (FA_BF16_EMULATED && kern == fa_kernel_for_isa(FA_ISA_AVX2));
     /* every bfloat16 path takes the pairs' backward (AMX has none of its own) */
-    return on && bp->bf16 && bp->f.dtype == FA_F32 && fa_bf16_path() != FA_BF16_FLOAT32 &&
-                   fa_kernel_avx512_bf16.bwd_kv
-               ? &fa_kernel_avx512_bf16
-               : NULL;
+    if (fa_bf16_on(kern) && bp->bf16 && bp->f.dtype == FA_F32 && fa_kernel_avx512_bf16.bwd_kv)
+        return &fa_kernel_avx512_bf16;
 #else
     (void)kern;
     (void)bp;
-    return NULL;
 #endif
+    return NULL;
 }
 
 /* The vector width a call's blocks are made of: the kernel's, or the pair products'
