@@ -48,6 +48,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
               causal: Causal = ..., window: Window = ..., mask: ArrayLike | None = ...,
               bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
               softcap: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
+              sinks: ArrayLike | None = ...,
               seqlens_k: ArrayLike | None = ..., q_offset: int | None = ...,
               k_offset: int | None = ..., block_table: ArrayLike | None = ...,
               layout: Layout = ..., return_lse: Literal[False] = ...,
@@ -60,6 +61,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
               causal: Causal = ..., window: Window = ..., mask: ArrayLike | None = ...,
               bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
               softcap: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
+              sinks: ArrayLike | None = ...,
               seqlens_k: ArrayLike | None = ..., q_offset: int | None = ...,
               k_offset: int | None = ..., block_table: ArrayLike | None = ...,
               layout: Layout = ..., return_lse: Literal[True],
@@ -73,6 +75,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
               causal: Causal = ..., window: Window = ..., mask: ArrayLike | None = ...,
               bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
               softcap: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
+              sinks: ArrayLike | None = ...,
               seqlens_k: ArrayLike | None = ..., q_offset: int | None = ...,
               k_offset: int | None = ..., block_table: ArrayLike | None = ...,
               layout: Layout = ..., return_lse: bool = ...,
@@ -85,6 +88,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
               causal: Causal = False, window: Window = None, mask: ArrayLike | None = None,
               bias: ArrayLike | None = None, alibi_slopes: ArrayLike | None = None,
               softcap: float | None = None, dropout_p: float = 0.0, seed: int | None = None,
+              sinks: ArrayLike | None = None,
               seqlens_k: ArrayLike | None = None, q_offset: int | None = None,
               k_offset: int | None = None, block_table: ArrayLike | None = None,
               layout: Layout = "bhsd", return_lse: bool = False,
@@ -155,6 +159,16 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
         the same seed sees the same mask without storing it.
     seed : int in [0, 2**64), optional
         Required when ``dropout_p > 0``.
+    sinks : float array, shape (Hq,), optional
+        Attention sinks (gpt-oss, StreamingLLM's learned form): one logit per query
+        head, not scaled, that joins every row's softmax as a key whose value is
+        zero, so ``p_ij = exp(s_ij) / (exp(sinks[h]) + sum_j exp(s_ij))`` and the
+        row's weights over the keys sum to less than 1.  `lse` includes it
+        (``log(exp(sinks[h]) + sum_j exp(s_ij))``); a row that sees no key gives 0
+        and ``lse = sinks[h]``.  ``-inf`` means no sink for that head.  Stats are
+        those of the whole distribution over the keys and the sink (the sink's
+        weight counts in the entropy and the largest weight).  The gradient of the
+        sinks comes from :func:`attention_backward` with ``return_dsinks=True``.
     seqlens_k : int array (B,), optional
         Per-sequence key lengths (FlashAttention's ``cache_seqlens``): sequence ``b``
         sees keys ``[0, seqlens_k[b])`` of its (preallocated) k and v, and causal,
@@ -224,7 +238,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
     if (out is None and scale is None and (causal is False or causal is True)
             and (return_lse is False or return_lse is True)
             and window is None and mask is None and bias is None and alibi_slopes is None
-            and softcap is None and layout == "bhsd"
+            and softcap is None and sinks is None and layout == "bhsd"
             and type(dropout_p) in (float, int) and dropout_p == 0 and return_stats is False
             and seqlens_k is None and q_offset is None and k_offset is None and block_table is None
             and (num_threads is None or type(num_threads) is int and num_threads >= 1)):
@@ -236,10 +250,10 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
     if src is not None:
         return cache_attention(src, q, scale, causal, window, mask, bias, alibi_slopes, softcap,
                                dropout_p, seed, seqlens_k, layout, return_lse, return_stats, out,
-                               num_threads, (q_offset, k_offset, 0))
+                               num_threads, (q_offset, k_offset, 0), sinks)
     return _attention(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap, dropout_p,
                       seed, seqlens_k, layout, return_lse, return_stats, out, num_threads,
-                      (q_offset, k_offset, 0))
+                      (q_offset, k_offset, 0), sinks)
 
 
 def attention_block(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, q_offset: int, k_offset: int,
@@ -260,7 +274,8 @@ def attention_block(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, q_offset: int, 
 
 
 def cache_attention(src, q, scale, causal, window, mask, bias, alibi_slopes, softcap, dropout_p,
-                    seed, seqlens_k, layout, return_lse, return_stats, out, num_threads, positions):
+                    seed, seqlens_k, layout, return_lse, return_stats, out, num_threads, positions,
+                    sinks=None):
     """:func:`attention` over an int8 or paged cache (a fastattn._cache.Source): q of
     a 16-bit type with an int8 cache is computed in float32 and the output converted."""
     qa = as_array(q, "q")
@@ -271,7 +286,7 @@ def cache_attention(src, q, scale, causal, window, mask, bias, alibi_slopes, sof
     if int8 and qa.dtype != F32:
         res = _attention(fresh(qa, F32), src, None, scale, causal, window, mask, bias,
                          alibi_slopes, softcap, dropout_p, seed, seqlens_k, layout, return_lse,
-                         return_stats, None, num_threads, positions)
+                         return_stats, None, num_threads, positions, sinks)
         o = res[0] if isinstance(res, tuple) else res
         if out is not None:
             check_out(out, o.shape, qa.dtype, {"q": q})
@@ -281,11 +296,12 @@ def cache_attention(src, q, scale, causal, window, mask, bias, alibi_slopes, sof
         return (o16,) + res[1:] if isinstance(res, tuple) else o16
     return _attention(qa, src, None, scale, causal, window, mask, bias, alibi_slopes, softcap,
                       dropout_p, seed, seqlens_k, layout, return_lse, return_stats, out,
-                      num_threads, positions)
+                      num_threads, positions, sinks)
 
 
 def _attention(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap, dropout_p,
-               seed, seqlens_k, layout, return_lse, return_stats, out, num_threads, positions):
+               seed, seqlens_k, layout, return_lse, return_stats, out, num_threads, positions,
+               sinks=None):
     """:func:`attention` past its compiled fast path: every argument checked, the
     output allocated (or `out` checked), the kernel run, the results assembled.
     `positions` is ``(q_offset, k_offset, alibi_shift)``; `k` may be a cache's
@@ -298,7 +314,7 @@ def _attention(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap
     return_lse = parse_flag(return_lse, "return_lse", fn)
     return_stats = parse_flag(return_stats, "return_stats", fn)
     opt = pr.options(causal, scale, num_threads, window, mask, bias, alibi_slopes, softcap,
-                     dropout_p, seed, seqlens_k, False, *positions)
+                     dropout_p, seed, seqlens_k, False, *positions, sinks=sinks)
     variants = opt.variants
     user_shape = pr.user(pr.q.shape[:-1] + (pr.v.shape[-1],))
     if out is None:
@@ -358,7 +374,7 @@ def attention_weights(q: ArrayLike, k: ArrayLike, *, scale: float | None = None,
                       dropout_p: float = 0.0, seed: int | None = None,
                       seqlens_k: ArrayLike | None = None, q_offset: int | None = None,
                       k_offset: int | None = None, layout: Layout = "bhsd",
-                      num_threads: int | None = None) -> FloatArray:
+                      num_threads: int | None = None, sinks: ArrayLike | None = None) -> FloatArray:
     """The exact attention weights ``softmax(logits)``, shape (..., Hq, Lq, Lk).
 
     Computed by the same logits code as :func:`attention` (same arguments and
@@ -367,12 +383,14 @@ def attention_weights(q: ArrayLike, k: ArrayLike, *, scale: float | None = None,
     Memory is Lq x Lk by nature.  Returned in q's dtype, in the (..., Hq, Lq, Lk)
     order whatever the layout.  With ``dropout_p > 0`` these are the weights
     :func:`attention` multiplies V by for the same seed: kept weights divided by
-    ``1 - dropout_p``, dropped ones 0 (rows then no longer sum to 1).
+    ``1 - dropout_p``, dropped ones 0 (rows then no longer sum to 1).  With `sinks`
+    the weights are those over the keys: each row sums to 1 minus its sink's weight.
     """
     fn = "attention_weights"
     pr = Problem(fn, as_array(q, "q", fn), as_array(k, "k", fn), None, layout)
     opt = pr.options(causal, scale, num_threads, window, mask, bias, alibi_slopes, softcap,
-                     dropout_p, seed, seqlens_k, q_offset=q_offset, k_offset=k_offset)
+                     dropout_p, seed, seqlens_k, q_offset=q_offset, k_offset=k_offset,
+                     sinks=sinks)
     va = opt.variants
     # keys past a sequence's seqlens_k are never visited: their weights are the zeros here
     weights = (np.zeros if seqlens_k is not None else np.empty)(pr.logits_shape, dtype=pr.dtype)
@@ -410,7 +428,8 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
                        softcap: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
                        seqlens_k: ArrayLike | None = ..., q_offset: int | None = ...,
                        k_offset: int | None = ..., layout: Layout = ..., return_dbias: Literal[False] = ...,
-                       num_threads: int | None = ...
+                       num_threads: int | None = ..., sinks: ArrayLike | None = ...,
+                       return_dsinks: Literal[False] = ...
                        ) -> Tuple[FloatArray, FloatArray, FloatArray]: ...
 
 
@@ -422,7 +441,8 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
                        softcap: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
                        seqlens_k: ArrayLike | None = ..., q_offset: int | None = ...,
                        k_offset: int | None = ..., layout: Layout = ..., return_dbias: Literal[True],
-                       num_threads: int | None = ...
+                       num_threads: int | None = ..., sinks: ArrayLike | None = ...,
+                       return_dsinks: Literal[False] = ...
                        ) -> Tuple[FloatArray, FloatArray, FloatArray, FloatArray]: ...
 
 
@@ -434,7 +454,8 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
                        softcap: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
                        seqlens_k: ArrayLike | None = ..., q_offset: int | None = ...,
                        k_offset: int | None = ..., layout: Layout = ..., return_dbias: bool = ...,
-                       num_threads: int | None = ...
+                       num_threads: int | None = ..., sinks: ArrayLike | None = ...,
+                       return_dsinks: bool = ...
                        ) -> Tuple[FloatArray, ...]: ...
 
 
@@ -445,7 +466,8 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
                        softcap: float | None = None, dropout_p: float = 0.0,
                        seed: int | None = None, seqlens_k: ArrayLike | None = None,
                        q_offset: int | None = None, k_offset: int | None = None,
-                       layout: Layout = "bhsd", return_dbias: bool = False, num_threads: int | None = None
+                       layout: Layout = "bhsd", return_dbias: bool = False, num_threads: int | None = None,
+                       sinks: ArrayLike | None = None, return_dsinks: bool = False
                        ) -> Tuple[FloatArray, ...]:
     """Gradients of :func:`attention`: given ``dout = dL/d(out)``, returns
     ``(dq, dk, dv)``, or ``(dq, dk, dv, dbias)`` with ``return_dbias=True``.
@@ -470,6 +492,12 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     every thread; no atomics, and the result is bitwise identical for any
     `num_threads`.  Extra memory is O(B Hq Lq) plus per-thread scratch: the
     Lq x Lk weights are never stored (except the one array for ``dbias``).
+
+    With `sinks` (those of the forward: its `lse` includes them), ``return_dsinks=True``
+    appends ``dsinks`` (Hq,) in the compute dtype (float64 for float64 inputs, else
+    float32): ``-sum_{b,i} p_sink[b,h,i] * D[b,h,i]`` with ``p_sink = exp(sinks[h] -
+    lse)`` and ``D = sum_c dout * out``, summed in float64.  The kernels need nothing
+    else: the weights ``exp(s - lse)`` already carry the sink's share.
     """
     fn = "attention_backward"
     qa_, ka_, va_ = as_array(q, "q", fn), as_array(k, "k", fn), as_array(v, "v", fn)
@@ -477,7 +505,8 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     kw = dict(scale=scale, causal=causal, window=window, mask=mask, bias=bias,
               alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed,
               seqlens_k=seqlens_k, q_offset=q_offset, k_offset=k_offset, layout=layout,
-              return_dbias=return_dbias, num_threads=num_threads)
+              return_dbias=return_dbias, num_threads=num_threads, sinks=sinks,
+              return_dsinks=return_dsinks)
     if BF16 is not None and BF16 in (qa_.dtype, ka_.dtype, va_.dtype):
         # bfloat16: the float32 backward on float32 copies (exact), each gradient rounded
         # to its input's dtype; with q, k and v all bfloat16, its products take bfloat16
@@ -491,15 +520,19 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
 
 def _backward(fn, dout, qa_, ka_, va_, out, lse, *, scale, causal, window, mask, bias,
               alibi_slopes, softcap, dropout_p, seed, seqlens_k, q_offset, k_offset, layout,
-              return_dbias, num_threads, bf16, pr):
+              return_dbias, num_threads, sinks, return_dsinks, bf16, pr):
     """attention_backward on checked arrays (pr: their Problem, or None to make it); bf16:
     q, k, v hold bfloat16 values (the products may take bfloat16 pairs)."""
     if pr is None:
         pr = Problem(fn, qa_, ka_, va_, layout)
     return_dbias = backward_flags(pr, return_dbias, bias)
+    return_dsinks = parse_flag(return_dsinks, "return_dsinks", fn)
+    if return_dsinks and sinks is None:
+        raise ValueError(f"fastattn.{fn}: return_dsinks=True needs the forward's sinks")
     dt = pr.dtype
     opt = pr.options(causal, scale, num_threads, window, mask, bias, alibi_slopes, softcap,
-                     dropout_p, seed, seqlens_k, q_offset=q_offset, k_offset=k_offset)
+                     dropout_p, seed, seqlens_k, q_offset=q_offset, k_offset=k_offset,
+                     sinks=sinks)
     dout_a, out_a, lse_a = grad_inputs(pr, dout, out, lse)
     dq = np.empty(pr.user(pr.q.shape), dt)
     dk = np.empty(pr.user(pr.k.shape), dt)
@@ -518,9 +551,24 @@ def _backward(fn, dout, qa_, ka_, va_, out, lse, *, scale, causal, window, mask,
         _kernels.backward(qa, ka, vv, out_a, lse_a, dout_a, dqa, dka, dva,
                           None if ds is None else ds.reshape((1,) * (4 - pr.nd) + pr.logits_shape),
                           opt.scale, opt.causal, opt.threads, 0, 0, opt.variants, 0, int(bf16))
-    if ds is None:
-        return dq, dk, dv
-    return dq, dk, dv, _sum_to(ds, as_array(bias, "bias", fn).shape)
+    grads: Tuple[Any, ...] = (dq, dk, dv)
+    if ds is not None:
+        grads += (_sum_to(ds, as_array(bias, "bias", fn).shape),)
+    if return_dsinks:
+        grads += (_dsinks(opt.variants.sinks, lse_a, dout_a, out_a),)
+    return grads
+
+
+def _dsinks(sk, lse, dout, out):
+    """The sinks' gradient: -sum over (b, i) of exp(sink_h - lse) * (dout . out), in
+    float64, returned in the sinks' (compute) dtype; a head without a sink gets 0."""
+    hq = sk.shape[0]
+    col = sk.astype(np.float64).reshape(hq, 1)
+    with np.errstate(invalid="ignore", over="ignore"):
+        w = np.where(np.isneginf(col), 0.0, np.exp(col - lse))
+    d = np.einsum("...c,...c->...", dout, out, dtype=np.float64)
+    g = w * d  # (..., Hq, Lq); (1, Lq) for 2-D inputs
+    return (-g.sum(axis=tuple(i for i in range(g.ndim) if i != g.ndim - 2))).astype(sk.dtype)
 
 
 def key_mass(q: ArrayLike, k: ArrayLike, *, scale: float | None = None, causal: Causal = False,

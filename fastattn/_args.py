@@ -291,7 +291,7 @@ class Problem:
         return fresh(a, np.int64)
 
     def variants(self, window, mask, bias, alibi_slopes, softcap, dropout=(0.0, 0), seqlens_k=None,
-                 positions=None):
+                 positions=None, sinks=None):
         """The optional arguments, as :func:`fastattn.attention` takes them, checked and
         made a _kernels.Variants (None if all are off); `dropout` is
         :func:`parse_dropout`'s ``(p, seed)``, `positions` None or ``(q_offset,
@@ -332,20 +332,38 @@ class Problem:
                 raise ValueError(f"fastattn.{fn}: alibi_slopes must have shape "
                                  f"{' or '.join(map(str, shapes))}, got {al.shape} ({self.user_shapes})")
             al = np.broadcast_to(_compact(al, dt), (self.B, self.Hq))
+        sk = None if sinks is None else self.sinks(sinks)
         if m is None and b is None and al is None and cap == 0 and wl < 0 and wr < 0 \
-                and dropout[0] == 0 and sl is None and positions is None:
+                and dropout[0] == 0 and sl is None and positions is None and sk is None:
             return None
         va = _kernels.Variants(mask=m, bias=b, alibi=al, softcap=cap, window_left=wl,
                                window_right=wr, dropout_p=dropout[0], seed=dropout[1])
         va.seqlens_k = sl
+        va.sinks = sk
         if positions is not None:
             va.positions = True
             va.q_pos0, va.k_pos0, va.alibi_shift = positions
         return va
 
+    def sinks(self, sinks):
+        """`sinks` checked: a real array of shape (Hq,), no NaN or +inf (-inf: that head
+        has no sink), as a fresh contiguous array in the compute dtype."""
+        fn = self.fn
+        a = as_array(sinks, "sinks", fn)
+        if a.dtype.kind not in "fiu" and not is_float(a.dtype):
+            raise TypeError(f"fastattn.{fn}: sinks must be a float array, got dtype {a.dtype}")
+        if a.shape != (self.Hq,):
+            raise ValueError(f"fastattn.{fn}: sinks must have shape (Hq,) = ({self.Hq},), one "
+                             f"logit per query head, got {a.shape} ({self.user_shapes})")
+        a = fresh(a, self.dtype)
+        if np.isnan(a).any() or (a == np.inf).any():
+            raise ValueError(f"fastattn.{fn}: sinks must be finite or -inf (no sink), got "
+                             f"{abbreviated(a)}")
+        return a
+
     def options(self, causal, scale, num_threads, window, mask, bias, alibi_slopes, softcap,
                 dropout_p=0.0, seed=None, seqlens_k=None, always=True, q_offset=None,
-                k_offset=None, alibi_shift=0):
+                k_offset=None, alibi_shift=0, sinks=None):
         """The options of a call parsed in the order every public function checks them
         (causal, scale, num_threads, the offsets, dropout, then :meth:`variants`), as an
         :class:`Options`; its variants are an empty _kernels.Variants rather than None
@@ -357,5 +375,5 @@ class Problem:
         offs = parse_offsets(q_offset, k_offset, code, fn)
         va = self.variants(window, mask, bias, alibi_slopes, softcap,
                            parse_dropout(dropout_p, seed, fn), seqlens_k,
-                           None if offs is None else offs + (int(alibi_shift),))
+                           None if offs is None else offs + (int(alibi_shift),), sinks)
         return Options(code, scale_f, nth, va or _kernels.Variants() if always else va)

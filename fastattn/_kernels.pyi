@@ -18,6 +18,7 @@ class Variants:
     entropy: Any
     max_weight: Any
     seqlens_k: Any
+    sinks: Any
     def __init__(self, mask: Any = ..., bias: Any = ..., alibi: Any = ..., softcap: float = ...,
                  window_left: int = ..., window_right: int = ..., cu_q: Any = ...,
                  cu_k: Any = ..., weights: Any = ..., dropout_p: float = ...,

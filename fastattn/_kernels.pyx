@@ -47,6 +47,7 @@ cdef extern from "fastattn.h" nogil:
         int64_t w_sb, w_sh, w_sq
         void *entropy
         void *max_weight
+        const void *sinks
         double dropout_p
         uint64_t seed
         const float *k_scale
@@ -408,12 +409,14 @@ cdef class Variants:
     (broadcast views, strides 0 allowed), alibi (B, Hq) in q's dtype, softcap (0 =
     off), window sides (-1 = unbounded), cu_q/cu_k int64 (varlen; q, k, v are then
     (1, H, total, D) views and the sequence count is len(cu_q) - 1), weights
-    (B, Hq, Lq, Lk) output for attention_weights, dropout_p in [0, 1) and its seed
+    (B, Hq, Lq, Lk) output for attention_weights, sinks (Hq,) contiguous in the
+    compute dtype, dropout_p in [0, 1) and its seed
     (an int in [0, 2**64)); k_scale, v_scale (float32, int8 K/V: laid out like k and
     v with the group axis last) and block_table (int32 (B, max_blocks), contiguous
     rows; k and v are then (pages, Hkv, page_size, D) views of the pools) with the
     pool's page count num_pages, all checked by fastattn._cache."""
     cdef public object mask, bias, alibi, cu_q, cu_k, weights, entropy, max_weight, seqlens_k
+    cdef public object sinks
     cdef public object k_scale, v_scale, block_table
     cdef public int64_t num_pages
     cdef public double softcap, dropout_p
@@ -428,6 +431,7 @@ cdef class Variants:
         self.entropy = None
         self.max_weight = None
         self.seqlens_k = None
+        self.sinks = None
         self.k_scale = self.v_scale = self.block_table = None
         self.num_pages = 0
         self.positions = False  # q_pos0, k_pos0 give the positions (fastattn.h)
@@ -480,6 +484,8 @@ cdef void _set_variants(fa_params *p, Variants va, int64_t item) except *:
         p.cu_k = <const int64_t *>cnp.PyArray_DATA(a)
         # the sequences are offsets on the L axis: no batch axis to step along
         p.q_sb = p.k_sb = p.v_sb = p.o_sb = p.lse_sb = 0
+    if va.sinks is not None:  # (Hq,) contiguous, in the compute dtype, checked by _args
+        p.sinks = cnp.PyArray_DATA(<cnp.ndarray>va.sinks)
     if va.seqlens_k is not None:  # int64, (B,), contiguous, checked by fastattn._api
         p.seqlens_k = <const int64_t *>cnp.PyArray_DATA(<cnp.ndarray>va.seqlens_k)
     if va.k_scale is not None:  # float32, (B or pages, Hkv, L, groups), group axis contiguous

@@ -347,8 +347,21 @@ def _broadcast(name, a, full):
     return np.broadcast_to(a, full)
 
 
-def _softmax(s):
-    """Steps 6-7: (weights, lse, live) with live = keys not at -inf."""
+def _sink_column(sinks, s):
+    """The sinks (Hq,) as one more logit column of s (B, Hq, Lq, Lk)."""
+    a = _as_float("sinks", sinks)
+    if a.shape != (s.shape[1],):
+        raise ValueError(f"sinks must have shape (Hq,) = ({s.shape[1]},), got {a.shape}")
+    return np.broadcast_to(a[None, :, None, None], s.shape[:-1] + (1,))
+
+
+def _softmax(s, sinks=None):
+    """Steps 6-7: (weights, lse, live) with live = keys not at -inf.  With sinks, the
+    softmax is over the keys and one more logit per head, whose weight is dropped:
+    lse includes it and the weights sum to 1 minus it."""
+    if sinks is not None:
+        w, lse, live = _softmax(np.concatenate([s, _sink_column(sinks, s)], axis=-1))
+        return w[..., :-1], lse, live[..., :-1]
     live = s != _NEG_INF                     # NaN stays live: it must propagate
     any_live = live.any(axis=-1, keepdims=True)
     m = np.max(s, axis=-1, keepdims=True, initial=_NEG_INF)
@@ -379,12 +392,12 @@ def _weighted_values(w, live, v4):
 
 
 def _forward(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap, dropout_p,
-             seed, layout, num_threads, b0, q_offset=None, k_offset=None):
+             seed, layout, num_threads, b0, q_offset=None, k_offset=None, sinks=None):
     """(out, lse) in the user's shapes; dropout batch indices start at b0."""
     lg = _logits(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap, layout,
                  num_threads, q_offset, k_offset)
     z = _dropout_factor(dropout_p, seed, lg.s.shape, b0)
-    w, lse, live = _softmax(lg.s)
+    w, lse, live = _softmax(lg.s, sinks)
     o = _from_bhsd4(_weighted_values(w if z is None else w * z, live, lg.v4), lg.ndim,
                     layout)
     return o, lse.reshape(lse.shape[4 - lg.ndim:])
@@ -397,7 +410,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
               softcap: float | None = ..., dropout_p: float = ..., seed: Seed = ...,
               layout: Layout = ..., return_lse: Literal[False] = ..., out: Any = ...,
               num_threads: Any = ..., q_offset: int | None = ...,
-              k_offset: int | None = ...) -> F64: ...
+              k_offset: int | None = ..., sinks: ArrayLike | None = ...) -> F64: ...
 
 
 @overload
@@ -407,7 +420,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
               softcap: float | None = ..., dropout_p: float = ..., seed: Seed = ...,
               layout: Layout = ..., return_lse: Literal[True], out: Any = ...,
               num_threads: Any = ..., q_offset: int | None = ...,
-              k_offset: int | None = ...) -> Tuple[F64, F64]: ...
+              k_offset: int | None = ..., sinks: ArrayLike | None = ...) -> Tuple[F64, F64]: ...
 
 
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None = None,
@@ -416,7 +429,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
               softcap: float | None = None, dropout_p: float = 0.0, seed: Seed = None,
               layout: Layout = "bhsd", return_lse: bool = False, out: Any = None,
               num_threads: Any = None, q_offset: int | None = None,
-              k_offset: int | None = None) -> Union[F64, Tuple[F64, F64]]:
+              k_offset: int | None = None,
+              sinks: ArrayLike | None = None) -> Union[F64, Tuple[F64, F64]]:
     """Exact attention ``softmax(scale * q k^T + ...) v`` in float64.
 
     Parameters
@@ -443,6 +457,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
         positions decide the diagonal ``a = q_offset + i - k_offset``: causal hides the
         keys j > a, the window is around a, the ALiBi distance is |a - j|.  causal may
         then be True (or "bottom-right"), not "top-left".
+    sinks : float array (Hq,), optional: one more logit per head in each row's softmax
+        (not scaled), a key with a zero value; lse includes it.
 
     Returns
     -------
@@ -451,7 +467,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
         before dropout.
     """
     o, lse = _forward(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap,
-                      dropout_p, seed, layout, num_threads, 0, q_offset, k_offset)
+                      dropout_p, seed, layout, num_threads, 0, q_offset, k_offset, sinks)
     return (o, lse) if return_lse else o
 
 
@@ -461,7 +477,7 @@ def attention_weights(q: ArrayLike, k: ArrayLike, *, scale: float | None = None,
                       alibi_slopes: ArrayLike | None = None, softcap: float | None = None,
                       dropout_p: float = 0.0, seed: Seed = None,
                       layout: Layout = "bhsd", q_offset: int | None = None,
-                      k_offset: int | None = None) -> F64:
+                      k_offset: int | None = None, sinks: ArrayLike | None = None) -> F64:
     """The attention weight matrix, float64, shape (..., Hq, Lq, Lk) in any layout.
 
     Arguments as for :func:`attention`.  Rows sum to 1; rows with no visible key are 0.
@@ -471,7 +487,7 @@ def attention_weights(q: ArrayLike, k: ArrayLike, *, scale: float | None = None,
     lg = _logits(q, k, None, scale, causal, window, mask, bias, alibi_slopes, softcap,
                  layout, None, q_offset, k_offset)
     z = _dropout_factor(dropout_p, seed, lg.s.shape)
-    w = _softmax(lg.s)[0]
+    w = _softmax(lg.s, sinks)[0]
     if z is not None:
         w = w * z
     return w.reshape(w.shape[4 - lg.ndim:])
@@ -482,14 +498,18 @@ def attention_stats(q: ArrayLike, k: ArrayLike, *, scale: float | None = None,
                     mask: ArrayLike | None = None, bias: ArrayLike | None = None,
                     alibi_slopes: ArrayLike | None = None, softcap: float | None = None,
                     layout: Layout = "bhsd", q_offset: int | None = None,
-                    k_offset: int | None = None) -> Tuple[F64, F64, F64]:
+                    k_offset: int | None = None,
+                    sinks: ArrayLike | None = None) -> Tuple[F64, F64, F64]:
     """(entropy, effective_support, max_weight), each (..., Hq, Lq), float64, computed
     naively from the weights: ``H = -sum p log p`` over the row's weights (0 log 0 = 0),
     ``exp(H)``, ``max p``; a row with no visible key gets 0 in all three (what
-    ``fastattn.attention(..., return_stats=True)`` documents)."""
+    ``fastattn.attention(..., return_stats=True)`` documents).  With `sinks`, over the
+    keys and the sink: the sink's weight is one more entry of each row."""
     w = attention_weights(q, k, scale=scale, causal=causal, window=window, mask=mask, bias=bias,
                           alibi_slopes=alibi_slopes, softcap=softcap, layout=layout,
-                          q_offset=q_offset, k_offset=k_offset)
+                          q_offset=q_offset, k_offset=k_offset, sinks=sinks)
+    if sinks is not None:  # the sink's weight as one more column
+        w = np.concatenate([w, 1.0 - w.sum(axis=-1, keepdims=True)], axis=-1)
     logw = np.log(np.where(w > 0, w, 1.0))
     entropy = -np.sum(w * logw, axis=-1)
     empty = ~np.any(w > 0, axis=-1)
@@ -525,7 +545,8 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
                        alibi_slopes: ArrayLike | None = ..., softcap: float | None = ...,
                        dropout_p: float = ..., seed: Seed = ..., layout: Layout = ...,
                        return_dbias: Literal[False] = ..., num_threads: Any = ...,
-                       q_offset: int | None = ..., k_offset: int | None = ...
+                       q_offset: int | None = ..., k_offset: int | None = ...,
+                       sinks: ArrayLike | None = ..., return_dsinks: Literal[False] = ...
                        ) -> Tuple[F64, F64, F64]: ...
 
 
@@ -537,7 +558,8 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
                        alibi_slopes: ArrayLike | None = ..., softcap: float | None = ...,
                        dropout_p: float = ..., seed: Seed = ..., layout: Layout = ...,
                        return_dbias: Literal[True], num_threads: Any = ...,
-                       q_offset: int | None = ..., k_offset: int | None = ...
+                       q_offset: int | None = ..., k_offset: int | None = ...,
+                       sinks: ArrayLike | None = ..., return_dsinks: Literal[False] = ...
                        ) -> Tuple[F64, F64, F64, F64]: ...
 
 
@@ -548,8 +570,9 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
                        alibi_slopes: ArrayLike | None = None, softcap: float | None = None,
                        dropout_p: float = 0.0, seed: Seed = None, layout: Layout = "bhsd",
                        return_dbias: bool = False, num_threads: Any = None,
-                       q_offset: int | None = None, k_offset: int | None = None
-                       ) -> Union[Tuple[F64, F64, F64], Tuple[F64, F64, F64, F64]]:
+                       q_offset: int | None = None, k_offset: int | None = None,
+                       sinks: ArrayLike | None = None, return_dsinks: bool = False
+                       ) -> Tuple[F64, ...]:
     """Gradients of :func:`attention` with respect to q, k, v (and bias), float64.
 
     Recomputes the logits S and the weights P = softmax(S) (0 on rows with no visible
@@ -567,6 +590,9 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     lse : array (..., Hq, Lq), attention's lse (its shape is checked; otherwise unused).
     return_dbias : bool, also return the gradient w.r.t. ``bias`` (which must be given):
         dS summed over the axes the bias was broadcast along, in the bias's own shape.
+    sinks : as for :func:`attention` (P is then the softmax with the sink's logit);
+    return_dsinks : bool, also return the sinks' gradient
+        ``-sum_{b,i} p_sink * rowsum(P dP)``, (Hq,).
     Other arguments as for :func:`attention`; dropout_p and seed must be those of the
     forward pass.
 
@@ -574,9 +600,12 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     -------
     dq, dk, dv : float64, the shapes of q, k, v.
     dbias : float64, the shape of bias, only if ``return_dbias``.
+    dsinks : float64 (Hq,), only if ``return_dsinks``.
     """
     if return_dbias and bias is None:
         raise ValueError("return_dbias=True needs a bias, got bias=None")
+    if return_dsinks and sinks is None:
+        raise ValueError("return_dsinks=True needs sinks, got sinks=None")
     lg = _logits(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap, layout,
                  num_threads, q_offset, k_offset)
     assert lg.v4 is not None
@@ -596,14 +625,15 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
         raise ValueError(f"dout must have the shape of out {out_shape}, got {do.shape}")
     do4 = _to_bhsd4("dout", do, layout)
     z = _dropout_factor(dropout_p, seed, lg.s.shape)
-    p, _, live = _softmax(lg.s)
+    p, lse_r, live = _softmax(lg.s, sinks)
     pz = p if z is None else p * z
     dv = pz.swapaxes(-1, -2) @ do4                                     # (B, Hq, Lk, Dv)
     # (B, Hq, Lq, Lk); hidden keys zeroed so a non-finite v row only reaches rows seeing it
     dp = np.where(live, do4 @ lg.v4.swapaxes(-1, -2), 0.0)
     if z is not None:
         dp = dp * z
-    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
+    rowsum = (p * dp).sum(axis=-1, keepdims=True)
+    ds = p * (dp - rowsum)
     ds_raw = ds
     if lg.softcap is not None:
         ds_raw = ds * (1.0 - np.tanh(lg.raw / lg.softcap) ** 2)
@@ -612,11 +642,15 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     dk = dk.reshape(B, lg.hkv, lg.group, Lk, dk.shape[-1]).sum(axis=2)
     dv = dv.reshape(B, lg.hkv, lg.group, Lk, Dv).sum(axis=2)
     grads = tuple(_from_bhsd4(g, lg.ndim, layout) for g in (dq, dk, dv))
-    if not return_dbias:
-        return grads[0], grads[1], grads[2]
-    assert bias is not None                        # checked on entry
-    bshape = np.shape(bias)
-    return grads[0], grads[1], grads[2], _sum_to_shape(ds.reshape(lg.full), bshape)
+    if return_dbias:
+        assert bias is not None                        # checked on entry
+        grads += (_sum_to_shape(ds.reshape(lg.full), np.shape(bias)),)
+    if return_dsinks:  # the sink's weight exp(sink - lse), its logit's gradient -p_sink D_i
+        col = _sink_column(sinks, lg.s)[..., 0]
+        with np.errstate(invalid="ignore"):
+            psink = np.where(col == _NEG_INF, 0.0, np.exp(col - lse_r))
+        grads += (-(psink * rowsum[..., 0]).sum(axis=(0, 2)),)
+    return grads
 
 
 def merge(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike], *,

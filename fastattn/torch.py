@@ -82,16 +82,12 @@ def _pt(a: np.ndarray) -> Tensor:
 def _options(q: Tensor, k: Tensor, mask: Optional[Tensor], bias: Optional[Tensor],
              alibi_slopes: Optional[Tensor], scale: float, causal: int, window_left: int,
              window_right: int, softcap: float, dropout_p: float,
-             seed: Optional[Tensor]) -> dict:
+             seed: Optional[Tensor], sinks: Optional[Tensor] = None) -> dict:
     """The keywords of fastattn.attention / attention_backward for the ops' arguments.
     Only what differs from the defaults is passed, so a plain call takes fastattn's
     short compiled path."""
     D, Lq, Lk = q.shape[-1], q.shape[-2], k.shape[-2]
-    # torch's thread count, but one thread for a small call, as torch's parallel_for
-    # does below its grain size: waking a second thread costs more than it saves (tens
-    # of microseconds on an idle machine, milliseconds on a busy one)
-    work = q.numel() * Lk * 2
-    kw: dict = {"num_threads": torch.get_num_threads() if work >= _GRAIN else 1}
+    kw: dict = {"num_threads": _threads(q.numel() * Lk * 2)}
     if scale != (1.0 / math.sqrt(D) if D > 0 else 1.0):
         kw["scale"] = scale
     if causal == 1 or (causal == 2 and Lq == Lk):  # equal lengths: the same alignment
@@ -116,6 +112,8 @@ def _options(q: Tensor, k: Tensor, mask: Optional[Tensor], bias: Optional[Tensor
             raise ValueError("fastattn.torch: dropout_p > 0 needs a seed tensor")
         kw["dropout_p"] = dropout_p
         kw["seed"] = int(seed)
+    if sinks is not None:
+        kw["sinks"] = _np(sinks)
     return kw
 
 
@@ -123,17 +121,41 @@ def _options(q: Tensor, k: Tensor, mask: Optional[Tensor], bias: Optional[Tensor
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor],
                   alibi_slopes: Optional[Tensor], scale: float, causal: int, window_left: int,
                   window_right: int, softcap: float, dropout_p: float,
-                  seed: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+                  seed: Optional[Tensor], sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """fastattn.attention on CPU tensors (q, k, v as fastattn takes them: (L, D),
     (H, L, D) or (B, H, L, D), "bhsd"); returns (out, lse), both written by the kernel.
 
     causal: 0 none, 1 bottom-right, 2 top-left; window_left/right: -1 = unbounded;
-    softcap: 0 = off; seed: an int64 tensor in [0, 2**63), needed when dropout_p > 0.
+    softcap: 0 = off; seed: an int64 tensor in [0, 2**63), needed when dropout_p > 0;
+    sinks: (Hq,) attention sinks or None.
     """
     kw = _options(q, k, mask, bias, alibi_slopes, scale, causal, window_left, window_right,
-                  softcap, dropout_p, seed)
+                  softcap, dropout_p, seed, sinks)
     out, lse = fastattn.attention(_np(q), _np(k), _np(v), return_lse=True, **kw)
     return _pt(out), _pt(lse)
+
+
+def _threads(work: int) -> int:
+    """torch's thread count, but one thread for a small call (`work` multiply-adds), as
+    torch's parallel_for does below its grain size: waking a second thread costs more
+    than it saves (tens of microseconds on an idle machine, milliseconds on a busy
+    one)."""
+    return torch.get_num_threads() if work >= _GRAIN else 1
+
+
+# torch.profiler shows the registered ops by themselves; the calls that bypass the
+# dispatcher (eager inference) are labelled here, at the cost of one check (~70 ns)
+# when no profiler runs
+_profiling = torch._C._autograd._profiler_enabled
+
+
+def _labelled(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs), inside a ``fastattn::attention_fwd`` profiler range when a
+    profiler runs."""
+    if _profiling():
+        with torch.profiler.record_function("fastattn::attention_fwd"):
+            return fn(*args, **kwargs)
+    return fn(*args, **kwargs)
 
 
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -142,7 +164,7 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, mask, bias, alibi_slopes, scale, causal, window_left,
-                        window_right, softcap, dropout_p, seed):
+                        window_right, softcap, dropout_p, seed, sinks=None):
     out = q.new_empty(tuple(q.shape[:-1]) + (v.shape[-1],))
     lse = q.new_empty(tuple(q.shape[:-1]), dtype=_lse_dtype(q.dtype))
     return out, lse
@@ -153,40 +175,49 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
                   mask: Optional[Tensor], bias: Optional[Tensor], alibi_slopes: Optional[Tensor],
                   scale: float, causal: int, window_left: int, window_right: int, softcap: float,
                   dropout_p: float, seed: Optional[Tensor],
-                  need_dbias: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """fastattn.attention_backward on CPU tensors: (dq, dk, dv, dbias); dbias has the
-    bias's shape and dtype with ``need_dbias``, else it is an empty tensor."""
+                  need_dbias: bool, sinks: Optional[Tensor] = None,
+                  need_dsinks: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """fastattn.attention_backward on CPU tensors: (dq, dk, dv, dbias, dsinks); dbias has
+    the bias's shape and dtype with ``need_dbias``, dsinks the sinks' with
+    ``need_dsinks``; else each is an empty tensor."""
     kw = _options(q, k, mask, bias, alibi_slopes, scale, causal, window_left, window_right,
-                  softcap, dropout_p, seed)
-    res = fastattn.attention_backward(_np(dout), _np(q), _np(k), _np(v), _np(out), _np(lse),
-                                      return_dbias=need_dbias, **kw)
+                  softcap, dropout_p, seed, sinks)
+    res = list(fastattn.attention_backward(_np(dout), _np(q), _np(k), _np(v), _np(out), _np(lse),
+                                           return_dbias=need_dbias, return_dsinks=need_dsinks,
+                                           **kw))
+    dsinks = q.new_empty((0,))
+    if need_dsinks:
+        assert sinks is not None
+        dsinks = torch.from_numpy(res.pop()).to(sinks.dtype)
     if need_dbias:
         assert bias is not None
         dbias = _pt(res[3].astype(_np(bias).dtype, copy=False))
     else:
         dbias = q.new_empty((0,))
-    return _pt(res[0]), _pt(res[1]), _pt(res[2]), dbias
+    return _pt(res[0]), _pt(res[1]), _pt(res[2]), dbias, dsinks
 
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(dout, q, k, v, out, lse, mask, bias, alibi_slopes, scale, causal,
-                        window_left, window_right, softcap, dropout_p, seed, need_dbias):
+                        window_left, window_right, softcap, dropout_p, seed, need_dbias,
+                        sinks=None, need_dsinks=False):
     dbias = bias.new_empty(bias.shape) if need_dbias and bias is not None else q.new_empty((0,))
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+    dsinks = sinks.new_empty(sinks.shape) if need_dsinks and sinks is not None else q.new_empty((0,))
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias, dsinks
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, bias, alibi_slopes, *opts, seed = inputs
+    q, k, v, mask, bias, alibi_slopes, *opts, seed, sinks = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, mask, bias, alibi_slopes, seed)
+    ctx.save_for_backward(q, k, v, out, lse, mask, bias, alibi_slopes, seed, sinks)
     ctx.opts = tuple(opts)  # scale, causal, window_left, window_right, softcap, dropout_p
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, mask, bias, alibi_slopes, seed = ctx.saved_tensors
+    q, k, v, out, lse, mask, bias, alibi_slopes, seed, sinks = ctx.saved_tensors
     if dout is None and dlse is None:
-        return (None,) * 13
+        return (None,) * 14
     if dout is None:
         dout = torch.zeros_like(out)
     extra = dlse is not None
@@ -199,11 +230,14 @@ def _backward(ctx, dout, dlse):
         dout = torch.cat([dout, dout.new_ones(tuple(dout.shape[:-1]) + (1,))], -1)
         out = torch.cat([out, -dlse.to(out.dtype).unsqueeze(-1)], -1)
     need_dbias = bias is not None and ctx.needs_input_grad[4]
-    dq, dk, dv, dbias = torch.ops.fastattn.attention_bwd(
-        dout, q, k, v, out, lse, mask, bias, alibi_slopes, *ctx.opts, seed, need_dbias)
+    need_dsinks = sinks is not None and ctx.needs_input_grad[13]
+    dq, dk, dv, dbias, dsinks = torch.ops.fastattn.attention_bwd(
+        dout, q, k, v, out, lse, mask, bias, alibi_slopes, *ctx.opts, seed, need_dbias, sinks,
+        need_dsinks)
     if extra:
         dv = dv[..., :-1]
-    return (dq, dk, dv, None, dbias if need_dbias else None) + (None,) * 8
+    return ((dq, dk, dv, None, dbias if need_dbias else None) + (None,) * 8
+            + (dsinks if need_dsinks else None,))
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -215,7 +249,7 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 class _Plan:
     """One call, checked and in the ops' terms; run() does the work."""
     __slots__ = ("q", "k", "v", "mask", "bias", "alibi", "scale", "causal", "window",
-                 "softcap", "dropout_p", "dtype", "lead", "return_lse", "logits")
+                 "softcap", "dropout_p", "dtype", "lead", "return_lse", "logits", "sinks")
 
     def run(self):
         q, k, v, mask, bias, alibi = self.q, self.k, self.v, self.mask, self.bias, self.alibi
@@ -224,12 +258,13 @@ class _Plan:
             # from torch's default CPU generator: torch.manual_seed makes runs reproducible
             seed = torch.randint(0, 2**62, (), dtype=torch.int64)
         args = (q, k, v, mask, bias, alibi, self.scale, self.causal, self.window[0],
-                self.window[1], self.softcap, self.dropout_p, seed)
-        if _direct(q, k, v, bias):
+                self.window[1], self.softcap, self.dropout_p, seed, self.sinks)
+        if _direct(q, k, v, bias, self.sinks):
             # eager inference on plain tensors: the op's own function, without the
             # dispatcher's ~40 us (the same code and results as the registered op)
             kw = _options(q, k, mask, bias, alibi, *args[6:])
-            res = fastattn.attention(_np(q), _np(k), _np(v), return_lse=self.return_lse, **kw)
+            res = _labelled(fastattn.attention, _np(q), _np(k), _np(v), return_lse=self.return_lse,
+                            **kw)
             if self.return_lse:
                 out, lse = _pt(res[0]), _pt(res[1])
             else:
@@ -245,12 +280,13 @@ class _Plan:
         return (out, lse) if self.return_lse else out
 
 
-def _direct(q, k, v, bias) -> bool:
+def _direct(q, k, v, bias, sinks=None) -> bool:
     """True where calling the op's Python function directly is the same as calling the
     op: eager mode, plain CPU tensors, no autograd, no dispatch or function modes and no
     functorch transform."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                    or (bias is not None and bias.requires_grad)):
+                                    or (bias is not None and bias.requires_grad)
+                                    or (sinks is not None and sinks.requires_grad)):
         return False
     return (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
             and not torch.compiler.is_compiling()
@@ -297,7 +333,8 @@ def _shape_str(*named) -> str:
 
 
 def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window,
-          alibi_slopes, softcap, causal, return_lse) -> Union[_Plan, Tuple[type, str]]:
+          alibi_slopes, softcap, causal, return_lse,
+          sinks=None) -> Union[_Plan, Tuple[type, str]]:
     """The checked call, or (exception type, message) of what is wrong with it.  Does no
     work beyond views, so a caller can still hand the call to PyTorch instead.  The
     checks run in this order: the arguments' types, the tensors (devices, dtypes, ranks),
@@ -317,6 +354,16 @@ def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                or _alibi_problem(alibi_slopes, plan.logits))
     if problem is not None:
         return problem
+    if sinks is not None:
+        if not isinstance(sinks, Tensor):
+            sinks = torch.as_tensor(np.asarray(sinks))
+        hq = plan.logits[-3] if len(plan.logits) >= 3 else 1
+        if tuple(sinks.shape) != (hq,) or not sinks.is_cpu:
+            return ValueError, (f"{_FN}: sinks must be a CPU tensor of shape (Hq,) = ({hq},), "
+                                f"one logit per query head, got {tuple(sinks.shape)} on {sinks.device}")
+        if not sinks.dtype.is_floating_point:
+            sinks = sinks.double()
+    plan.sinks = sinks
     _finish(plan, alibi_slopes, query.dtype, return_lse)
     return plan
 
@@ -483,7 +530,7 @@ def _finish(plan: _Plan, alibi_slopes, dt, return_lse) -> None:
     # does not read it: computed on float32 copies, the output cast back
     if (dt == torch.bfloat16 and _BF16_NP is None) or (
             dt == torch.float16 and torch.is_grad_enabled()
-            and any(t is not None and t.requires_grad for t in (q, k, v, bias))):
+            and any(t is not None and t.requires_grad for t in (q, k, v, bias, plan.sinks))):
         q, k, v = q.float(), k.float(), v.float()
         if bias is not None:
             bias = bias.float()
@@ -506,7 +553,7 @@ def scaled_dot_product_attention(
         dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
         enable_gqa: bool = False, *, window: Optional[Tuple[Optional[int], Optional[int]]] = None,
         alibi_slopes: Union[Tensor, Sequence[float], None] = None, softcap: Optional[float] = None,
-        causal: Union[bool, str, None] = None,
+        causal: Union[bool, str, None] = None, sinks: Optional[Tensor] = None,
         return_lse: bool = False) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """``torch.nn.functional.scaled_dot_product_attention`` computed by fastattn.
 
@@ -555,6 +602,10 @@ def scaled_dot_product_attention(
     causal : bool or {'bottom-right', 'top-left'}, optional
         fastattn's causal keyword: True or 'bottom-right' aligns the last query with the
         last key (decoding against a cache), 'top-left' is ``is_causal``.
+    sinks : Tensor (Hq,), optional
+        Attention sinks (gpt-oss): one logit per query head, not scaled, that joins
+        each row's softmax as a key with a zero value (``fastattn.attention``'s
+        `sinks`); differentiable.  Hq is the head axis (-3) of query.
     return_lse : bool
         Also return ``lse`` (..., L), the natural log of each row's softmax
         denominator (float32, float64 for float64 inputs); it is differentiable too.
@@ -588,7 +639,7 @@ def scaled_dot_product_attention(
     ``torch.get_num_threads()``.
     """
     plan = _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                 window, alibi_slopes, softcap, causal, return_lse)
+                 window, alibi_slopes, softcap, causal, return_lse, sinks)
     if not isinstance(plan, _Plan):
         raise plan[0](plan[1])
     return plan.run()
@@ -699,7 +750,7 @@ def attention(query: Tensor, key: Any, value: Any, **kwargs: Any) -> Any:
     :func:`scaled_dot_product_attention` to train."""
     args = {n: _cache_np(x, n) for n, x in (("query", query), ("key", key), ("value", value))}
     kw = {n: _cache_np(x, n) for n, x in kwargs.items()}
-    res = fastattn.attention(args["query"], args["key"], args["value"], **kw)
+    res = _labelled(fastattn.attention, args["query"], args["key"], args["value"], **kw)
     if isinstance(res, tuple):
         return tuple(_pt(r) if isinstance(r, np.ndarray) else r for r in res)
     return _pt(res)

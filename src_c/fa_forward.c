@@ -127,6 +127,7 @@ static int fa_decode_split(const fa_params *p, const fa_plan *pl, fa_qblock_fn q
     /* chunk c writes its partials as a contiguous (B, Hq, Lq, Dv) / (B, Hq, Lq) */
     fa_params part = *p;
     part.out_store = p->dtype; /* partials stay in the compute dtype */
+    part.sinks = NULL;         /* folded into the merged rows, once */
     part.o_sb = p->Hq * p->Lq * Dv;
     part.o_sh = p->Lq * Dv;
     part.o_sl = Dv;
@@ -166,12 +167,14 @@ static int fa_decode_split(const fa_params *p, const fa_plan *pl, fa_qblock_fn q
                 double scratch_lse, *lse = p->lse ? (double *)p->lse + l : &scratch_lse;
                 fa_merge_row_f64(nch, Dv, (const double *)pout + r * Dv, rows * Dv,
                                  (const double *)plse + r, rows, (double *)p->out + o, lse);
+                if (p->sinks) *lse = fa_sink_fold(*lse, ((const double *)p->sinks)[h], (double *)p->out + o, Dv);
             } else {
                 float scratch_lse, *lse = p->lse ? (float *)p->lse + l : &scratch_lse;
                 /* a float16 output is merged into a float row, then converted */
                 float *dst = out16 ? row16 : (float *)p->out + o;
                 fa_merge_row_f32(nch, Dv, (const float *)pout + r * Dv, rows * Dv,
                                  (const float *)plse + r, rows, dst, lse);
+                if (p->sinks) *lse = fa_sink_fold(*lse, ((const float *)p->sinks)[h], dst, Dv);
                 if (out16)
                     for (int64_t c = 0; c < Dv; c++)
                         ((uint16_t *)p->out)[o + c] = p->out_store == FA_STORE_BF16 ? fa_float_to_bf16(dst[c])

@@ -182,6 +182,20 @@ static inline void fa_dropout_row(uint64_t seed, uint32_t thresh, int64_t b, int
         const T inv = (T)1 / tot;                                                               \
         for (int64_t c = 0; c < dv; c++) dst[c] *= inv;                                         \
         return M + LOG(tot);                                                                    \
+    }                                                                                           \
+    /* An attention sink folded into a finished row (dst normalized, its lse): a part   \
+     * with lse = sink and a zero output.  Returns the row's new lse; dst is scaled by   \
+     * the keys' share of the mass.  The same arithmetic on every path (prefill rows,   \
+     * split-KV decoding), after the keys' own merge, so the bits agree as they do       \
+     * without a sink. */                                                                \
+    static inline T fa_sink_fold_##SUF(T lse, T sink, T *dst, int64_t dv)                   \
+    {                                                                                       \
+        if (sink == -(T)INFINITY) return lse;                                               \
+        if (lse == -(T)INFINITY) return sink; /* no visible key: dst is 0 already */        \
+        const T m = (sink > lse || sink != sink) ? sink : lse, a = EXP(lse - m),            \
+                b = EXP(sink - m), tot = a + b, f = a / tot;                                \
+        for (int64_t c = 0; c < dv; c++) dst[c] *= f;                                       \
+        return m + LOG(tot);                                                                \
     }
 FA_MERGE_FNS(f32, float, expf, logf, fmaf)
 FA_MERGE_FNS(f64, double, exp, log, fma)
@@ -189,6 +203,8 @@ FA_MERGE_FNS(f64, double, exp, log, fma)
     _Generic((dst), float *: fa_merge_step_f32, double *: fa_merge_step_f64)(M, tot, dst, x, src, dv)
 #define fa_merge_finish(M, tot, dst, dv)                                                        \
     _Generic((dst), float *: fa_merge_finish_f32, double *: fa_merge_finish_f64)(M, tot, dst, dv)
+#define fa_sink_fold(lse, sink, dst, dv)                                                        \
+    _Generic((dst), float *: fa_sink_fold_f32, double *: fa_sink_fold_f64)(lse, sink, dst, dv)
 
 /* Keys are reduced in chunks of this many from key 0 (each by the online softmax over
  * its tiles), and the chunks merged in order with fa_merge_step: in prefill, in

@@ -127,6 +127,10 @@ typedef struct fa_params {
                            be set): each row's entropy -sum p log p in nats, or NULL */
     void *max_weight;   /* (B, Hq, Lq) each row's largest weight, or NULL (set with
                            entropy); a row that sees no key gets 0 in both            */
+    const void *sinks;  /* (Hq,) in the compute dtype, or NULL: attention sinks (gpt-oss):
+                           exp(sinks[h]) joins each row's denominator, a key with a
+                           zero value; out and lse include it (fa_sink_fold), and so
+                           do the stats.  -inf = no sink for that head              */
     double dropout_p;   /* in [0, 1): each weight is kept with probability 1 - p and
                            then scaled by 1 / (1 - p); lse stays that of the
                            undropped softmax.  The decision for (b, h, i, j) is

@@ -274,11 +274,23 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
             lse_r = -(FA_T)INFINITY;
         } else
             lse_r = FA_NAME(fa_chunk_row)(acc, sc.m[r], sc.l[r], Dv);
+        const FA_T lse_k = lse_r, sink = p->sinks ? ((const FA_T *)p->sinks)[h] : -(FA_T)INFINITY;
+        if (p->sinks) lse_r = fa_sink_fold(lse_k, sink, acc, Dv);
         if (p->lse) ((FA_T *)p->lse)[lo_] = lse_r;
         if (p->entropy) { /* H = G / tot + log tot; the largest weight exp(X - lse) */
-            const int none = lse_r == -(FA_T)INFINITY;
-            ((FA_T *)p->entropy)[lo_] = none ? (FA_T)0 : sc.mG[r] / tot + (FA_T)log((double)tot);
-            ((FA_T *)p->max_weight)[lo_] = none ? (FA_T)0 : (FA_T)exp((double)(sc.mX[r] - lse_r));
+            const int none = lse_k == -(FA_T)INFINITY;
+            FA_T H = none ? (FA_T)0 : sc.mG[r] / tot + (FA_T)log((double)tot);
+            FA_T X = none ? (FA_T)0 : (FA_T)exp((double)(sc.mX[r] - lse_k));
+            if (sink != -(FA_T)INFINITY) {
+                /* over the keys and the sink: the keys hold c = exp(lse_k - lse) of the
+                 * mass, the sink s = exp(sink - lse), so H = c (H_k - log c) - s log s */
+                const double lc = (double)lse_k - (double)lse_r, ls = (double)sink - (double)lse_r;
+                const double c = exp(lc), sw = exp(ls);
+                H = (FA_T)((none ? 0.0 : c * ((double)H - lc)) - sw * ls);
+                X = (FA_T)(c * (double)X > sw ? c * (double)X : sw);
+            }
+            ((FA_T *)p->entropy)[lo_] = H;
+            ((FA_T *)p->max_weight)[lo_] = X;
         }
         sc.mM[r] = lse_r;
         if (p->weights) continue;

@@ -61,6 +61,7 @@ def cases(n, seed, offsets=True):
     `offsets` (and otherwise the same calls)."""
     r = np.random.default_rng(seed)
     ro = np.random.default_rng([seed, 7])
+    rs = np.random.default_rng([seed, 11])  # sinks (newer than ab_bits' older builds)
     kernels = _kernels.supported_kernels()
     # bfloat16 q/k/v on the avx512 kernel alternate between the bfloat16 paths
     paths = _kernels.bf16_paths() if hasattr(_kernels, "bf16_paths") else ["float32"]
@@ -110,6 +111,8 @@ def cases(n, seed, offsets=True):
             kw["q_offset"] = qo
             if ro.random() < 0.7:
                 kw["k_offset"] = ko
+        if rs.random() < 0.2 and offsets and fn in ("attention", "stats", "weights", "backward"):
+            c["sinks"] = True
         if r.random() < 0.25 and c["nd"] == 4 and fn not in ("varlen", "merge"):
             c["seqlens_k"] = [int(x) for x in r.integers(0, Lk + 1, B)]
         if fn in ("attention", "varlen") and r.random() < 0.5:
@@ -185,6 +188,9 @@ def _inputs(c):
         a["alibi_slopes"] = r.uniform(0.01, 0.5, c["alibi"]).astype(F64 if dq == F64 else F32)
     if "seqlens_k" in c:
         a["seqlens_k"] = np.array(c["seqlens_k"], np.int64)
+    if c.get("sinks"):
+        a["sinks"] = np.random.default_rng([c["seed"], 11]).normal(0, 2, Hq).astype(
+            F64 if dq == F64 else F32)
     if c["fn"] == "backward":
         a["dout"] = r.standard_normal(_user(c, B, Hq, Lq, Dv)).astype(dq)
     if c["fn"] == "varlen":
@@ -194,13 +200,13 @@ def _inputs(c):
 
 
 HOW_OF = {"q": 0, "k": 1, "v": 2, "dout": 3, "out": 4, "lse": 5}
-VARIANT_ARRAYS = ("mask", "bias", "alibi_slopes", "seqlens_k")
+VARIANT_ARRAYS = ("mask", "bias", "alibi_slopes", "sinks", "seqlens_k")
 
 
 def _variants(arrays, oracle=False):
     """The call's variant arrays among `arrays` (for the oracle: without seqlens_k,
     which it does not take; _per_sequence_oracle does that part)."""
-    names = VARIANT_ARRAYS[:3] if oracle else VARIANT_ARRAYS
+    names = VARIANT_ARRAYS[:4] if oracle else VARIANT_ARRAYS
     return {n: arrays[n] for n in names if n in arrays}
 
 
@@ -247,7 +253,8 @@ def _per_sequence_oracle(c, a, fn):
     for b, n in enumerate(c["seqlens_k"]):
         kw = dict(c["kw"], mask=None if mask is None else mask[b, :, :, :n],
                   bias=None if bias is None else bias[b, :, :, :n],
-                  alibi_slopes=None if al is None else al[b])
+                  alibi_slopes=None if al is None else al[b],
+                  **({"sinks": a["sinks"]} if "sinks" in a else {}))
         for name in ("return_lse", "dropout_p", "seed", "layout"):  # (the arrays are bhsd here)
             kw.pop(name, None)
         res.append(fn(q[b], k[b, :, :n], v[b, :, :n], n, kw))
@@ -290,9 +297,9 @@ def call(c, g, place):
                                       **_variants(nat))
         grads = fastattn.attention_backward(
             g["dout"], g["q"], g["k"], g["v"], _place(out, place, c["how"][4]),
-            _place(lse, place, c["how"][5]), num_threads=th, return_dbias="bias" in c, **kw,
-            **_variants(g))
-        return [("fwd_out", out), ("fwd_lse", lse)] + list(zip(("dq", "dk", "dv", "dbias"), grads))
+            _place(lse, place, c["how"][5]), num_threads=th, return_dbias="bias" in c,
+            return_dsinks="sinks" in g, **kw, **_variants(g))
+        return [("fwd_out", out), ("fwd_lse", lse)] + list(zip(_grad_names(c), grads))
     if fn == "varlen":
         want_lse = kw.pop("return_lse", False)
         res = fastattn.varlen_attention(g["q"], g["k"], g["v"], g["cu_seqlens_q"], g["cu_seqlens_k"],
@@ -347,8 +354,9 @@ def _oracle_pairs(c, res, a):
             return []
         ref = reference.attention_backward(
             a["dout"], a["q"], a["k"], a["v"], got["fwd_out"].astype(F64),
-            got["fwd_lse"].astype(F64), return_dbias="bias" in c, **kw, **_variants(a, oracle=True))
-        return [(n, got[n], r) for n, r in zip(("dq", "dk", "dv", "dbias"), ref)]
+            got["fwd_lse"].astype(F64), return_dbias="bias" in c, return_dsinks="sinks" in a,
+            **kw, **_variants(a, oracle=True))
+        return [(n, got[n], r) for n, r in zip(_grad_names(c), ref)]
     if fn == "varlen":
         ref = reference.varlen_attention(a["q"], a["k"], a["v"], a["cu_seqlens_q"], a["cu_seqlens_k"],
                                          return_lse=True, **kw,
@@ -356,6 +364,11 @@ def _oracle_pairs(c, res, a):
         return [(n, got[n], r) for n, r in zip(("out", "lse"), ref) if n in got]
     ro, rl = reference.attention(a["q"], a["k"], a["v"], return_lse=True, layout=c["layout"])
     return [("out", got["out"], ro), ("lse", got["lse"], rl)]
+
+
+def _grad_names(c):
+    """The names of attention_backward's results for case c."""
+    return ["dq", "dk", "dv"] + ["dbias"] * ("bias" in c) + ["dsinks"] * bool(c.get("sinks"))
 
 
 def _case_tol(c):

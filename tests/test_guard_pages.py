@@ -180,7 +180,7 @@ def test_sweep_reaches_every_path():
         have["layout " + c["layout"]] += 1
         for h in c["how"][:3]:
             have["how " + h] += 1
-        for key in ("mask", "bias", "alibi", "seqlens_k", "out"):
+        for key in ("mask", "bias", "alibi", "seqlens_k", "out", "sinks"):
             have[key] += key in c
         for key in ("causal", "window", "softcap", "dropout_p", "return_lse", "q_offset"):
             have[key] += key in c["kw"]
@@ -199,7 +199,7 @@ def test_sweep_reaches_every_path():
             + ["dtypes f32/f32", "dtypes f64/f64", "dtypes f32/f16", "dtypes f16/f16", "dtypes bf16/bf16",
                "dtypes f32/bf16", "layout bhsd", "layout bshd"]
             + [f"how {h}" for h in ("contig", "rows", "swapped", "reversed")]
-            + ["mask", "bias", "alibi", "seqlens_k", "out", "causal", "window", "softcap", "dropout_p",
+            + ["mask", "bias", "alibi", "seqlens_k", "out", "sinks", "causal", "window", "softcap", "dropout_p",
                "return_lse", "q_offset", "Lq>Lk", "Lq<Lk", "L=0", "L=1", "decode split", "GQA",
                "top-left window Lq>Lk", "threads 1", "threads 2", "threads 3"]
             + [f"bf16 {p} on {k}" for k in PAIR_KERNELS for p in BF16_PATHS])

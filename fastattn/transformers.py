@@ -1,0 +1,423 @@
+"""fastattn inside Hugging Face transformers: ``attn_implementation="fastattn"``.
+
+Importing this module registers the name ``"fastattn"`` with transformers'
+``AttentionInterface`` (the attention function) and ``AttentionMaskInterface`` (the
+mask the model builds for it), so that::
+
+    import fastattn.transformers
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="fastattn")
+    # or from_config(cfg, attn_implementation="fastattn"), or
+    # model.set_attn_implementation("fastattn")
+
+runs every attention layer on fastattn.  What the models pass is mapped onto fastattn's
+keywords without an L x L mask where the mask has a shape fastattn knows:
+
+- causal masks become ``causal`` with the positions of the queries and keys in the
+  sequence (``q_offset``/``k_offset``: a cache's past, a static cache's unfilled slots);
+- sliding windows (Mistral, Qwen2/3, Gemma 2, gpt-oss) become ``window=(w - 1, 0)``
+  (a query sees ``w`` keys, itself included, as transformers' mask);
+- padding masks become ``seqlens_k`` (right padding) or a (B, 1, 1, Lk) key mask read
+  with stride 0 (left padding); bidirectional encoders (BERT) take the same;
+- GQA heads are read without ``repeat_kv``; Gemma 2's ``softcap`` is fastattn's
+  ``softcap``; gpt-oss' sinks (``s_aux``) are fastattn's ``sinks``.
+
+Anything else (packed sequences, custom ``and``/``or`` mask functions, a 4-D mask the
+caller built) goes through the general mask path: the mask transformers' SDPA
+backend would build, applied as fastattn's ``mask``/``bias``; never a wrong answer.
+
+Inference (no gradient) calls :func:`fastattn.attention` on the tensors' memory: the
+KV cache is read in place, decoding takes fastattn's split-KV decode path, and the
+calls run on ``torch.get_num_threads()`` threads (one below PyTorch's grain size)
+in the same OpenMP runtime as PyTorch's own ops.  Training goes through the
+registered ``torch.ops.fastattn`` ops (autograd, dropout, gradients of the sinks).
+
+:func:`attention_stats` records each layer's and head's row entropy, effective
+support and largest weight during a forward pass (from ``return_stats``, O(L)
+memory), and the profiler shows every call as ``fastattn::attention_fwd`` /
+``fastattn::attention_bwd``.
+
+Tested with transformers 5.24; needs ``transformers >= 5.0`` (the attention and mask
+interfaces) and PyTorch.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+
+try:
+    import transformers
+    from transformers import masking_utils as _mu
+except ImportError as _exc:  # transformers stays an optional dependency
+    raise ImportError("fastattn.transformers needs transformers: pip install 'fastattn[transformers]' "
+                      f"(importing transformers failed: {_exc})") from _exc
+
+import torch
+from torch import Tensor
+
+from . import torch as _ft
+
+__all__ = ["NAME", "AttentionMask", "attention_forward", "attention_mask", "attention_stats",
+           "LayerStats", "register"]
+
+NAME = "fastattn"
+
+
+# --------------------------------------------------------------------------------------
+# The mask: what transformers' mask builders describe, kept compact
+
+class AttentionMask(Tensor):
+    """The mask of one layer type in fastattn's terms (what :func:`attention_mask`
+    returns to transformers and the model hands to :func:`attention_forward`).
+
+    A 4-D bool tensor (B, 1, Lq, Lk), so that transformers passes it along as a
+    prepared mask (``generate()`` builds static caches' masks ahead of the model): its
+    values are the padding part only, a broadcast view (no Lq x Lk memory); the
+    causal and window parts are in the attributes, which only
+    :func:`attention_forward` reads.  Operations on it give plain tensors, except
+    ``.contiguous()``, which returns it.
+
+    causal : bool
+        Key j is visible to query i iff ``kv_offset + j <= q_offset + i``.
+    window : int or None
+        A sliding window of this many keys, the query's own included.
+    q_offset, kv_offset : int
+        The positions of query row 0 and key row 0 in the sequence.
+    lengths : Tensor (B,) int64 or None
+        Right padding: sequence b sees keys [0, lengths[b]).
+    keys : Tensor (B, 1, 1, Lk) bool or None
+        Any other padding: True = the key is a token.
+    """
+    causal: bool
+    window: Optional[int]
+    q_offset: int
+    kv_offset: int
+    lengths: Optional[Tensor]
+    keys: Optional[Tensor]
+
+    @staticmethod
+    def __new__(cls, causal: bool, window: Optional[int], q_offset: int, kv_offset: int,
+                shape: Tuple[int, int, int, int], lengths: Optional[Tensor] = None,
+                keys: Optional[Tensor] = None, device: Any = "cpu") -> "AttentionMask":
+        B, _, Lq, Lk = shape
+        if keys is not None:
+            data = keys.expand(B, 1, Lq, Lk)
+        elif lengths is not None:
+            data = (torch.arange(Lk, device=device) < lengths[:, None])[:, None, None, :]
+            data = data.expand(B, 1, Lq, Lk)
+        else:
+            data = torch.ones((), dtype=torch.bool, device=device).expand(B, 1, Lq, Lk)
+        t = data.as_subclass(cls)
+        t.causal, t.window = bool(causal), window
+        t.q_offset, t.kv_offset = int(q_offset), int(kv_offset)
+        t.lengths, t.keys = lengths, keys
+        return t
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        """Operations give plain tensors (no stale attributes), except the one that
+        transformers applies to a prepared mask on its way to the layers:
+        ``.contiguous()`` (generate(); it stays a broadcast view, not materialized)."""
+        if func is Tensor.contiguous and type(args[0]) is cls:
+            return args[0]
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:
+        pad = ("lengths" if self.lengths is not None else "keys" if self.keys is not None
+               else "none")
+        return (f"fastattn.transformers.AttentionMask(shape={tuple(self.shape)}, causal="
+                f"{self.causal}, window={self.window}, q_offset={self.q_offset}, "
+                f"kv_offset={self.kv_offset}, padding={pad})")
+
+
+def _closure(fn) -> Dict[str, Any]:
+    code = getattr(fn, "__code__", None)
+    cells = getattr(fn, "__closure__", None) or ()
+    return dict(zip(code.co_freevars, (c.cell_contents for c in cells))) if code else {}
+
+
+_AND_CODE = _mu.and_masks(_mu.causal_mask_function).__code__
+_WINDOW_CODE = _mu.sliding_window_overlay(1).__code__
+
+
+def _pattern(fn) -> Optional[Tuple[bool, Optional[int]]]:
+    """(causal, window) of a mask function transformers built, when it is exactly one
+    of the shapes fastattn has a keyword for; None for anything else."""
+    if fn is _mu.causal_mask_function:
+        return True, None
+    if fn is _mu.bidirectional_mask_function:
+        return False, None
+    if getattr(fn, "__code__", None) is _AND_CODE:  # sliding_window_causal_mask_function(w)
+        parts = _closure(fn).get("mask_functions")
+        if isinstance(parts, tuple) and len(parts) == 2 and parts[1] is _mu.causal_mask_function \
+                and getattr(parts[0], "__code__", None) is _WINDOW_CODE:
+            w = _closure(parts[0]).get("sliding_window")
+            if isinstance(w, int) and not isinstance(w, bool) and w >= 1:
+                return True, w
+    return None
+
+
+def _int(x: Any) -> Optional[int]:
+    """An offset as an int: an int, or a one-element integer tensor outside tracing."""
+    if isinstance(x, int) and not isinstance(x, bool):
+        return x
+    if isinstance(x, Tensor) and x.numel() == 1 and not x.is_floating_point() \
+            and not torch.compiler.is_compiling():
+        return int(x.item())
+    return None
+
+
+def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
+                   kv_offset: int = 0, mask_function: Any = _mu.causal_mask_function,
+                   attention_mask: Optional[Tensor] = None, **kwargs: Any) -> Any:
+    """transformers' mask builder for ``"fastattn"`` (registered in
+    ``AttentionMaskInterface``): an :class:`AttentionMask` where the mask function is
+    causal, sliding-window causal or bidirectional and the 2-D attention_mask only
+    marks padding; otherwise the 4-D bool mask transformers' SDPA backend builds
+    (``sdpa_mask`` with no causal skip), or None where that mask hides nothing."""
+    pattern = _pattern(mask_function)
+    q_offset, kv_offset = _int(q_offset), _int(kv_offset)  # (a static cache's are tensors)
+    if pattern is None or q_offset is None or kv_offset is None:
+        kwargs = dict(kwargs, allow_is_causal_skip=False)
+        return _mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                             q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
+                             attention_mask=attention_mask, **kwargs)
+    causal, window = pattern
+    lengths = keys = None
+    if attention_mask is not None:
+        pad = _mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)
+        pad = pad[:, kv_offset:kv_offset + kv_length].to(torch.bool)
+        if pad.shape != (batch_size, kv_length):  # (not a padding mask: the general path)
+            return _mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                                 q_offset=q_offset, kv_offset=kv_offset,
+                                 mask_function=mask_function, attention_mask=attention_mask,
+                                 **dict(kwargs, allow_is_causal_skip=False))
+        n = pad.sum(dim=1)
+        if bool(pad.all()):
+            pass
+        elif torch.equal(pad, torch.arange(kv_length, device=pad.device)[None, :] < n[:, None]):
+            lengths = n.to(torch.int64)
+        else:
+            keys = pad.reshape(batch_size, 1, 1, kv_length)
+    return AttentionMask(causal, window, q_offset, kv_offset, (batch_size, 1, q_length, kv_length),
+                         lengths, keys, kwargs.get("device", "cpu"))
+
+
+# --------------------------------------------------------------------------------------
+# The attention function
+
+class _Recorder:
+    """What :func:`attention_stats` collects (one per `with` block)."""
+
+    def __init__(self) -> None:
+        self.calls: List[Tuple[int, Any]] = []
+
+
+_recording = threading.local()
+
+
+def _recorder() -> Optional[_Recorder]:
+    return getattr(_recording, "current", None)
+
+
+def _positions(m: AttentionMask, Lq: int, Lk: int) -> Optional[str]:
+    """The causal code of fastattn.torch's ops that equals the mask's positions, or None."""
+    d = m.q_offset - m.kv_offset
+    if d == Lk - Lq:
+        return "bottom-right"
+    if d == 0:
+        return "top-left"
+    return None
+
+
+def _dense(m: AttentionMask, B: int, Lq: int, Lk: int, device) -> Tensor:
+    """The mask as a (B or 1, 1, Lq, Lk) bool tensor (the rare training call whose
+    positions neither causal convention has)."""
+    i = torch.arange(Lq, device=device)[:, None] + m.q_offset
+    j = torch.arange(Lk, device=device)[None, :] + m.kv_offset
+    vis = torch.ones(Lq, Lk, dtype=torch.bool, device=device)
+    if m.causal:
+        vis &= j <= i
+        if m.window is not None:
+            vis &= j > i - m.window
+    vis = vis[None, None]
+    if m.keys is not None:
+        vis = vis & m.keys
+    if m.lengths is not None:
+        vis = vis & (torch.arange(Lk, device=device) < m.lengths[:, None])[:, None, None, :]
+    return vis
+
+
+def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                      attention_mask: Any, dropout: float = 0.0, scaling: Optional[float] = None,
+                      softcap: Optional[float] = None, s_aux: Optional[Tensor] = None,
+                      is_causal: Optional[bool] = None, **kwargs: Any) -> Tuple[Tensor, None]:
+    """transformers' attention function for ``"fastattn"`` (registered in
+    ``AttentionInterface``).
+
+    query (B, Hq, Lq, D), key and value (B, Hkv, Lk, D) as the attention modules pass
+    them (views; Hkv may divide Hq); `attention_mask` what :func:`attention_mask`
+    built (an :class:`AttentionMask`, a 4-D bool mask, or None), or a 4-D mask the
+    caller passed (bool: True = attend; float: added to the logits).  `scaling`
+    (default 1/sqrt(D)), `dropout` (applied when > 0, fastattn's draws), `softcap`
+    (Gemma 2), `s_aux` (gpt-oss' sinks, (Hq,)), `is_causal` (else
+    ``module.is_causal``; used only when the mask is None, with SDPA's rule: causal
+    top-left when Lq > 1).  Returns ``(out (B, Lq, Hq, Dv), None)``: fastattn computes
+    no weight matrix.
+    """
+    B, Hq, Lq, _ = query.shape
+    Lk = key.shape[-2]
+    kw: Dict[str, Any] = {"scale": scaling, "softcap": softcap}
+    m = attention_mask
+    causal: Any = False
+    mask = bias = None
+    offsets = None
+    lengths = None
+    if isinstance(m, AttentionMask):
+        causal = m.causal
+        if m.window is not None:
+            kw["window"] = (m.window - 1, 0)
+        if causal:
+            offsets = (m.q_offset, m.kv_offset)
+        lengths, mask = m.lengths, m.keys
+    elif m is None:
+        c = is_causal if is_causal is not None else getattr(module, "is_causal", False)
+        causal = "top-left" if (c and Lq > 1) else False
+    elif isinstance(m, Tensor):
+        if m.dtype == torch.bool:
+            mask = m
+        else:
+            bias = m
+    else:
+        raise TypeError(f"fastattn.transformers: attention_mask must be a tensor, None or a "
+                        f"fastattn.transformers.AttentionMask, got {type(m).__name__}")
+    sinks = s_aux
+    rec = _recorder()
+    grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (query, key, value, sinks, bias))
+    if not grad and not dropout:
+        # inference: fastattn.attention on the tensors' memory (the cache in place)
+        args: Dict[str, Any] = dict(kw, causal=causal, mask=mask, bias=bias, sinks=sinks,
+                                    seqlens_k=lengths,
+                                    num_threads=_ft._threads(query.numel() * Lk * 2))
+        if offsets is not None:
+            args["q_offset"], args["k_offset"] = offsets
+        args = {n: x for n, x in args.items() if x is not None and x is not False}
+        res = _ft.attention(query, key, value, return_stats=rec is not None, **args)
+        if rec is not None:
+            out, stats = res
+            rec.calls.append((getattr(module, "layer_idx", None), stats))
+        else:
+            out = res
+        return out.transpose(1, 2), None
+    # training: the registered ops (autograd, dropout, the sinks' gradient)
+    if lengths is not None:
+        mask = (torch.arange(Lk, device=query.device) < lengths[:, None])[:, None, None, :]
+    if isinstance(m, AttentionMask) and causal:
+        code = _positions(m, Lq, Lk)
+        if code is None:
+            mask, causal = _dense(m, B, Lq, Lk, query.device), False
+            kw.pop("window", None)
+        else:
+            causal = code
+    attn = bias if bias is not None else mask
+    out = _ft.scaled_dot_product_attention(
+        query, key, value, attn_mask=attn, dropout_p=float(dropout), enable_gqa=True,
+        causal=causal if causal else None, sinks=sinks, **{n: x for n, x in kw.items() if x is not None})
+    if rec is not None:  # the stats from one more pass, without gradients
+        with torch.no_grad():
+            _, stats = _ft.attention(query.detach(), key.detach(), value.detach(),
+                                     return_stats=True, **_stats_args(kw, causal, attn, sinks))
+        rec.calls.append((getattr(module, "layer_idx", None), stats))
+    return out.transpose(1, 2), None
+
+
+def _stats_args(kw, causal, attn, sinks) -> Dict[str, Any]:
+    args = {n: x for n, x in kw.items() if x is not None}
+    if causal:
+        args["causal"] = "top-left" if causal == "top-left" else True
+    if attn is not None:
+        args["mask" if attn.dtype == torch.bool else "bias"] = attn
+    if sinks is not None:
+        args["sinks"] = sinks.detach()
+    return args
+
+
+# --------------------------------------------------------------------------------------
+# Per-layer statistics
+
+class LayerStats:
+    """The statistics :func:`attention_stats` recorded.
+
+    calls : list of (layer_idx, fastattn.AttentionStats), in call order.
+    entropy, effective_support, max_weight : ndarray (layers, B, Hq, Lq_total)
+        Each layer's calls joined along the query axis (a forward pass: one call a
+        layer; ``generate()``: the prefill and then one row a step), layers in index
+        order.  Rows are those of the distribution over the keys (and the sink, with
+        sinks); a row that sees nothing has 0 in all three.
+    """
+
+    def __init__(self) -> None:
+        self.calls: List[Tuple[Any, Any]] = []
+
+    def _stacked(self, field: str) -> np.ndarray:
+        if not self.calls:
+            raise ValueError("fastattn.transformers.attention_stats: no attention call was "
+                             "recorded (is the model's attn_implementation 'fastattn'?)")
+        layers: Dict[Any, List[np.ndarray]] = {}
+        for idx, st in self.calls:
+            layers.setdefault(idx, []).append(np.asarray(getattr(st, field)))
+        order = sorted(layers, key=lambda i: (i is None, i))
+        return np.stack([np.concatenate(layers[i], axis=-1) for i in order])
+
+    @property
+    def layers(self) -> List[Any]:
+        return sorted({i for i, _ in self.calls}, key=lambda i: (i is None, i))
+
+    @property
+    def entropy(self) -> np.ndarray:
+        return self._stacked("entropy")
+
+    @property
+    def effective_support(self) -> np.ndarray:
+        return self._stacked("effective_support")
+
+    @property
+    def max_weight(self) -> np.ndarray:
+        return self._stacked("max_weight")
+
+
+@contextlib.contextmanager
+def attention_stats() -> Iterator[LayerStats]:
+    """Record every ``"fastattn"`` attention call's row statistics in this thread:
+
+    >>> with fastattn.transformers.attention_stats() as st:
+    ...     model(input_ids)
+    >>> st.entropy.shape      # (layers, B, Hq, L)
+
+    The stats come from the kernel's ``return_stats`` in the same pass (inference) or
+    one more pass without gradients (training): no L x L weights at any length."""
+    rec = LayerStats()
+    before = _recorder()
+    _recording.current = rec
+    try:
+        yield rec
+    finally:
+        _recording.current = before
+
+
+def register(name: str = NAME) -> None:
+    """Register fastattn's attention and mask functions with transformers under `name`
+    (done for ``"fastattn"`` on import).  The name must not contain "flash" (transformers
+    reads such names as FlashAttention requests)."""
+    if "flash" in name or "/" in name:
+        raise ValueError(f"fastattn.transformers.register: transformers reads a name with "
+                         f"'flash' or '/' as another backend, got {name!r}")
+    transformers.AttentionInterface.register(name, attention_forward)
+    transformers.AttentionMaskInterface.register(name, attention_mask)
+
+
+register()
