@@ -66,7 +66,8 @@ def varlen_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      causal: Causal = ..., window: Window = ...,
                      alibi_slopes: ArrayLike | None = ..., softcap: float | None = ...,
                      dropout_p: float = ..., seed: int | None = ...,
-                     return_lse: Literal[False] = ..., num_threads: int | None = ...
+                     return_lse: Literal[False] = ..., num_threads: int | None = ...,
+                     sinks: ArrayLike | None = ...
                      ) -> FloatArray: ...
 
 
@@ -76,7 +77,8 @@ def varlen_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      causal: Causal = ..., window: Window = ...,
                      alibi_slopes: ArrayLike | None = ..., softcap: float | None = ...,
                      dropout_p: float = ..., seed: int | None = ...,
-                     return_lse: Literal[True], num_threads: int | None = ...
+                     return_lse: Literal[True], num_threads: int | None = ...,
+                     sinks: ArrayLike | None = ...
                      ) -> Tuple[FloatArray, FloatArray]: ...
 
 
@@ -86,7 +88,8 @@ def varlen_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      causal: Causal = ..., window: Window = ...,
                      alibi_slopes: ArrayLike | None = ..., softcap: float | None = ...,
                      dropout_p: float = ..., seed: int | None = ...,
-                     return_lse: bool = ..., num_threads: int | None = ...
+                     return_lse: bool = ..., num_threads: int | None = ...,
+                     sinks: ArrayLike | None = ...
                      ) -> Union[FloatArray, Tuple[FloatArray, FloatArray]]: ...
 
 
@@ -95,7 +98,8 @@ def varlen_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      causal: Causal = False, window: Window = None,
                      alibi_slopes: ArrayLike | None = None, softcap: float | None = None,
                      dropout_p: float = 0.0, seed: int | None = None,
-                     return_lse: bool = False, num_threads: int | None = None
+                     return_lse: bool = False, num_threads: int | None = None,
+                     sinks: ArrayLike | None = None
                      ) -> Union[FloatArray, Tuple[FloatArray, FloatArray]]:
     """Attention over a packed ragged batch: each sequence attends only to its own keys.
 
@@ -113,6 +117,8 @@ def varlen_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
     dropout_p, seed
         As for :func:`attention`, with b the sequence's index and i, j positions
         within the sequence.
+    sinks : float array (Hq,), optional
+        Attention sinks, as for :func:`attention`.
     return_lse : bool
         Also return lse of shape (Hq, total_q).
 
@@ -123,7 +129,7 @@ def varlen_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
     pr, cq, ck = varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k)
     return_lse = parse_flag(return_lse, "return_lse", "varlen_attention")
     opt = pr.options(causal, scale, num_threads, window, None, None, alibi_slopes, softcap,
-                     dropout_p, seed)
+                     dropout_p, seed, sinks=sinks)
     va = opt.variants
     va.cu_q, va.cu_k = cq, ck
     total_q = pr.q.shape[-2]

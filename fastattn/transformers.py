@@ -57,6 +57,8 @@ except ImportError as _exc:  # transformers stays an optional dependency
 import torch
 from torch import Tensor
 
+import fastattn
+
 from . import torch as _ft
 
 __all__ = ["NAME", "AttentionMask", "attention_forward", "attention_mask", "attention_stats",
@@ -89,6 +91,10 @@ class AttentionMask(Tensor):
         Right padding: sequence b sees keys [0, lengths[b]).
     keys : Tensor (B, 1, 1, Lk) bool or None
         Any other padding: True = the key is a token.
+    segments : Tensor (B, L) or None
+        Packed sequences (no padding, Lq = Lk): rows with equal numbers are one
+        sequence, whose positions run consecutively; computed as
+        :func:`fastattn.varlen_attention` over the flattened batch.
     """
     causal: bool
     window: Optional[int]
@@ -96,11 +102,13 @@ class AttentionMask(Tensor):
     kv_offset: int
     lengths: Optional[Tensor]
     keys: Optional[Tensor]
+    segments: Optional[Tensor]
 
     @staticmethod
     def __new__(cls, causal: bool, window: Optional[int], q_offset: int, kv_offset: int,
                 shape: Tuple[int, int, int, int], lengths: Optional[Tensor] = None,
-                keys: Optional[Tensor] = None, device: Any = "cpu") -> "AttentionMask":
+                keys: Optional[Tensor] = None, device: Any = "cpu",
+                segments: Optional[Tensor] = None) -> "AttentionMask":
         B, _, Lq, Lk = shape
         if keys is not None:
             data = keys.expand(B, 1, Lq, Lk)
@@ -112,7 +120,7 @@ class AttentionMask(Tensor):
         t = data.as_subclass(cls)
         t.causal, t.window = bool(causal), window
         t.q_offset, t.kv_offset = int(q_offset), int(kv_offset)
-        t.lengths, t.keys = lengths, keys
+        t.lengths, t.keys, t.segments = lengths, keys, segments
         return t
 
     @classmethod
@@ -127,7 +135,7 @@ class AttentionMask(Tensor):
 
     def __repr__(self, *args: Any, **kwargs: Any) -> str:
         pad = ("lengths" if self.lengths is not None else "keys" if self.keys is not None
-               else "none")
+               else "packed" if self.segments is not None else "none")
         return (f"fastattn.transformers.AttentionMask(shape={tuple(self.shape)}, causal="
                 f"{self.causal}, window={self.window}, q_offset={self.q_offset}, "
                 f"kv_offset={self.kv_offset}, padding={pad})")
@@ -141,22 +149,40 @@ def _closure(fn) -> Dict[str, Any]:
 
 _AND_CODE = _mu.and_masks(_mu.causal_mask_function).__code__
 _WINDOW_CODE = _mu.sliding_window_overlay(1).__code__
+_REMAP_CODE = _mu.remap_positions_for_packed_sequence(_mu.causal_mask_function, None).__code__
+_PACKED_CODE = _mu.packed_sequence_mask_function(None).__code__
 
 
-def _pattern(fn) -> Optional[Tuple[bool, Optional[int]]]:
-    """(causal, window) of a mask function transformers built, when it is exactly one
-    of the shapes fastattn has a keyword for; None for anything else."""
+def _code(fn) -> Any:
+    return getattr(fn, "__code__", None)
+
+
+def _pattern(fn) -> Optional[Tuple[bool, Optional[int], Optional[Tensor]]]:
+    """(causal, window, segments) of a mask function transformers built, when it is
+    exactly one of the shapes fastattn has keywords for: causal, sliding-window causal
+    (``sliding_window_causal_mask_function(w)``) or bidirectional, alone or as packed
+    sequences (``remap_positions_for_packed_sequence`` of one of them, and
+    ``packed_sequence_mask_function(segments)``: segments (B, L) numbers the
+    sequences, whose positions run consecutively); None for anything else."""
     if fn is _mu.causal_mask_function:
-        return True, None
+        return True, None, None
     if fn is _mu.bidirectional_mask_function:
-        return False, None
-    if getattr(fn, "__code__", None) is _AND_CODE:  # sliding_window_causal_mask_function(w)
-        parts = _closure(fn).get("mask_functions")
-        if isinstance(parts, tuple) and len(parts) == 2 and parts[1] is _mu.causal_mask_function \
-                and getattr(parts[0], "__code__", None) is _WINDOW_CODE:
-            w = _closure(parts[0]).get("sliding_window")
-            if isinstance(w, int) and not isinstance(w, bool) and w >= 1:
-                return True, w
+        return False, None, None
+    if _code(fn) is not _AND_CODE:
+        return None
+    parts = _closure(fn).get("mask_functions")
+    if not (isinstance(parts, tuple) and len(parts) == 2):
+        return None
+    if parts[1] is _mu.causal_mask_function and _code(parts[0]) is _WINDOW_CODE:
+        w = _closure(parts[0]).get("sliding_window")  # sliding_window_causal_mask_function(w)
+        if isinstance(w, int) and not isinstance(w, bool) and w >= 1:
+            return True, w, None
+        return None
+    if _code(parts[0]) is _REMAP_CODE and _code(parts[1]) is _PACKED_CODE:
+        inner = _pattern(_closure(parts[0]).get("mask_function"))
+        seg = _closure(parts[1]).get("packed_sequence_mask")
+        if inner is not None and inner[2] is None and isinstance(seg, Tensor) and seg.dim() == 2:
+            return inner[0], inner[1], seg
     return None
 
 
@@ -185,9 +211,16 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
         return _mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
                              q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
                              attention_mask=attention_mask, **kwargs)
-    causal, window = pattern
+    causal, window, segments = pattern
     lengths = keys = None
-    if attention_mask is not None:
+    if segments is not None:  # (transformers detects packing only without a padding mask)
+        if attention_mask is not None or q_offset or kv_offset or \
+                tuple(segments.shape) != (batch_size, q_length) or q_length != kv_length:
+            return _mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                                 q_offset=q_offset, kv_offset=kv_offset,
+                                 mask_function=mask_function, attention_mask=attention_mask,
+                                 **dict(kwargs, allow_is_causal_skip=False))
+    elif attention_mask is not None:
         pad = _mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)
         pad = pad[:, kv_offset:kv_offset + kv_length].to(torch.bool)
         if pad.shape != (batch_size, kv_length):  # (not a padding mask: the general path)
@@ -203,7 +236,7 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
         else:
             keys = pad.reshape(batch_size, 1, 1, kv_length)
     return AttentionMask(causal, window, q_offset, kv_offset, (batch_size, 1, q_length, kv_length),
-                         lengths, keys, kwargs.get("device", "cpu"))
+                         lengths, keys, kwargs.get("device", "cpu"), segments)
 
 
 # --------------------------------------------------------------------------------------
@@ -244,6 +277,8 @@ def _dense(m: AttentionMask, B: int, Lq: int, Lk: int, device) -> Tensor:
         if m.window is not None:
             vis &= j > i - m.window
     vis = vis[None, None]
+    if m.segments is not None:
+        vis = vis & (m.segments[:, :, None] == m.segments[:, None, :])[:, None]
     if m.keys is not None:
         vis = vis & m.keys
     if m.lengths is not None:
@@ -270,19 +305,17 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     """
     B, Hq, Lq, _ = query.shape
     Lk = key.shape[-2]
-    kw: Dict[str, Any] = {"scale": scaling, "softcap": softcap}
+    kw: Dict[str, Any] = {n: x for n, x in (("scale", scaling), ("softcap", softcap))
+                          if x is not None}
     m = attention_mask
     causal: Any = False
-    mask = bias = None
-    offsets = None
-    lengths = None
+    mask = bias = offsets = lengths = segments = None
     if isinstance(m, AttentionMask):
-        causal = m.causal
+        causal, lengths, mask, segments = m.causal, m.lengths, m.keys, m.segments
         if m.window is not None:
             kw["window"] = (m.window - 1, 0)
         if causal:
             offsets = (m.q_offset, m.kv_offset)
-        lengths, mask = m.lengths, m.keys
     elif m is None:
         c = is_causal if is_causal is not None else getattr(module, "is_causal", False)
         causal = "top-left" if (c and Lq > 1) else False
@@ -298,11 +331,19 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     rec = _recorder()
     grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (query, key, value, sinks, bias))
+    nth = _ft._threads(query.numel() * Lk * 2)
+    if segments is not None and (grad or dropout or rec is not None):
+        # packed sequences with gradients, dropout or stats: the dense mask (the ops
+        # and return_stats have no varlen form)
+        assert isinstance(m, AttentionMask)
+        mask, causal, offsets, segments = _dense(m, B, Lq, Lk, query.device), False, None, None
+        kw.pop("window", None)
     if not grad and not dropout:
+        if segments is not None:
+            return _packed(query, key, value, segments, causal, kw, sinks, nth), None
         # inference: fastattn.attention on the tensors' memory (the cache in place)
         args: Dict[str, Any] = dict(kw, causal=causal, mask=mask, bias=bias, sinks=sinks,
-                                    seqlens_k=lengths,
-                                    num_threads=_ft._threads(query.numel() * Lk * 2))
+                                    seqlens_k=lengths, num_threads=nth)
         if offsets is not None:
             args["q_offset"], args["k_offset"] = offsets
         args = {n: x for n, x in args.items() if x is not None and x is not False}
@@ -316,7 +357,8 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     # training: the registered ops (autograd, dropout, the sinks' gradient)
     if lengths is not None:
         mask = (torch.arange(Lk, device=query.device) < lengths[:, None])[:, None, None, :]
-    if isinstance(m, AttentionMask) and causal:
+    if offsets is not None:
+        assert isinstance(m, AttentionMask)
         code = _positions(m, Lq, Lk)
         if code is None:
             mask, causal = _dense(m, B, Lq, Lk, query.device), False
@@ -326,13 +368,33 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     attn = bias if bias is not None else mask
     out = _ft.scaled_dot_product_attention(
         query, key, value, attn_mask=attn, dropout_p=float(dropout), enable_gqa=True,
-        causal=causal if causal else None, sinks=sinks, **{n: x for n, x in kw.items() if x is not None})
+        causal=causal if causal else None, sinks=sinks, **kw)
     if rec is not None:  # the stats from one more pass, without gradients
         with torch.no_grad():
             _, stats = _ft.attention(query.detach(), key.detach(), value.detach(),
                                      return_stats=True, **_stats_args(kw, causal, attn, sinks))
         rec.calls.append((getattr(module, "layer_idx", None), stats))
     return out.transpose(1, 2), None
+
+
+def _packed(query: Tensor, key: Tensor, value: Tensor, segments: Tensor, causal: bool,
+            kw: Dict[str, Any], sinks: Optional[Tensor], nth: int) -> Tensor:
+    """Packed sequences (inference): fastattn.varlen_attention over the batch flattened
+    into one run of sequences; returns (B, L, Hq, Dv)."""
+    B, Hq, L, _ = query.shape
+    seg = segments.to(torch.int64)
+    # numbers distinct across the batch rows, so that no sequence spans two rows
+    ids = (seg + torch.arange(B)[:, None] * (int(seg.max() - seg.min()) + 1)).reshape(-1)
+    starts = torch.nonzero(ids[1:] != ids[:-1]).flatten() + 1
+    cu = torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), B * L)]).numpy()
+    dt = query.dtype
+    flat = []
+    for t in (query, key, value):  # (B, H, L, D) -> (B * L, H, D): a view of the projections
+        t = t.transpose(1, 2).reshape(B * L, t.shape[1], t.shape[-1])
+        flat.append(_ft._np(t if dt in (torch.float32, torch.float64) else t.float()))
+    out = fastattn.varlen_attention(*flat, cu, cu, causal=causal, num_threads=nth,
+                                    sinks=None if sinks is None else _ft._np(sinks), **kw)
+    return torch.from_numpy(out).to(dt).reshape(B, L, Hq, out.shape[-1])
 
 
 def _stats_args(kw, causal, attn, sinks) -> Dict[str, Any]:

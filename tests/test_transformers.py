@@ -183,16 +183,33 @@ def test_custom_mask_function_takes_the_general_path():
     assert torch.equal(mask[0, 0], want)
 
 
-def test_packed_sequences_match_separate_ones():
-    """Packed sequences (position_ids restart, batch 1): the general mask path keeps
-    them apart, as two separate calls."""
-    m = _model("llama", "fastattn")
-    ids, _ = _inputs(1, 12)
-    pos = torch.cat([torch.arange(5), torch.arange(7)])[None]
+@pytest.mark.parametrize("name", ["llama", "mistral"])  # (gpt-oss' masks take no position_ids)
+def test_packed_sequences_match_separate_ones(name):
+    """Packed sequences (position_ids restart, no cache): transformers' packing mask
+    reaches fastattn as segments (varlen_attention, no L x L mask) and gives what the
+    sequences give alone; with gradients, through the dense mask."""
+    seen = []
+    real = fat.attention_forward
+
+    def spy(module, q, k, v, mask, **kw):
+        seen.append(mask)
+        return real(module, q, k, v, mask, **kw)
+    m = _model(name, "fastattn")
+    ids, _ = _inputs(2, 12)
+    pos = torch.cat([torch.arange(5), torch.arange(7)])[None].expand(2, -1)
+    transformers.AttentionInterface.register("fastattn", spy)
+    try:
+        with torch.no_grad():
+            packed = m(ids, position_ids=pos, use_cache=False).logits  # (a cache turns packing off)
+    finally:
+        fat.register()
+    assert isinstance(seen[0], fat.AttentionMask) and seen[0].segments is not None
     with torch.no_grad():
-        packed = m(ids, position_ids=pos, use_cache=False).logits  # (a cache turns packing off)
-        a, b = m(ids[:, :5]).logits, m(ids[:, 5:]).logits
-    assert torch.allclose(packed, torch.cat([a, b], 1), atol=1e-5)
+        apart = torch.cat([m(ids[:, :5]).logits, m(ids[:, 5:]).logits], 1)
+    assert (packed - apart).abs().max().item() <= 1e-5 * apart.abs().max().item()
+    m.train()
+    packed_grad = m(ids, position_ids=pos, use_cache=False).logits
+    assert (packed_grad - apart).abs().max().item() <= 1e-5 * apart.abs().max().item()
 
 
 def test_from_config_and_from_pretrained(tmp_path):
