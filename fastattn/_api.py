@@ -576,7 +576,7 @@ def key_mass(q: ArrayLike, k: ArrayLike, *, scale: float | None = None, causal: 
              alibi_slopes: ArrayLike | None = None, softcap: float | None = None,
              seqlens_k: ArrayLike | None = None, q_offset: int | None = None,
              k_offset: int | None = None, layout: Layout = "bhsd",
-             num_threads: int | None = None) -> FloatArray:
+             num_threads: int | None = None, sinks: ArrayLike | None = None) -> FloatArray:
     """For each key, the total weight the queries of each head give it:
     ``mass[..., h, j] = sum_i p_hij``, shape ``(..., Hq, Lk)`` in either layout.
 
@@ -587,12 +587,13 @@ def key_mass(q: ArrayLike, k: ArrayLike, *, scale: float | None = None, causal: 
     that recomputes each weight as ``exp(s - lse)`` and adds the query rows in order:
     O(L) memory, bitwise identical for any thread count.  The masses of a head sum
     to the number of its rows that see at least one key.  float32 or float64 (16-bit
-    inputs are computed in float32); the weights are those before any dropout.
+    inputs are computed in float32); the weights are those before any dropout.  With
+    `sinks`, the keys' weights (the sink's share is in no column).
     """
     fn = "key_mass"
     pr = Problem(fn, as_array(q, "q", fn), as_array(k, "k", fn), None, layout)
     opt = pr.options(causal, scale, num_threads, window, mask, bias, alibi_slopes, softcap,
-                     seqlens_k=seqlens_k, q_offset=q_offset, k_offset=k_offset)
+                     seqlens_k=seqlens_k, q_offset=q_offset, k_offset=k_offset, sinks=sinks)
     dt = pr.dtype
     qa, ka = (_column(pr.q, dt), _column(pr.k, dt)) if pr.D == 0 else (pr.q, pr.k)
     qa, ka = (in_place(a, dt) for a in (qa, ka))  # 16-bit inputs: float32 copies

@@ -521,12 +521,12 @@ def key_mass(q: ArrayLike, k: ArrayLike, *, scale: float | None = None, causal: 
              window: Window = None, mask: ArrayLike | None = None, bias: ArrayLike | None = None,
              alibi_slopes: ArrayLike | None = None, softcap: float | None = None,
              layout: Layout = "bhsd", q_offset: int | None = None,
-             k_offset: int | None = None) -> F64:
+             k_offset: int | None = None, sinks: ArrayLike | None = None) -> F64:
     """For each key the sum of its weights over the query rows, (..., Hq, Lk), float64:
     the weights' column sums (no dropout)."""
     w = attention_weights(q, k, scale=scale, causal=causal, window=window, mask=mask, bias=bias,
                           alibi_slopes=alibi_slopes, softcap=softcap, layout=layout,
-                          q_offset=q_offset, k_offset=k_offset)
+                          q_offset=q_offset, k_offset=k_offset, sinks=sinks)
     return w.sum(axis=-2)
 
 

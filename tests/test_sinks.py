@@ -96,6 +96,8 @@ def test_stats_and_weights_match_oracle(kernel, rng, dtype):
     w = fastattn.attention_weights(q, k, causal=True, sinks=sinks)
     np.testing.assert_allclose(w, R.attention_weights(q, k, causal=True, sinks=sinks), atol=tol)
     assert np.all(w.sum(-1)[:, 1] < 0.9)  # the sink's share is missing from each row
+    np.testing.assert_allclose(fastattn.key_mass(q, k, causal=True, sinks=sinks),
+                               R.key_mass(q, k, causal=True, sinks=sinks), atol=tol * 40)
 
 
 def test_decode_bits_equal_prefill_and_threads(rng):

@@ -287,3 +287,48 @@ def test_attention_mask_object_is_a_tensor_view():
     assert type(plain) is torch.Tensor  # other operations give plain tensors
     assert "causal=True" in repr(am) and "padding=keys" in repr(am)
     assert fastattn.attention is not None
+
+
+def test_geometry_doc_example(capsys):
+    """docs/geometry.md's per-layer statistics example runs as written."""
+    import pathlib
+    doc = pathlib.Path(__file__).resolve().parent.parent / "docs" / "geometry.md"
+    if not doc.exists():
+        pytest.skip("docs/geometry.md is not beside tests/ (tests copied without the repository)")
+    text = doc.read_text()
+    start = text.index("```python\n", text.index("### Every layer and head of a model")) + 10
+    code = text[start:text.index("```", start)]
+    exec(compile(code, str(doc), "exec"), {"__name__": "geometry_example"})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "[0, 1, 2, 3] (4, 1, 8, 2048)" and len(lines) == 5
+    after = text.index("prints (", start + len(code))
+    printed = text[text.index("```\n", after) + 4:]
+    assert printed.startswith(lines[0] + "\n")
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_decode_reads_the_cache_in_place(monkeypatch, cache):
+    """Each generate() step's attention is one fastattn call on the cache's own tensors
+    (no copy of K/V), with the step's positions, without an L x L mask."""
+    calls = []
+    real = fastattn.torch.attention
+    m = _model("llama", "fastattn")
+    past = transformers.StaticCache(config=m.config, max_cache_len=20) if cache == "static" \
+        else transformers.DynamicCache(config=m.config)
+
+    def spy(q, k, v, **kw):  # the cache's tensors at the time of the call
+        held = [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in past.layers
+                if layer.keys is not None]
+        calls.append((q.shape[-2], k, (k.data_ptr(), v.data_ptr()) in held, kw))
+        return real(q, k, v, **kw)
+    monkeypatch.setattr(fastattn.torch, "attention", spy)
+    ids, _ = _inputs(1, 9)
+    with torch.no_grad():
+        m.generate(ids, max_new_tokens=4, do_sample=False, cache=past)
+    steps = [c for c in calls if c[0] == 1]
+    assert len(steps) == 3 * 2  # 3 decode steps x 2 layers
+    for _, _, in_cache, args in steps:
+        assert in_cache
+        assert args.get("mask") is None and args.get("causal") is True and "q_offset" in args
+    if cache == "static":
+        assert all(k.shape[-2] == 20 for _, k, _, _ in steps)  # unfilled slots hidden by position
