@@ -20,6 +20,7 @@ the two.  The sgemm stays as a second column: it is measured in a child process 
 (``fastattn.bench.child_ceilings``); the header says when such a setting
 (OPENBLAS_CORETYPE, OPENBLAS_L2_SIZE) is set.
 """
+import contextlib
 import os
 
 import numpy as np
@@ -347,3 +348,20 @@ def _bf16_summary(terminalreporter, benchmarks):
             extra = f"   (time ratio {st.min / info['baseline_min_s']:.2f}, bytes ratio {info['bytes_ratio']:.2f})"
         w(f"  {info['bf16_case']:<52} {info['baseline_min_s'] / st.min:5.2f}x / "
           f"{info['baseline_median_s'] / st.median:5.2f}x{extra}")
+
+
+@pytest.fixture(scope="module")
+def summary(request):
+    """Rows for a table printed at the end of a module whose benchmarks ran (none with
+    --benchmark-disable); the module's ``summary_header()`` gives its first line."""
+    rows = []
+    yield rows
+    plugins = request.config.pluginmanager
+    tr, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
+    if not rows or tr is None:
+        return
+    lines = ["", request.module.summary_header()] + ["  " + line for line in rows]
+    # a fixture's teardown runs under output capture: write past it
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        for line in lines:
+            tr.write_line(line)

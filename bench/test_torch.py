@@ -17,7 +17,6 @@ batch and head), the training step's loss and gradients against PyTorch's step. 
 ``--benchmark-disable`` each runs once (the training step: one step each way).
 A table of the ratios is printed at the end when the benchmarks run.
 """
-import contextlib
 import time
 
 import numpy as np
@@ -32,22 +31,11 @@ TOL = {np.dtype(np.float32): 3e-5, np.dtype(np.float64): 1e-11}
 SDPA = torch.nn.functional.scaled_dot_product_attention  # PyTorch's own
 
 
-@pytest.fixture(scope="module")
-def summary(request):
-    """Rows for the table printed when this module's benchmarks ran."""
-    rows = []
-    yield rows
-    plugins = request.config.pluginmanager
-    tr, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
-    if not rows or tr is None:
-        return
-    lines = ["", f"fastattn.torch vs PyTorch SDPA (torch {torch.__version__}, "
-                 f"threads={torch.get_num_threads()}, kernel={fastattn._kernels.current_kernel()}), "
-                 "interleaved, best / median rounds:"] + ["  " + line for line in rows]
-    # a fixture's teardown runs under output capture: write past it
-    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
-        for line in lines:
-            tr.write_line(line)
+def summary_header():
+    """The first line of the table bench/conftest.py's `summary` prints."""
+    return (f"fastattn.torch vs PyTorch SDPA (torch {torch.__version__}, "
+            f"threads={torch.get_num_threads()}, kernel={fastattn._kernels.current_kernel()}), "
+            "interleaved, best / median rounds:")
 
 
 def _idle_timed(f, times):

@@ -20,7 +20,6 @@ accuracy, the same greedy tokens).  With ``--benchmark-disable`` the sizes shrin
   fastattn's call after a 30 ms idle: the ratio of the two fastattn times is what
   sharing the cores with PyTorch's thread pool costs.
 """
-import contextlib
 import time
 
 import numpy as np
@@ -38,20 +37,11 @@ MODEL = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidd
              num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=8192)
 
 
-@pytest.fixture(scope="module")
-def summary(request):
-    rows = []
-    yield rows
-    plugins = request.config.pluginmanager
-    tr, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
-    if not rows or tr is None:
-        return
-    lines = ["", f"transformers {transformers.__version__}, attn_implementation 'fastattn' vs "
-                 f"'sdpa' (torch {torch.__version__}, threads={torch.get_num_threads()}, "
-                 f"kernel={fastattn._kernels.current_kernel()}), interleaved, best / median:"]
-    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
-        for line in lines + ["  " + r for r in rows]:
-            tr.write_line(line)
+def summary_header():
+    """The first line of the table bench/conftest.py's `summary` prints."""
+    return (f"transformers {transformers.__version__}, attn_implementation 'fastattn' vs 'sdpa' "
+            f"(torch {torch.__version__}, threads={torch.get_num_threads()}, "
+            f"kernel={fastattn._kernels.current_kernel()}), interleaved, best / median:")
 
 
 @pytest.fixture(scope="module")
