@@ -10,6 +10,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import warnings
 
@@ -63,6 +64,12 @@ void f(const void *cfg, const void *a, const void *b, void *c) {
 }
 """
 IS_X86_64 = platform.machine().lower() in ("x86_64", "amd64")
+# The XLA FFI handlers of fastattn.jax (a C++17 file compiled against the headers jaxlib
+# ships), built when the environment being installed into has jax; FASTATTN_JAX_FFI=0
+# skips them.
+JAX_FILE = "jax_ffi.cc"
+JAX_FLAGS = ["-O2", "-g0", "-std=c++17", "-fno-math-errno", "-Wall", "-fvisibility=hidden"]
+JAX_PROBE = "import jax.ffi; print(jax.ffi.include_dir())"
 # Every header a C file may include (a change to one rebuilds them all).
 HEADERS = sorted(os.path.basename(h) for h in os.listdir(SRC) if h.endswith(".h"))
 
@@ -77,6 +84,21 @@ int main(void) {
     return n >= 1 ? 0 : 1;
 }
 """
+
+
+def _jax_include():
+    """jaxlib's FFI headers in the environment fastattn is being installed into, or None.
+    Asked of this interpreter in isolated mode (-I): it sees that environment's own
+    site-packages, not the isolated build environment pip runs setup.py in."""
+    if os.environ.get("FASTATTN_JAX_FFI", "") == "0":
+        return None
+    try:
+        r = subprocess.run([sys.executable, "-I", "-c", JAX_PROBE], capture_output=True,
+                           text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    inc = r.stdout.strip().splitlines()[-1] if r.returncode == 0 and r.stdout.strip() else ""
+    return inc if inc and os.path.isfile(os.path.join(inc, "xla", "ffi", "api", "ffi.h")) else None
 
 
 def _compiler_cmd(compiler):
@@ -173,10 +195,20 @@ class BuildExt(build_ext):
                     print("fastattn: the compiler has no -mamx-tile/-mamx-bf16; no AMX kernel")
             else:
                 print("fastattn: the compiler has no -mavx512bf16; bfloat16 computes in float32")
+        jax_inc = _jax_include()
+        if jax_inc:
+            simd[JAX_FILE] = JAX_FLAGS + ["-isystem", jax_inc]  # (its warnings are not ours)
+            ext.define_macros.append(("FA_HAVE_JAX_FFI", "1"))
+            ext.extra_link_args.append("-lstdc++")
+            print(f"fastattn: the JAX FFI handlers (fastattn.jax) against {jax_inc}")
+        else:
+            print("fastattn: jax is not installed in this environment: no JAX FFI handlers "
+                  "(fastattn.jax needs them; install jax first, then fastattn)")
+
         def simd_args(name, flags):  # one SIMD file, with its own flags only
             return dict(sources=[os.path.join(SRC, name)], output_dir=self.build_temp,
                         macros=ext.define_macros, include_dirs=ext.include_dirs,
-                        extra_postargs=COMMON_C + flags,
+                        extra_postargs=(flags if name == JAX_FILE else COMMON_C + flags),
                         depends=[os.path.join(SRC, h) for h in HEADERS])
         ext.extra_objects = list(ext.extra_objects or [])
         jobs = min(os.cpu_count() or 1, 8)

@@ -540,6 +540,35 @@ def forward(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, lse_ob
 cdef int _bf16_num = -1  # NumPy's type number of ml_dtypes.bfloat16, where it is installed
 
 
+cdef extern from *:
+    """
+    #ifdef FA_HAVE_JAX_FFI
+    void *fa_jax_ffi_forward(void);
+    void *fa_jax_ffi_backward(void);
+    #define FA_JAX_FFI 1
+    #else
+    static void *fa_jax_ffi_forward(void) { return 0; }
+    static void *fa_jax_ffi_backward(void) { return 0; }
+    #define FA_JAX_FFI 0
+    #endif
+    """
+    void *fa_jax_ffi_forward()
+    void *fa_jax_ffi_backward()
+    int FA_JAX_FFI
+
+from cpython.pycapsule cimport PyCapsule_New
+
+
+def jax_ffi_targets():
+    """The XLA FFI handlers (src_c/jax_ffi.cc) as PyCapsules, {"forward": ..,
+    "backward": ..}, for jax.ffi.register_ffi_target; None where the build found no
+    jaxlib headers."""
+    if not FA_JAX_FFI:
+        return None
+    return {"forward": PyCapsule_New(fa_jax_ffi_forward(), NULL, NULL),
+            "backward": PyCapsule_New(fa_jax_ffi_backward(), NULL, NULL)}
+
+
 def set_bf16_dtype(object dtype):
     """Tell attention_common which user type number is bfloat16 (fastattn._args, at import)."""
     global _bf16_num
