@@ -211,6 +211,9 @@ class BuildExt(build_ext):
                         extra_postargs=(flags if name == JAX_FILE else COMMON_C + flags),
                         depends=[os.path.join(SRC, h) for h in HEADERS])
         ext.extra_objects = list(ext.extra_objects or [])
+        # the separately compiled files are the extension's too: a change to one relinks it
+        ext.depends = list(ext.depends) + [os.path.join(SRC, n) for n in simd
+                                           if os.path.join(SRC, n) not in ext.depends]
         jobs = min(os.cpu_count() or 1, 8)
         if jobs < 2 or not _can_submit(self.compiler):  # one compiler process at a time
             for name, flags in simd.items():

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import fastattn
+from fastattn.bench import ratio_text  # noqa: E402
 
 torch = pytest.importorskip("torch")
 ft = pytest.importorskip("fastattn.torch")
@@ -46,10 +47,6 @@ def _idle_timed(f, times):
     times.append(time.perf_counter() - t)
     time.sleep(0.1)
     return res
-
-
-def _ratio(num, den):
-    return f"{min(num) / min(den):5.2f}x / {np.median(num) / np.median(den):5.2f}x"
 
 
 # ---------------------------------------------------------------------------------------
@@ -111,9 +108,9 @@ def test_torch_inference(benchmark, bench_threads, check_rows, summary, name):
         benchmark.extra_info.update(torch_min_s=min(torch_t), numpy_api_min_s=min(numpy_t),
                                     torch_median_s=float(np.median(torch_t)),
                                     numpy_api_median_s=float(np.median(numpy_t)))
-        summary.append(f"{name:<32} {min(ours_t) * 1e3:8.2f} ms   vs torch {_ratio(torch_t, ours_t)}"
-                       f"   (NumPy API vs torch {_ratio(torch_t, numpy_t)};"
-                       f" op / NumPy API time {_ratio(ours_t, numpy_t)})")
+        summary.append(f"{name:<32} {min(ours_t) * 1e3:8.2f} ms   vs torch {ratio_text(torch_t, ours_t)}"
+                       f"   (NumPy API vs torch {ratio_text(torch_t, numpy_t)};"
+                       f" op / NumPy API time {ratio_text(ours_t, numpy_t)})")
 
 
 # ---------------------------------------------------------------------------------------
@@ -256,7 +253,7 @@ def test_torch_training_step(benchmark, bench_threads, summary):
         ours_t, torch_t = list(benchmark.stats.stats.data), torch_times[-rounds:]
         benchmark.extra_info.update(torch_min_s=min(torch_t), torch_median_s=float(np.median(torch_t)))
         summary.append(f"{'GPT training step (whole)':<32} {min(ours_t) * 1e3:8.1f} ms   vs torch "
-                       f"{_ratio(torch_t, ours_t)}   (torch {min(torch_t) * 1e3:.1f} ms)")
+                       f"{ratio_text(torch_t, ours_t)}   (torch {min(torch_t) * 1e3:.1f} ms)")
 
 
 def test_torch_training_attention(benchmark, bench_threads, summary):
@@ -294,5 +291,5 @@ def test_torch_training_attention(benchmark, bench_threads, summary):
         layers = s["layers"]
         benchmark.extra_info.update(torch_min_s=min(torch_t), torch_median_s=float(np.median(torch_t)))
         summary.append(f"{'GPT attention fwd+bwd x4 layers':<32} {min(ours_t) * layers * 1e3:8.1f} ms"
-                       f"   vs torch {_ratio(torch_t, ours_t)}   (torch "
+                       f"   vs torch {ratio_text(torch_t, ours_t)}   (torch "
                        f"{min(torch_t) * layers * 1e3:.1f} ms)")

@@ -31,6 +31,7 @@ fat = pytest.importorskip("fastattn.transformers")
 ft = pytest.importorskip("fastattn.torch")
 
 import fastattn  # noqa: E402
+from fastattn.bench import ratio_text  # noqa: E402
 
 SDPA = torch.nn.functional.scaled_dot_product_attention
 MODEL = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=10,
@@ -56,10 +57,6 @@ def model(bench_threads):
 
 def _quick(request):
     return bool(request.config.getoption("benchmark_disable", False))
-
-
-def _ratio(num, den):
-    return f"{min(num) / min(den):5.2f}x / {np.median(num) / np.median(den):5.2f}x"
 
 
 def _alternate(benchmark, model, fn, rounds):
@@ -97,7 +94,7 @@ def test_forward_4096(benchmark, model, request, summary):
         ours_t = list(benchmark.stats.stats.data)
         summary.append(f"forward B1 L{L} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M "
                        f"params): fastattn {L / min(ours_t):7.0f} tok/s, sdpa {L / min(sdpa_t):7.0f} "
-                       f"tok/s; time sdpa / fastattn {_ratio(sdpa_t, ours_t)}")
+                       f"tok/s; time sdpa / fastattn {ratio_text(sdpa_t, ours_t)}")
 
 
 def test_generate(benchmark, model, request, summary):
@@ -116,8 +113,8 @@ def test_generate(benchmark, model, request, summary):
         pre_ours, pre_sdpa = _prefill_times(model, ids)
         summary.append(f"generate {prompt}+{new}: fastattn {new / min(ours_t):6.1f} new tok/s "
                        f"({min(ours_t):.2f} s), sdpa {new / min(sdpa_t):6.1f} ({min(sdpa_t):.2f} s); "
-                       f"time sdpa / fastattn {_ratio(sdpa_t, ours_t)}; the prefill alone "
-                       f"{_ratio(pre_sdpa, pre_ours)}")
+                       f"time sdpa / fastattn {ratio_text(sdpa_t, ours_t)}; the prefill alone "
+                       f"{ratio_text(pre_sdpa, pre_ours)}")
 
 
 def _prefill_times(model, ids, rounds=3):
@@ -187,5 +184,5 @@ def test_thread_handover(benchmark, bench_threads, summary, name):
                                     sdpa_median_s=float(np.median(sd)),
                                     fastattn_after_idle_median_s=float(np.median(idle)))
         summary.append(f"between torch ops {name:<24} fastattn {np.median(fa) * 1e3:7.3f} ms, sdpa "
-                       f"{np.median(sd) * 1e3:7.3f} ms: sdpa / fastattn {_ratio(sd, fa)}; fastattn "
+                       f"{np.median(sd) * 1e3:7.3f} ms: sdpa / fastattn {ratio_text(sd, fa)}; fastattn "
                        f"between ops / after 30 ms idle {np.median(fa) / np.median(idle):5.2f}x (median)")

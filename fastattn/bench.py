@@ -596,6 +596,11 @@ def _times_ms(r):
     return list(r.get("times_ms") or [r["median_ms"]])
 
 
+def ratio_text(num, den):
+    """Two samples of times as 'best / median' ratios: min(num)/min(den) and the medians'."""
+    return f"{min(num) / min(den):5.2f}x / {np.median(num) / np.median(den):5.2f}x"
+
+
 def spread(xs):
     """(median, Q1, Q3, (Q3 - Q1) / median) of a list of positive numbers: the quartiles
     interpolated between the rounds (statistics.quantiles, "inclusive")."""

@@ -77,7 +77,7 @@ def _attrs(o: _Opts) -> dict:
                 causal=np.int64(o.causal), window_left=np.int64(o.window_left),
                 window_right=np.int64(o.window_right), positions=np.int64(o.positions),
                 q_offset=np.int64(o.q_offset), k_offset=np.int64(o.k_offset),
-                num_threads=np.int64(o.num_threads))
+                num_threads=np.int64(o.num_threads), need_ds=np.int64(o.need_ds), bf16=np.int64(0))
 
 
 def _extras(q, bias, mask, seqlens, sinks, alibi):
@@ -114,7 +114,7 @@ def _backward(q, k, v, out, lse, dout, bias, mask, seqlens, sinks, alibi, o: _Op
     call = jax.ffi.ffi_call("fastattn_bwd", shapes, vmap_method="expand_dims")
     dq, dk, dv, ds = call(q, k, v, out, lse.astype(cd), dout,
                           *_extras(q, bias, mask, seqlens, sinks, alibi),
-                          bf16=np.int64(bf16), need_ds=np.int64(o.need_ds), **_attrs(o))
+                          **{**_attrs(o), "bf16": np.int64(bf16)})
     return dq.astype(dt), dk.astype(dt), dv.astype(dt), ds
 
 

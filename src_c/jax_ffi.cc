@@ -18,10 +18,11 @@
  * Backward fastattn_bwd(q, k, v, out, lse, dout, bias, mask, seqlens, sinks, alibi)
  *   -> (dq, dk, dv, ds): one compute dtype (f32/f64) throughout; ds (.., B, N, T, S)
  *   when the attribute need_ds is set (the bias's gradient), else 0 elements.
- * Attributes: scale, softcap (f64); causal (0 none, 1 bottom-right, 2 top-left),
- *   window_left, window_right (-1 unbounded), positions (0/1), q_offset, k_offset,
- *   num_threads (0: OpenMP's default) (i64); bwd also bf16 (the products may take
- *   bfloat16 pairs: q, k, v hold bfloat16 values) and need_ds (i64).
+ * Attributes (both handlers, all of them): scale, softcap (f64); causal (0 none,
+ *   1 bottom-right, 2 top-left), window_left, window_right (-1 unbounded), positions
+ *   (0/1), q_offset, k_offset, num_threads (0: OpenMP's default), and the backward's
+ *   bf16 (the products may take bfloat16 pairs: q, k, v hold bfloat16 values) and
+ *   need_ds (i64; the forward ignores these two).
  */
 #include <cstdint>
 #include <cstdlib>
@@ -91,10 +92,24 @@ int storage(ffi::DataType t)
     }
 }
 
-struct Common {
+}  // namespace
+
+// The attributes of both handlers, decoded by name from the call's attribute dictionary.
+struct Options {
     double scale, softcap;
     int64_t causal, window_left, window_right, positions, q_offset, k_offset, num_threads;
+    int64_t bf16, need_ds;  // the backward's (the forward ignores them)
 };
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    Options, xla::ffi::StructMember<double>("scale"), xla::ffi::StructMember<double>("softcap"),
+    xla::ffi::StructMember<int64_t>("causal"), xla::ffi::StructMember<int64_t>("window_left"),
+    xla::ffi::StructMember<int64_t>("window_right"), xla::ffi::StructMember<int64_t>("positions"),
+    xla::ffi::StructMember<int64_t>("q_offset"), xla::ffi::StructMember<int64_t>("k_offset"),
+    xla::ffi::StructMember<int64_t>("num_threads"), xla::ffi::StructMember<int64_t>("bf16"),
+    xla::ffi::StructMember<int64_t>("need_ds"));
+
+namespace {
 
 // A 4-D broadcastable array's element strides (0 along axes of size 1).
 void strides4(const ffi::AnyBuffer &b, int64_t *sb, int64_t *sh, int64_t *sq, int64_t *sk)
@@ -108,7 +123,7 @@ void strides4(const ffi::AnyBuffer &b, int64_t *sb, int64_t *sh, int64_t *sq, in
 
 // The call's params for step s (everything but the outputs); the seqlens' int64 copy
 // goes to `lens`.
-ffi::Error fill(fa_params *p, const Common &c, const ffi::AnyBuffer &q, const ffi::AnyBuffer &k,
+ffi::Error fill(fa_params *p, const Options &c, const ffi::AnyBuffer &q, const ffi::AnyBuffer &k,
                 const ffi::AnyBuffer &v, const ffi::AnyBuffer &bias, const ffi::AnyBuffer &mask,
                 const ffi::AnyBuffer &seqlens, const ffi::AnyBuffer &sinks,
                 const ffi::AnyBuffer &alibi, int64_t s, std::vector<int64_t> &lens)
@@ -181,12 +196,8 @@ ffi::Error status(int rc)
 ffi::Error forward_impl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer bias,
                         ffi::AnyBuffer mask, ffi::AnyBuffer seqlens, ffi::AnyBuffer sinks,
                         ffi::AnyBuffer alibi, ffi::Result<ffi::AnyBuffer> out,
-                        ffi::Result<ffi::AnyBuffer> lse, double scale, double softcap, int64_t causal,
-                        int64_t window_left, int64_t window_right, int64_t positions, int64_t q_offset,
-                        int64_t k_offset, int64_t num_threads)
+                        ffi::Result<ffi::AnyBuffer> lse, Options c)
 {
-    const Common c{scale, softcap, causal, window_left, window_right, positions, q_offset, k_offset,
-                   num_threads};
     if (q.dimensions().size() < 4) return ffi::Error::InvalidArgument("fastattn: q must be (B, T, N, H)");
     std::vector<int64_t> lens;
     const int64_t n = steps(q, 4);
@@ -207,13 +218,8 @@ ffi::Error backward_impl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
                          ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer bias, ffi::AnyBuffer mask,
                          ffi::AnyBuffer seqlens, ffi::AnyBuffer sinks, ffi::AnyBuffer alibi,
                          ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                         ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> ds, double scale,
-                         double softcap, int64_t causal, int64_t window_left, int64_t window_right,
-                         int64_t positions, int64_t q_offset, int64_t k_offset, int64_t num_threads,
-                         int64_t bf16, int64_t need_ds)
+                         ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> ds, Options c)
 {
-    const Common c{scale, softcap, causal, window_left, window_right, positions, q_offset, k_offset,
-                   num_threads};
     if (q.dimensions().size() < 4) return ffi::Error::InvalidArgument("fastattn: q must be (B, T, N, H)");
     if (q.element_type() != ffi::DataType::F32 && q.element_type() != ffi::DataType::F64)
         return ffi::Error::InvalidArgument("fastattn: the backward computes in float32 or float64");
@@ -235,13 +241,13 @@ ffi::Error backward_impl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
         bp.dk_sb = p.k_sb, bp.dk_sh = p.k_sh, bp.dk_sl = p.k_sl;
         bp.dv = at_out(&*dv, 4, s);
         bp.dv_sb = p.v_sb, bp.dv_sh = p.v_sh, bp.dv_sl = p.v_sl;
-        if (need_ds) {  // (B, N, T, S), zeroed: the kernel adds the visible entries
+        if (c.need_ds) {  // (B, N, T, S), zeroed: the kernel adds the visible entries
             char *d = at_out(&*ds, 4, s);
             std::memset(d, 0, (size_t)(p.B * p.Hq * p.Lq * p.Lk) * ffi::ByteWidth(q.element_type()));
             bp.ds = d;
             bp.ds_sb = p.Hq * p.Lq * p.Lk, bp.ds_sh = p.Lq * p.Lk, bp.ds_sq = p.Lk;
         }
-        bp.bf16 = (int)bf16;
+        bp.bf16 = (int)c.bf16;
         const size_t item = ffi::ByteWidth(q.element_type());
         if (p.B * p.Hq * p.Lq * p.D == 0 && p.B * p.Hkv * p.Lk == 0) continue;
         if (p.B * p.Hq * p.Lq == 0) {  // no queries: the gradients of k and v are 0
@@ -269,15 +275,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(fastattn_jax_fwd, forward_impl,
                                   .Arg<ffi::AnyBuffer>()  // alibi
                                   .Ret<ffi::AnyBuffer>()  // out
                                   .Ret<ffi::AnyBuffer>()  // lse
-                                  .Attr<double>("scale")
-                                  .Attr<double>("softcap")
-                                  .Attr<int64_t>("causal")
-                                  .Attr<int64_t>("window_left")
-                                  .Attr<int64_t>("window_right")
-                                  .Attr<int64_t>("positions")
-                                  .Attr<int64_t>("q_offset")
-                                  .Attr<int64_t>("k_offset")
-                                  .Attr<int64_t>("num_threads"));
+                                  .Attrs<Options>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(fastattn_jax_bwd, backward_impl,
                               ffi::Ffi::Bind()
@@ -296,17 +294,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(fastattn_jax_bwd, backward_impl,
                                   .Ret<ffi::AnyBuffer>()  // dk
                                   .Ret<ffi::AnyBuffer>()  // dv
                                   .Ret<ffi::AnyBuffer>()  // ds
-                                  .Attr<double>("scale")
-                                  .Attr<double>("softcap")
-                                  .Attr<int64_t>("causal")
-                                  .Attr<int64_t>("window_left")
-                                  .Attr<int64_t>("window_right")
-                                  .Attr<int64_t>("positions")
-                                  .Attr<int64_t>("q_offset")
-                                  .Attr<int64_t>("k_offset")
-                                  .Attr<int64_t>("num_threads")
-                                  .Attr<int64_t>("bf16")
-                                  .Attr<int64_t>("need_ds"));
+                                  .Attrs<Options>());
 
 // The handlers' addresses, for fastattn._kernels.jax_ffi_targets().
 extern "C" void *fa_jax_ffi_forward(void) { return reinterpret_cast<void *>(fastattn_jax_fwd); }
