@@ -44,7 +44,8 @@ def _bf16_line(info: dict[str, Any]) -> str:
     path, kern = _kernels.bf16_path(), _kernels.current_kernel()
     if path == "amx-bf16" and kern in pair_kernels:
         how = (f"the {kern} kernel takes both products on AMX tiles (tdpbf16ps, 16 x 16 float32 "
-               "tiles, float32 softmax in AVX-512, P rounded to bfloat16; tails on AVX512-BF16 pairs)")
+               "tiles, float32 softmax in AVX-512, P rounded to bfloat16; the backward on AVX512-BF16 "
+               "pairs)")
         if _kernels.bf16_emulated():
             how += ", the tiles a software model and AVX-512 from SIMDe: a test build, not for speed"
         return f"{how}; {cpu}; FASTATTN_DISABLE_CPU_FEATURES=AMX turns the tiles off"

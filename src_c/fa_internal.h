@@ -216,9 +216,12 @@ FA_MERGE_FNS(f64, double, exp, log, fma)
 #define FA_ALIGN 64
 
 /* Block sizes of one call, chosen by the driver: q query rows (a multiple of the
- * kernel's vector width: also the row stride of its query-major scratch) and k keys. */
+ * kernel's vector width: also the row stride of its query-major scratch) and k keys;
+ * rows: the most rows an item of the call has (heads stacked x positions, before the
+ * rounding up to q), which decides a call's products, never one block's (a row's bits
+ * do not depend on how the call's rows fall into blocks). */
 typedef struct fa_blocks {
-    int64_t q, k;
+    int64_t q, k, rows;
 } fa_blocks;
 
 /* The aligned diagonal of query row 0 of a sequence with Lq queries and Lk keys, in

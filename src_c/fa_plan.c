@@ -119,7 +119,7 @@ static fa_blocks fa_default_blocks(const fa_kernel *kern, const fa_params *p)
 {
     const int64_t vl = fa_plan_lanes(kern, p);
     const int64_t item = p->dtype == FA_F64 ? 8 : 4;
-    fa_blocks bl = {64, 128};
+    fa_blocks bl = {64, 128, 0};
     if (kern == fa_kernel_for_isa(FA_ISA_AVX512) && fa_cpu_amd()) {
         bl.q = 192; /* Zen 4/5: causal and windowed too (see above) */
         bl.k = 128;
@@ -282,6 +282,7 @@ int fa_make_plan(const fa_kernel *kern, const fa_params *p, int nth, fa_plan *pl
         }
     }
     pl->bl.q = (pl->nh * pl->nqp + vl - 1) / vl * vl;
+    pl->bl.rows = pl->nh * pl->nqp;
     const int64_t per_qb = p->Hkv * pl->nhc;
     if (p->cu_q) {
         pl->start = (int64_t *)malloc((size_t)(p->B + 1) * sizeof(int64_t));

@@ -9,7 +9,8 @@
  *                   features x 16 queries as the block's Q pairs (fa_pack_q_pairs,
  *                   zero past D), C = 16 keys x 16 queries of logits stored straight
  *                   into the key-major tile, then times the scale with each query's
- *                   max folded in.  Keys past the last whole 16 take fa_qk_tile_dp.
+ *                   max folded in.  Keys past the last whole 16 take tiles of fewer
+ *                   rows (a logit's bits never depend on where its key falls).
  *   fa_pv_tile_amx  O = alpha O + P V: A = P as 16 queries x 32 keys (the float32
  *                   probabilities rounded to bfloat16 pairs of keys and transposed in
  *                   registers), B = V paired along the keys (32 keys x 16 channels),
@@ -26,7 +27,9 @@
  */
 
 
-static inline void FA_NAME(fa_amx_begin)(void)
+/* Palette 1, every tile 64 bytes a row; the accumulators (0-3) and A tiles (4-5)
+ * `rows` rows (16, or a key tail's fewer), the B tiles (6-7) 16. */
+static inline void FA_NAME(fa_amx_config)(int rows)
 {
     uint8_t cfg[64];
     memset(cfg, 0, sizeof cfg);
@@ -34,80 +37,96 @@ static inline void FA_NAME(fa_amx_begin)(void)
     for (int t = 0; t < 8; t++) {
         const uint16_t colsb = 64;
         memcpy(cfg + 16 + 2 * t, &colsb, sizeof colsb);
-        cfg[48 + t] = FA_AMX_ROWS;
+        cfg[48 + t] = (uint8_t)(t < 6 ? rows : FA_AMX_ROWS);
     }
     FA_TILE_CONFIG(cfg);
 }
 
+static inline void FA_NAME(fa_amx_begin)(void) { FA_NAME(fa_amx_config)(FA_AMX_ROWS); }
+
+/* Logits of 16 keys (a0; with two_k 16 more at a1) against every query vector, on the
+ * tiles as configured (the keys' tile rows: 16, or a tail's fewer), stored to s at sj0. */
+static inline void FA_NAME(fa_qk_amx_keys)(const uint32_t *FA_RESTRICT qp, int nv, const uint16_t *a0,
+                                           const uint16_t *a1, int two_k, int64_t as, int64_t dz, int64_t brp,
+                                           FA_T *FA_RESTRICT sj0)
+{
+    const int64_t bs = brp * (int64_t)sizeof(uint32_t), cs = brp * (int64_t)sizeof(FA_T);
+    for (int cv = 0; cv < nv; cv += 2) {
+        const int two_q = cv + 1 < nv;
+        const uint32_t *b0 = qp + cv * FA_VL, *b1 = b0 + FA_VL;
+        FA_TILE_ZERO(0);
+        FA_TILE_ZERO(1);
+        FA_TILE_ZERO(2);
+        FA_TILE_ZERO(3);
+        for (int64_t d = 0; d < dz; d += FA_AMX_K) {
+            FA_TILE_LOAD(4, a0 + d, as);
+            FA_TILE_LOAD(6, b0 + d / 2 * brp, bs);
+            FA_TILE_DP(0, 4, 6);
+            if (two_q) {
+                FA_TILE_LOAD(7, b1 + d / 2 * brp, bs);
+                FA_TILE_DP(1, 4, 7);
+            }
+            if (two_k) {
+                FA_TILE_LOAD(5, a1 + d, as);
+                FA_TILE_DP(2, 5, 6);
+                if (two_q) FA_TILE_DP(3, 5, 7);
+            }
+        }
+        FA_T *sj = sj0 + cv * FA_VL;
+        FA_TILE_STORE(0, sj, cs);
+        if (two_q) FA_TILE_STORE(1, sj + FA_VL, cs);
+        if (two_k) {
+            FA_TILE_STORE(2, sj + FA_AMX_ROWS * brp, cs);
+            if (two_q) FA_TILE_STORE(3, sj + FA_AMX_ROWS * brp + FA_VL, cs);
+        }
+    }
+}
+
 /* The logits of nk keys against a block's Q pairs (nv vectors of 16 queries), as
- * fa_qk_tile_dp; kz: room for bc x fa_amx_dz(D) bfloat16 (the staged K). */
+ * fa_qk_tile_dp, every one on the tiles: the whole 16s of keys, then the last fewer
+ * on tiles configured with that many rows, so that a logit's bits never depend on
+ * where its key falls in the call's tiles (tdpbf16ps and vdpbf16ps may round
+ * differently).  kz: room for bc x fa_amx_dz(D) bfloat16 (K staged zero-padded to
+ * whole 32-feature rows when D is not a multiple of 32). */
 static void FA_NAME(fa_qk_tile_amx)(const uint32_t *FA_RESTRICT qp, int nv, const uint16_t *FA_RESTRICT k,
                                     int64_t k_sl, int64_t nk, int64_t D, FA_T *FA_RESTRICT s, int64_t brp,
                                     FA_T scale, FA_T *FA_RESTRICT colmax, uint16_t *FA_RESTRICT kz)
 {
     const int64_t nk16 = nk / FA_AMX_ROWS * FA_AMX_ROWS, dz = FA_NAME(fa_amx_dz)(D);
-    if (nk16 > 0) {
-        const uint16_t *a = k;
-        int64_t a_sl = k_sl;
-        if (D % FA_AMX_K) { /* a row's last chunk would run past it: a zero-padded copy */
-            for (int64_t j = 0; j < nk16; j++) {
-                memcpy(kz + j * dz, k + j * k_sl, (size_t)D * sizeof(uint16_t));
-                memset(kz + j * dz + D, 0, (size_t)(dz - D) * sizeof(uint16_t));
-            }
-            a = kz;
-            a_sl = dz;
+    if (nk <= 0) return;
+    const uint16_t *a = k;
+    int64_t a_sl = k_sl;
+    if (D % FA_AMX_K) { /* a row's last chunk would run past it: a zero-padded copy */
+        for (int64_t j = 0; j < nk; j++) {
+            memcpy(kz + j * dz, k + j * k_sl, (size_t)D * sizeof(uint16_t));
+            memset(kz + j * dz + D, 0, (size_t)(dz - D) * sizeof(uint16_t));
         }
-        const int64_t as = a_sl * (int64_t)sizeof(uint16_t), bs = brp * (int64_t)sizeof(uint32_t);
-        const int64_t cs = brp * (int64_t)sizeof(FA_T);
-        FA_NAME(fa_amx_begin)();
-        for (int64_t j = 0; j < nk16; j += 2 * FA_AMX_ROWS) {
-            const int two_k = j + FA_AMX_ROWS < nk16;
-            const uint16_t *a0 = a + j * a_sl, *a1 = a0 + FA_AMX_ROWS * a_sl;
-            for (int cv = 0; cv < nv; cv += 2) {
-                const int two_q = cv + 1 < nv;
-                const uint32_t *b0 = qp + cv * FA_VL, *b1 = b0 + FA_VL;
-                FA_TILE_ZERO(0);
-                FA_TILE_ZERO(1);
-                FA_TILE_ZERO(2);
-                FA_TILE_ZERO(3);
-                for (int64_t d = 0; d < dz; d += FA_AMX_K) {
-                    FA_TILE_LOAD(4, a0 + d, as);
-                    FA_TILE_LOAD(6, b0 + d / 2 * brp, bs);
-                    FA_TILE_DP(0, 4, 6);
-                    if (two_q) {
-                        FA_TILE_LOAD(7, b1 + d / 2 * brp, bs);
-                        FA_TILE_DP(1, 4, 7);
-                    }
-                    if (two_k) {
-                        FA_TILE_LOAD(5, a1 + d, as);
-                        FA_TILE_DP(2, 5, 6);
-                        if (two_q) FA_TILE_DP(3, 5, 7);
-                    }
-                }
-                FA_T *sj = s + j * brp + cv * FA_VL;
-                FA_TILE_STORE(0, sj, cs);
-                if (two_q) FA_TILE_STORE(1, sj + FA_VL, cs);
-                if (two_k) {
-                    FA_TILE_STORE(2, sj + FA_AMX_ROWS * brp, cs);
-                    if (two_q) FA_TILE_STORE(3, sj + FA_AMX_ROWS * brp + FA_VL, cs);
-                }
-            }
-        }
-        FA_TILE_RELEASE();
-        /* the scale on the float32 sums, each query's max folded in (as fa_qk_store) */
-        const FA_V sv = FA_VSET1(scale);
-        for (int c = 0; c < nv; c++) {
-            FA_V mx = colmax ? FA_VLOAD(colmax + c * FA_VL) : FA_VZERO();
-            for (int64_t j = 0; j < nk16; j++) {
-                const FA_V x = FA_VMUL(FA_VLOAD(s + j * brp + c * FA_VL), sv);
-                FA_VSTORE(s + j * brp + c * FA_VL, x);
-                mx = FA_VMAX(mx, x);
-            }
-            if (colmax) FA_VSTORE(colmax + c * FA_VL, mx);
-        }
+        a = kz;
+        a_sl = dz;
     }
-    if (nk > nk16)
-        FA_NAME(fa_qk_tile_dp)(qp, nv, k + nk16 * k_sl, k_sl, nk - nk16, D, s + nk16 * brp, brp, scale, colmax);
+    const int64_t as = a_sl * (int64_t)sizeof(uint16_t);
+    if (nk16 > 0) {
+        FA_NAME(fa_amx_config)(FA_AMX_ROWS);
+        for (int64_t j = 0; j < nk16; j += 2 * FA_AMX_ROWS)
+            FA_NAME(fa_qk_amx_keys)(qp, nv, a + j * a_sl, a + (j + FA_AMX_ROWS) * a_sl, j + FA_AMX_ROWS < nk16,
+                                    as, dz, brp, s + j * brp);
+    }
+    if (nk > nk16) { /* the last nk - nk16 keys: tiles of that many rows */
+        FA_NAME(fa_amx_config)((int)(nk - nk16));
+        FA_NAME(fa_qk_amx_keys)(qp, nv, a + nk16 * a_sl, NULL, 0, as, dz, brp, s + nk16 * brp);
+    }
+    FA_TILE_RELEASE();
+    /* the scale on the float32 sums, each query's max folded in (as fa_qk_store) */
+    const FA_V sv = FA_VSET1(scale);
+    for (int c = 0; c < nv; c++) {
+        FA_V mx = colmax ? FA_VLOAD(colmax + c * FA_VL) : FA_VZERO();
+        for (int64_t j = 0; j < nk; j++) {
+            const FA_V x = FA_VMUL(FA_VLOAD(s + j * brp + c * FA_VL), sv);
+            FA_VSTORE(s + j * brp + c * FA_VL, x);
+            mx = FA_VMAX(mx, x);
+        }
+        if (colmax) FA_VSTORE(colmax + c * FA_VL, mx);
+    }
 }
 
 /* A tile's P.V on AMX: P (s[jj * brp + i], float32 probabilities of nv query vectors)

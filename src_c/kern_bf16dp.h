@@ -13,7 +13,8 @@
  *                    FlashAttention do) and paired along the keys, V paired along the
  *                    keys once per tile, then O = alpha O + P V in float32
  * The softmax, the logit steps, the merge and the statistics are the float32 ones.
- * Blocks of at most FA_DOT_ROWS rows (decoding) take the float32 products.
+ * Calls whose items have at most FA_DOT_ROWS rows (decoding) take the float32 products;
+ * the others take the pairs in every block, however few rows it has (fa_few_rows).
  *
  * Needs from the ISA file, on FA_DP_V (16 pairs of bfloat16):
  *   FA_DP_LOAD(p)         16 pairs from 64-byte-aligned uint32 words
@@ -81,6 +82,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_dp_micro)(const int R, const int NV, const u
     FA_NAME(fa_qk_store)(R, NV, acc, s, brp, cm);
 }
 
+#ifndef FA_BF16_AMX /* (the AMX kernel's QK^T is fa_qk_tile_amx, every key on the tiles) */
 #define FA_QK_DP_CASE(R, NV)                                                                 \
     case (R) * 8 + (NV):                                                                     \
         if ((R) <= FA_QK_R && (NV) <= FA_QK_NV)                                              \
@@ -107,6 +109,7 @@ static void FA_NAME(fa_qk_tile_dp)(const uint32_t *FA_RESTRICT qp, int nv, const
     }
 }
 #undef FA_QK_DP_CASE
+#endif /* FA_BF16_AMX */
 
 #ifndef FA_BF16_AMX /* (the AMX kernel's P.V is fa_pv_tile_amx) */
 /* o[i][c0 ...] = alpha[i] o[i][c0 ...] + sum_t (p pair t of row i) . (v pair t) for R

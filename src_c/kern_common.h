@@ -106,8 +106,9 @@ typedef struct FA_NAME(fa_scratch) {
 #endif
 #ifdef FA_BF16_DP
     /* bfloat16 pairs (kern_bf16dp.h), one uint32 each: Q (D/2 rounded up) x brp, P
-     * (bc/2 rounded up) x brp, V (bc/2 rounded up) x dvp; dp: this block's products
-     * take them (fa_setup_rows) */
+     * (bc/2 rounded up) x brp, V (bc/2 rounded up) x dvp; dp: the call's products
+     * take them (q, k, v bfloat16 and items of more than FA_DOT_ROWS rows: decided for
+     * the call, so a block of few rows at the end of a prefill takes them too) */
     uint32_t *qp, *pp, *vp;
     int dp;
 #endif
@@ -135,6 +136,18 @@ static inline void *FA_NAME(fa_carve)(char **cur, size_t bytes)
     void *piece = *cur;
     *cur += (bytes + FA_ALIGN - 1) / FA_ALIGN * FA_ALIGN;
     return piece;
+}
+
+/* A block of a few rows (decoding) that takes the float32 products row by row (keys on
+ * the lanes): never where the call's products are bfloat16 pairs, which every block
+ * of the call takes, however few its rows. */
+static inline int FA_NAME(fa_few_rows)(int64_t nr, const FA_NAME(fa_scratch) *sc)
+{
+#ifdef FA_BF16_DP
+    if (sc->dp) return 0;
+#endif
+    (void)sc;
+    return nr <= FA_DOT_ROWS;
 }
 
 /* Carves `base` (or, with base NULL, only measures) and returns the bytes used. */
@@ -195,7 +208,7 @@ static size_t FA_NAME(fa_layout)(const fa_params *p, const fa_blocks *bl, void *
 #else
     const size_t qpairs = (size_t)(p->D + 1) / 2, kpairs = (bc + 1) / 2;
 #endif
-    sc->dp = 0;
+    sc->dp = p->q_store == FA_STORE_BF16 && p->kv_store == FA_STORE_BF16 && bl->rows > FA_DOT_ROWS;
     sc->qp = (uint32_t *)FA_NAME(fa_carve)(&cur, qpairs * brp * sizeof(uint32_t));
 #ifdef FA_BF16_AMX
     sc->pp = NULL; /* P's pairs go to pa */

@@ -151,7 +151,7 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
             /* float16 decoding: ask for this tile's V rows now, so that they arrive while
              * QK^T and the softmax run (measured: 3-7% faster; for float32 V, twice the
              * bytes, the same prefetches were 9% slower than the hardware's) */
-            if (nr <= FA_DOT_ROWS && !sc.vst) {
+            if (FA_NAME(fa_few_rows)(nr, &sc) && !sc.vst) {
                 const FA_KV *v = (const FA_KV *)p->v + it->b * p->v_sb + it->g * p->v_sh +
                                  (it->koff + j0) * p->v_sl;
                 for (int64_t j = 0; j < nk; j++)
@@ -161,7 +161,7 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
 #endif
             /* a paged cache's V rows, page by page, the same way (the pages' rows are
              * not where the hardware looks next) */
-            if (nr <= FA_DOT_ROWS && sc.vst && p->block_table && FA_NAME(fa_by_segment)(p, 1)) {
+            if (FA_NAME(fa_few_rows)(nr, &sc) && sc.vst && p->block_table && FA_NAME(fa_by_segment)(p, 1)) {
                 const int64_t esz = p->kv_store == FA_STORE_I8 ? 1 : (int64_t)sizeof(FA_KV);
                 for (int64_t a = 0, len; a < nk; a += len) {
                     const char *vr = FA_NAME(fa_kv_segment)(p, it, j0 + a, nk - a, 1, 0, &len);
@@ -187,7 +187,7 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
             if (p->dropout_p > 0) /* after the softmax's sums: lse is that of the undropped weights */
                 FA_NAME(fa_dropout_apply)(p, it, nr, j0, nk, sc.s, sc.key_major ? 1 : brp,
                                           sc.key_major ? sc.bcp : 1);
-            if (nr <= FA_DOT_ROWS && sc.vst && FA_NAME(fa_by_segment)(p, 1) &&
+            if (FA_NAME(fa_few_rows)(nr, &sc) && sc.vst && FA_NAME(fa_by_segment)(p, 1) &&
                 (p->kv_store != FA_STORE_I8 || nr <= FA_PV_SEQ_ROWS)) {
                 /* a paged or int8 cache's V tile, page by page in place (int8 in
                  * registers), checked like the in-place tiles below; the rescale by
@@ -214,7 +214,7 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
             }
             int64_t v_sl;
             const FA_KV *vt = FA_NAME(fa_kv_tile)(p, it, j0, nk, 1, sc.vst, &v_sl);
-            if (nr <= FA_DOT_ROWS) {
+            if (FA_NAME(fa_few_rows)(nr, &sc)) {
                 /* Few rows: a check of V before P.V would cost as much as P.V itself.  So
                  * P.V runs first, and if the rows it produced are not all finite (an inf
                  * or NaN in V, or rows that were not finite already) they are restored

@@ -85,8 +85,7 @@ static void FA_NAME(fa_setup_rows)(const fa_params *p, const fa_item *it, int64_
             for (int64_t j = 0; j < bc; j++) sc->bt[j * brp + r] = (FA_T)0;
     }
 #ifdef FA_BF16_DP
-    /* bfloat16 q, k, v and a prefill block: the products take bfloat16 pairs */
-    sc->dp = p->q_store == FA_STORE_BF16 && p->kv_store == FA_STORE_BF16 && nr > FA_DOT_ROWS;
+    /* bfloat16 q, k, v and a prefill call: the products take bfloat16 pairs */
     if (sc->dp)
         FA_NAME(fa_pack_q_pairs)(p, it, nr, nvl, brp, sc->qp);
     else
@@ -261,12 +260,12 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
     sc->need_range = lo_max > j0 || hi_min < j0 + nk - 1;
     /* A few rows (decoding) and no logit step on this tile: the logits are stored
      * key-major, row r at s + r * bcp, for fa_softmax_row (the same bits). */
-    sc->key_major = nr <= FA_DOT_ROWS && !logits && !sc->query_major && !p->weights && !p->entropy &&
+    sc->key_major = FA_NAME(fa_few_rows)(nr, sc) && !logits && !sc->query_major && !p->weights && !p->entropy &&
                     sc->mask_state == 2 && !sc->need_range && !(p->softcap > 0) && !p->alibi &&
                     !p->bias;
     const int64_t ksx = sc->key_major ? 1 : brp; /* where logit (row r, key j) goes */
     const int64_t rsx = sc->key_major ? sc->bcp : 1;
-    if (nr <= FA_DOT_ROWS && sc->kst && FA_NAME(fa_by_segment)(p, 0)) {
+    if (FA_NAME(fa_few_rows)(nr, sc) && sc->kst && FA_NAME(fa_by_segment)(p, 0)) {
         /* a paged or int8 cache's tile, page by page in place */
         int64_t len, next_len = 0;
         const char *kr = FA_NAME(fa_kv_segment)(p, it, j0, nk, 0, 0, &len);
@@ -293,7 +292,7 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
     } else { /* in place, or staged (fa_kv_tile) */
         int64_t k_sl;
         const FA_KV *k = FA_NAME(fa_kv_tile)(p, it, j0, nk, 0, sc->kst, &k_sl);
-        if (nr <= FA_DOT_ROWS) /* a few rows (decoding): keys on the lanes, the same bits */
+        if (FA_NAME(fa_few_rows)(nr, sc)) /* a few rows (decoding): keys on the lanes, the same bits */
             FA_NAME(fa_qk_keys)(sc->qt, brp, nr, k, k_sl, NULL, nk, p->D, sc->s, sc->kt, ksx, rsx);
         else {
             /* a forward tile with no logit step: its max comes with the product
