@@ -43,9 +43,11 @@ def _bf16_line(info: dict[str, Any]) -> str:
     pair_kernels = ("avx2", "avx512") if _kernels.bf16_emulated() else ("avx512",)
     path, kern = _kernels.bf16_path(), _kernels.current_kernel()
     if path == "amx-bf16" and kern in pair_kernels:
+        bwd = ("the backward on float32 products: vdpbf16ps runs at half the float32 FMA rate on "
+               "Intel's cores" if info.get("bf16_pairs_slow") and not _kernels.bf16_emulated()
+               else "the backward on AVX512-BF16 pairs")
         how = (f"the {kern} kernel takes both products on AMX tiles (tdpbf16ps, 16 x 16 float32 "
-               "tiles, float32 softmax in AVX-512, P rounded to bfloat16; the backward on AVX512-BF16 "
-               "pairs)")
+               f"tiles, float32 softmax in AVX-512, P rounded to bfloat16; {bwd})")
         if _kernels.bf16_emulated():
             how += ", the tiles a software model and AVX-512 from SIMDe: a test build, not for speed"
         return f"{how}; {cpu}; FASTATTN_DISABLE_CPU_FEATURES=AMX turns the tiles off"
@@ -59,7 +61,10 @@ def _bf16_line(info: dict[str, Any]) -> str:
             off += (" (the AMX model runs where set_bf16_path('amx-bf16') asks)" if _kernels.bf16_emulated()
                     else " (the AMX tiles are off: FASTATTN_DISABLE_CPU_FEATURES=AMX)")
         return f"{how}; {cpu}; {off}"
-    if "avx512-bf16" in _kernels.bf16_paths():
+    if "avx512-bf16" in _kernels.bf16_paths() and info.get("bf16_pairs_slow") and kern == "avx512":
+        why = (f"{cpu}, whose vdpbf16ps runs at half the float32 FMA rate on Intel's cores, so the "
+               "pairs are not the default here (set_bf16_path('avx512-bf16') takes them)")
+    elif "avx512-bf16" in _kernels.bf16_paths():
         why = (f"{cpu}, whose pairs are off here (FASTATTN_DISABLE_CPU_FEATURES=AVX512_BF16, "
                "or a kernel other than avx512)")
     elif info.get("bf16_avx512"):

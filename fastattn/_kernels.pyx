@@ -190,7 +190,8 @@ def build_info():
             "l2_source": fa_cpu_l2_source().decode(),
             "bf16_avx512": bool(fa_cpu_bf16_features() & 1),
             "bf16_amx": bool(fa_cpu_bf16_features() & 2),
-            "bf16_amx_refused": bool(fa_cpu_bf16_features() & 4)}
+            "bf16_amx_refused": bool(fa_cpu_bf16_features() & 4),
+            "bf16_pairs_slow": bool(fa_cpu_bf16_features() & 8)}
 
 
 def max_threads():

@@ -85,11 +85,19 @@ static int fa_amx_permission(void)
     return fa_amx_granted;
 }
 
+#ifdef FA_X86
+static int fa_cpu_is_amd(void);
+#endif
+
 /* The CPU's bfloat16 instructions (fastattn.h): bit 0 AVX512-BF16 (CPUID 7.1 EAX 5);
  * bit 1 AMX-BF16 with AMX-TILE (CPUID 7.0 EDX 22 and 24), the tile configuration and
  * data saved by the OS (XCR0 bits 17 and 18) and the process's permission; bit 2 the
- * same but the permission refused. */
-unsigned fa_cpu_bf16_features(void)
+ * same but the permission refused; bit 3 AVX512-BF16 on a CPU that is not AMD's: on
+ * Intel's cores vdpbf16ps issues once a cycle on one port, half the float32 FMA rate
+ * (measured on a Sapphire Rapids-class Xeon: 123 against 247 GFLOP/s a core), where
+ * AMD's Zen 4/5 run it at twice that rate.  Read once (CPUID traps to the hypervisor
+ * in a VM: microseconds). */
+static unsigned fa_bf16_features_read(void)
 {
     unsigned f = 0;
 #ifdef FA_X86
@@ -99,7 +107,19 @@ unsigned fa_cpu_bf16_features(void)
         ((d >> 24) & 1) && __get_cpuid(1, &a, &b, &c, &d) && ((c >> 27) & 1) &&
         (fa_xgetbv0() & 0x60000) == 0x60000)
         f |= fa_amx_permission() ? 2u : 4u;
+    if ((f & 1) && !fa_cpu_is_amd()) f |= 8;
 #endif
+    return f;
+}
+
+unsigned fa_cpu_bf16_features(void)
+{
+    static unsigned cached = ~0u; /* (the same value from every thread) */
+    unsigned f = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+    if (f == ~0u) {
+        f = fa_bf16_features_read();
+        __atomic_store_n(&cached, f, __ATOMIC_RELAXED);
+    }
     return f;
 }
 
@@ -370,7 +390,8 @@ int fa_cpu_select(const char *disabled, char *why, int why_len)
     }
     if (why && why_len > 0) snprintf(why, (size_t)why_len, "%s", reason);
     fa_default = isa;
-    /* the AMX path's tails run on the pairs: disabling AVX512_BF16 disables both */
+    /* the AMX path rounds P with AVX512-BF16 (vcvtne2ps2bf16): disabling AVX512_BF16
+     * disables both */
     const int no_bf16 = disabled && (fa_list_has(disabled, "AVX512_BF16") || fa_list_has(disabled, "AVX512BF16"));
     const int no_amx = no_bf16 || (disabled && (fa_list_has(disabled, "AMX") || fa_list_has(disabled, "AMX_BF16") ||
                                                 fa_list_has(disabled, "AMX_TILE")));
@@ -379,7 +400,8 @@ int fa_cpu_select(const char *disabled, char *why, int why_len)
     fa_bf16_current = FA_BF16_FLOAT32;
     if (kern_ok && !no_amx && (paths & (1u << FA_BF16_AMX)) && !FA_BF16_EMULATED)
         fa_bf16_current = FA_BF16_AMX; /* (the emulated build starts on the pairs: the model is slow) */
-    else if (kern_ok && !no_bf16 && (paths & (1u << FA_BF16_AVX512)))
-        fa_bf16_current = FA_BF16_AVX512;
+    else if (kern_ok && !no_bf16 && (paths & (1u << FA_BF16_AVX512)) &&
+             (FA_BF16_EMULATED || !(fa_cpu_bf16_features() & 8)))
+        fa_bf16_current = FA_BF16_AVX512; /* (not on Intel: half the FMA rate; set_bf16_path can) */
     return isa;
 }

@@ -98,8 +98,12 @@ int fa_bf16_pairs(const fa_kernel *kern, const fa_params *p)
 const fa_bf16_kernel *fa_bf16_bwd_pairs(const fa_kernel *kern, const fa_bwd_params *bp)
 {
 #ifdef FA_HAVE_BF16_KERNELS
-    /* every bfloat16 path takes the pairs' backward (AMX has none of its own) */
-    if (fa_bf16_on(kern) && bp->bf16 && bp->f.dtype == FA_F32 && fa_kernel_avx512_bf16.bwd_kv)
+    /* the pairs' backward: on the pair path, and on the AMX path (which has no backward
+     * of its own) where the pairs are fast; on Intel's cores vdpbf16ps runs at half the
+     * float32 FMA rate (fa_cpu_bf16_features bit 3), so there the AMX path's backward
+     * takes the float32 products (measured there: 1.7x faster than on the pairs) */
+    if (fa_bf16_on(kern) && bp->bf16 && bp->f.dtype == FA_F32 && fa_kernel_avx512_bf16.bwd_kv &&
+        (fa_bf16_path() == FA_BF16_AVX512 || FA_BF16_EMULATED || !(fa_cpu_bf16_features() & 8)))
         return &fa_kernel_avx512_bf16;
 #else
     (void)kern;

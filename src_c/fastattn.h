@@ -232,7 +232,8 @@ int64_t fa_cpu_l2_bytes(void);
 const char *fa_cpu_l2_source(void);
 /* bfloat16 instructions of this CPU: bit 0 AVX512-BF16, bit 1 AMX-BF16 (with AMX-TILE,
  * the OS's tile state and Linux's permission for it; bit 2 set where the permission
- * was refused). */
+ * was refused), bit 3 AVX512-BF16 at half the float32 FMA rate (not an AMD CPU: on
+ * Intel's cores the pairs are never the default, for the forward or the backward). */
 unsigned fa_cpu_bf16_features(void);
 /* How calls with q, k and v all bfloat16 compute on the avx512 kernel: FA_BF16_FLOAT32
  * converts to float32 in registers (every kernel does, and the other kernels always);

@@ -40,6 +40,23 @@ def _proc_cpuinfo_flags():
     return None
 
 
+def _proc_cpuinfo_vendor():
+    """The first "vendor_id" of /proc/cpuinfo ("GenuineIntel", "AuthenticAMD"), or None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if re.match(r"vendor_id\s*:", line):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        return None
+    return None
+
+
+def _intel_like():
+    """Not an AMD CPU (Hygon's are AMD's design): vdpbf16ps at half the FMA rate."""
+    return _proc_cpuinfo_vendor() not in ("AuthenticAMD", "HygonGenuine")
+
+
 def _numpy_flags():
     """The same features from NumPy's own CPU detection (CPUID + XGETBV), or None."""
     try:
@@ -187,7 +204,10 @@ def _bf16_path_for(flags, disabled=""):
     features), and none of them disabled (AVX512_BF16 in the list turns the pairs off,
     and the AMX tiles with them); the AMX tiles all that, AMX-TILE and AMX-BF16, a build
     with the AMX kernel, Linux's permission for the tile data, and AMX not disabled.
-    The emulated build starts on the pairs (its tiles are a slow software model)."""
+    The emulated build starts on the pairs (its tiles are a slow software model).  A
+    real build never starts on the pairs on a CPU that is not AMD's (Hygon's are AMD's
+    design): Intel's vdpbf16ps runs at half the float32 FMA rate, so there the path is
+    the AMX tiles or float32."""
     off = {f.lower() for f in re.split(r"[,\s]+", disabled) if f}
     if _kernels.bf16_emulated():  # over SIMDe, from the avx2 kernel up
         ok = _kernels_for(flags, disabled)[-1] in ("avx2", "avx512")
@@ -198,7 +218,11 @@ def _bf16_path_for(flags, disabled=""):
                and not _kernels.build_info()["bf16_amx_refused"] and not off & {"amx", "amx_bf16", "amx_tile"})
     if not (ok and "avx512_bf16" not in off and _is_x86_64()):
         return "float32"
-    return "amx-bf16" if amx else "avx512-bf16"
+    if amx:
+        return "amx-bf16"
+    if not _kernels.bf16_emulated() and _intel_like():
+        return "float32"
+    return "avx512-bf16"
 
 
 @pytest.mark.parametrize("disabled", ["", "AVX512_BF16", "avx512_bf16, SSE3", "AVX512F", "AVX2", "AMX",
@@ -215,6 +239,10 @@ def test_bf16_path_follows_the_cpu(disabled):
     bf = [ln for ln in lines if ln.strip().startswith("bfloat16:")]
     assert bf and (("takes both products on AVX512-BF16 pairs" in bf[0]) == (want == "avx512-bf16")), bf
     assert ("on AMX tiles" in bf[0]) == (want == "amx-bf16"), bf
+    if want == "amx-bf16":  # the backward's products, by the CPU's vendor
+        slow = not _kernels.bf16_emulated() and _intel_like()
+        assert ("the backward on float32 products" in bf[0]) == slow, bf
+    assert _kernels.build_info()["bf16_pairs_slow"] == ("avx512_bf16" in flags and _intel_like())
 
 
 def test_bf16_paths_built_and_run():
