@@ -39,6 +39,11 @@ static inline void FA_NAME(fa_amx_config)(int rows)
         memcpy(cfg + 16 + 2 * t, &colsb, sizeof colsb);
         cfg[48 + t] = (uint8_t)(t < 6 ? rows : FA_AMX_ROWS);
     }
+    /* every byte stored before ldtilecfg reads them: in a function that configured the
+     * tiles twice, GCC 12 dropped the second configuration's column-byte stores
+     * (ldtilecfg then faulted: #GP on tiles of 0 columns), so the buffer goes through
+     * a barrier the compiler cannot see into */
+    __asm__ __volatile__("" : : "r"(cfg) : "memory");
     FA_TILE_CONFIG(cfg);
 }
 
