@@ -340,7 +340,7 @@ def _bf16_summary(terminalreporter, benchmarks):
         if info.get("gflops"):
             extra = f"   {info['gflops']:.1f} GFLOP/s"
             if peak:
-                extra += f", {100 * info['gflops'] / peak:.0f}% of the {info['bf16_path']} pair peak {peak:.0f}"
+                extra += f", {100 * info['gflops'] / peak:.0f}% of the {info['bf16_path']} peak {peak:.0f}"
         if info.get("gbps"):
             extra = (f"   {info['gbps']:.1f} GB/s, {100 * info['gbps'] / info['read_bandwidth_gbps']:.0f}% "
                      "of the read bandwidth")
