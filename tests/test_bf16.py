@@ -368,11 +368,11 @@ EMULATED_AMX = _kernels.bf16_emulated() and "amx-bf16" in BF16_PATHS
                     "test build (FASTATTN_EMULATE_BF16=1), which CI's second build is")
 @pytest.mark.parametrize("kern", PAIR_KERNELS)
 def test_amx_path_runs_the_tiles(rng, kern):
-    """On the AMX path a prefill block's whole 16 x 16 tiles go to the tiles: the model
-    counts the tdpbf16ps of a call, exactly as many as the tiles of its products
-    (QK^T: 16-key x 16-query tiles times 32-feature chunks; P.V: 16-query x 16-channel
-    tiles times 32-key chunks); decode rows (at most 8 an item) and the pair path use
-    none."""
+    """On the AMX path a prefill block's products go to the tiles: the model counts the
+    tdpbf16ps of a call, exactly as many as the tiles of its products (QK^T: 16-key x
+    16-query tiles, the keys' last partial one too, times 32-feature chunks; P.V:
+    16-query x 16-channel tiles times 32-key chunks); decode rows (at most 8 an item)
+    and the pair path use none."""
     before = _kernels.current_kernel(), _kernels.bf16_path()
     B, H, Lq, Lk, D = 1, 1, 40, 70, 48  # one block: 3 query vectors, keys 64 whole + 6 left
     q, k, v = bf(rng, B, H, Lq, D), bf(rng, B, H, Lk, D), bf(rng, B, H, Lk, D)
@@ -392,7 +392,7 @@ def test_amx_path_runs_the_tiles(rng, kern):
     tiles = {}
     for bk in (64, 128):  # the key block (the plan's, which the shape caps at 70 keys)
         keys = [min(bk, Lk - j) for j in range(0, Lk, bk)]
-        qk = sum(n // 16 for n in keys) * qv * dz
+        qk = sum((n + 15) // 16 for n in keys) * qv * dz
         pv = sum(((n + 1) // 2 + 15) // 16 for n in keys) * qv * 3  # Dv = 48: 3 channel tiles
         tiles[bk] = qk + pv
     assert counts["amx-bf16", "prefill"] in tiles.values(), (counts, tiles)
