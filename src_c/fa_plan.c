@@ -286,7 +286,7 @@ int fa_make_plan(const fa_kernel *kern, const fa_params *p, int nth, fa_plan *pl
         }
     }
     pl->bl.q = (pl->nh * pl->nqp + vl - 1) / vl * vl;
-    pl->bl.rows = pl->nh * pl->nqp;
+    pl->bl.rows = pl->nh * (pl->nqp < lmax ? pl->nqp : lmax); /* (nqp is rounded up to a vector) */
     const int64_t per_qb = p->Hkv * pl->nhc;
     if (p->cu_q) {
         pl->start = (int64_t *)malloc((size_t)(p->B + 1) * sizeof(int64_t));

@@ -321,22 +321,29 @@ def test_decode_rows_take_the_float32_products(rng, kern, path):
     """On a pair path, a prefill block's bits differ from the float32 path's (P is
     rounded to bfloat16 before P.V) while staying within the tolerance, and decode
     rows (at most 8 an item) are computed by the float32 products: the float32
-    path's bits.  (Parametrized over the pair paths this machine runs.)"""
+    path's bits, with grouped heads stacked (4 query heads a K/V head: 4 rows an item)
+    and without (one row an item, which the plan's blocks round up to a vector).  A
+    chunk of 2-8 positions takes the same float32 products, but its bits differed
+    from the float32 path's in rare elements (1 of 2560 at 5 rows, both paths): not
+    held here.  (Parametrized over the pair paths this machine runs.)"""
     before = _kernels.current_kernel(), _kernels.bf16_path()
     q, k, v = bf(rng, 1, 8, 200, 64), bf(rng, 1, 2, 700, 64), bf(rng, 1, 2, 700, 64)
+    km, vm = bf(rng, 1, 8, 700, 64), bf(rng, 1, 8, 700, 64)
     try:
         _kernels.set_kernel(kern)
         outs = {}
         for p in ("float32", path):
             _kernels.set_bf16_path(p)
             outs[p] = (fastattn.attention(q, k, v).view(np.uint16),
-                       fastattn.attention(q[:, :, -1:], k, v).view(np.uint16))
+                       fastattn.attention(q[:, :, -1:], k, v).view(np.uint16),
+                       fastattn.attention(q[:, :, -1:], km, vm).view(np.uint16))
             check(q, k, v)
     finally:
         _kernels.set_kernel(before[0])
         _kernels.set_bf16_path(before[1])
     assert not np.array_equal(outs["float32"][0], outs[path][0])
-    np.testing.assert_array_equal(outs["float32"][1], outs[path][1])
+    for a, b in zip(outs["float32"][1:], outs[path][1:]):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_nan_and_inf_on_every_path(bf16_kernel, rng):
