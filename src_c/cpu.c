@@ -85,10 +85,6 @@ static int fa_amx_permission(void)
     return fa_amx_granted;
 }
 
-#ifdef FA_X86
-static int fa_cpu_is_amd(void);
-#endif
-
 /* The CPU's bfloat16 instructions (fastattn.h): bit 0 AVX512-BF16 (CPUID 7.1 EAX 5);
  * bit 1 AMX-BF16 with AMX-TILE (CPUID 7.0 EDX 22 and 24), the tile configuration and
  * data saved by the OS (XCR0 bits 17 and 18) and the process's permission; bit 2 the
@@ -107,7 +103,7 @@ static unsigned fa_bf16_features_read(void)
         ((d >> 24) & 1) && __get_cpuid(1, &a, &b, &c, &d) && ((c >> 27) & 1) &&
         (fa_xgetbv0() & 0x60000) == 0x60000)
         f |= fa_amx_permission() ? 2u : 4u;
-    if ((f & 1) && !fa_cpu_is_amd()) f |= 8;
+    if ((f & 1) && !fa_cpu_amd()) f |= 8;
 #endif
     return f;
 }

@@ -111,7 +111,7 @@ static void FA_NAME(fa_qk_tile_amx)(const uint32_t *FA_RESTRICT qp, int nv, cons
     }
     const int64_t as = a_sl * (int64_t)sizeof(uint16_t);
     if (nk16 > 0) {
-        FA_NAME(fa_amx_config)(FA_AMX_ROWS);
+        FA_NAME(fa_amx_begin)();
         for (int64_t j = 0; j < nk16; j += 2 * FA_AMX_ROWS)
             FA_NAME(fa_qk_amx_keys)(qp, nv, a + j * a_sl, a + (j + FA_AMX_ROWS) * a_sl, j + FA_AMX_ROWS < nk16,
                                     as, dz, brp, s + j * brp);
