@@ -134,16 +134,13 @@ static void FA_NAME(fa_qk_tile_amx)(const uint32_t *FA_RESTRICT qp, int nv, cons
     }
 }
 
-/* A tile's P.V on AMX: P (s[jj * brp + i], float32 probabilities of nv query vectors)
- * rounded, paired along the keys and transposed into pa (query rows of kpp pairs),
- * the V tile (nk rows of v_sl, Dv wide) paired into vp (kpp rows of dvp), then the
- * output rows (o, brp x dvp) rescaled by alpha and accumulated in tiles. */
-static void FA_NAME(fa_pv_tile_amx)(const FA_T *FA_RESTRICT s, int nv, int64_t nk, const uint16_t *FA_RESTRICT v,
-                                    int64_t v_sl, int64_t Dv, FA_T *FA_RESTRICT o, int64_t dvp,
-                                    const FA_T *FA_RESTRICT alpha, int64_t brp, uint32_t *FA_RESTRICT pa,
-                                    uint32_t *FA_RESTRICT vp)
+/* A V tile (nk rows of v_sl, Dv wide) paired along the keys for the B tiles of P.V:
+ * vp[t * dvp + c] = (v[2t][c], v[2t+1][c]), fa_amx_kpp(nk) pair rows, zero past the
+ * keys and past Dv. */
+static void FA_NAME(fa_amx_pack_v)(const uint16_t *FA_RESTRICT v, int64_t v_sl, int64_t nk, int64_t Dv,
+                                   int64_t dvp, uint32_t *FA_RESTRICT vp)
 {
-    const int64_t npairs = (nk + 1) / 2, kpp = FA_NAME(fa_amx_kpp)(nk), nq = (int64_t)nv * FA_VL;
+    const int64_t npairs = (nk + 1) / 2, kpp = FA_NAME(fa_amx_kpp)(nk);
     for (int64_t t = 0; t < kpp; t++) { /* V pairs; rows past the keys zero */
         if (t >= npairs) {
             for (int64_t c0 = 0; c0 < dvp; c0 += FA_VL) FA_DP_STORE(vp + t * dvp + c0, FA_DP_ZERO());
@@ -158,6 +155,59 @@ static void FA_NAME(fa_pv_tile_amx)(const FA_T *FA_RESTRICT s, int nv, int64_t n
             if (c0 + FA_VL < dvp) FA_DP_STORE(vp + t * dvp + c0 + FA_VL, hi);
         }
     }
+}
+
+/* The output rows of one or two tiles of 16 (o, o + 16 dvp; two_q), dvp float32
+ * channels a row, += their P rows (a0, a1: kpp pairs of keys a row, as bytes apart)
+ * times V's pairs (vp, kpp rows of dvp), in 2 x 2 tiles of 16 x 16 over 32 keys at a
+ * time; the tiles as fa_amx_begin configures them. */
+static void FA_NAME(fa_amx_pv_rows)(FA_T *FA_RESTRICT o, const void *a0, const void *a1, int64_t as, int64_t kpp,
+                                    const uint32_t *FA_RESTRICT vp, int64_t dvp, int two_q)
+{
+    const int64_t bs = dvp * (int64_t)sizeof(uint32_t), cs = dvp * (int64_t)sizeof(FA_T);
+    for (int64_t c0 = 0; c0 < dvp; c0 += 2 * FA_VL) {
+        const int two_c = c0 + FA_VL < dvp;
+        FA_T *o0 = o + c0, *o1 = o0 + FA_AMX_ROWS * dvp;
+        FA_TILE_LOAD(0, o0, cs);
+        if (two_c) FA_TILE_LOAD(1, o0 + FA_VL, cs);
+        if (two_q) {
+            FA_TILE_LOAD(2, o1, cs);
+            if (two_c) FA_TILE_LOAD(3, o1 + FA_VL, cs);
+        }
+        for (int64_t t0 = 0; t0 < kpp; t0 += 16) {
+            FA_TILE_LOAD(4, (const uint32_t *)a0 + t0, as);
+            FA_TILE_LOAD(6, vp + t0 * dvp + c0, bs);
+            FA_TILE_DP(0, 4, 6);
+            if (two_c) {
+                FA_TILE_LOAD(7, vp + t0 * dvp + c0 + FA_VL, bs);
+                FA_TILE_DP(1, 4, 7);
+            }
+            if (two_q) {
+                FA_TILE_LOAD(5, (const uint32_t *)a1 + t0, as);
+                FA_TILE_DP(2, 5, 6);
+                if (two_c) FA_TILE_DP(3, 5, 7);
+            }
+        }
+        FA_TILE_STORE(0, o0, cs);
+        if (two_c) FA_TILE_STORE(1, o0 + FA_VL, cs);
+        if (two_q) {
+            FA_TILE_STORE(2, o1, cs);
+            if (two_c) FA_TILE_STORE(3, o1 + FA_VL, cs);
+        }
+    }
+}
+
+/* A tile's P.V on AMX: P (s[jj * brp + i], float32 probabilities of nv query vectors)
+ * rounded, paired along the keys and transposed into pa (query rows of kpp pairs),
+ * the V tile (nk rows of v_sl, Dv wide) paired into vp (kpp rows of dvp), then the
+ * output rows (o, brp x dvp) rescaled by alpha and accumulated in tiles. */
+static void FA_NAME(fa_pv_tile_amx)(const FA_T *FA_RESTRICT s, int nv, int64_t nk, const uint16_t *FA_RESTRICT v,
+                                    int64_t v_sl, int64_t Dv, FA_T *FA_RESTRICT o, int64_t dvp,
+                                    const FA_T *FA_RESTRICT alpha, int64_t brp, uint32_t *FA_RESTRICT pa,
+                                    uint32_t *FA_RESTRICT vp)
+{
+    const int64_t npairs = (nk + 1) / 2, kpp = FA_NAME(fa_amx_kpp)(nk), nq = (int64_t)nv * FA_VL;
+    FA_NAME(fa_amx_pack_v)(v, v_sl, nk, Dv, dvp, vp);
     for (int c = 0; c < nv; c++) /* P pairs, 16 queries x 16 pairs at a time */
         for (int64_t t0 = 0; t0 < kpp; t0 += 16) {
             FA_DP_V x[16];
@@ -178,41 +228,10 @@ static void FA_NAME(fa_pv_tile_amx)(const FA_T *FA_RESTRICT s, int nv, int64_t n
         const FA_V al = FA_VSET1(alpha[i]);
         for (int64_t c0 = 0; c0 < dvp; c0 += FA_VL) FA_VSTORE(o + i * dvp + c0, FA_VMUL(FA_VLOAD(o + i * dvp + c0), al));
     }
-    const int64_t as = kpp * (int64_t)sizeof(uint32_t), bs = dvp * (int64_t)sizeof(uint32_t);
-    const int64_t cs = dvp * (int64_t)sizeof(FA_T);
+    const int64_t as = kpp * (int64_t)sizeof(uint32_t);
     FA_NAME(fa_amx_begin)();
-    for (int64_t i0 = 0; i0 < nq; i0 += 2 * FA_AMX_ROWS) {
-        const int two_q = i0 + FA_AMX_ROWS < nq;
-        for (int64_t c0 = 0; c0 < dvp; c0 += 2 * FA_VL) {
-            const int two_c = c0 + FA_VL < dvp;
-            FA_T *o0 = o + i0 * dvp + c0, *o1 = o0 + FA_AMX_ROWS * dvp;
-            FA_TILE_LOAD(0, o0, cs);
-            if (two_c) FA_TILE_LOAD(1, o0 + FA_VL, cs);
-            if (two_q) {
-                FA_TILE_LOAD(2, o1, cs);
-                if (two_c) FA_TILE_LOAD(3, o1 + FA_VL, cs);
-            }
-            for (int64_t t0 = 0; t0 < kpp; t0 += 16) {
-                FA_TILE_LOAD(4, pa + i0 * kpp + t0, as);
-                FA_TILE_LOAD(6, vp + t0 * dvp + c0, bs);
-                FA_TILE_DP(0, 4, 6);
-                if (two_c) {
-                    FA_TILE_LOAD(7, vp + t0 * dvp + c0 + FA_VL, bs);
-                    FA_TILE_DP(1, 4, 7);
-                }
-                if (two_q) {
-                    FA_TILE_LOAD(5, pa + (i0 + FA_AMX_ROWS) * kpp + t0, as);
-                    FA_TILE_DP(2, 5, 6);
-                    if (two_c) FA_TILE_DP(3, 5, 7);
-                }
-            }
-            FA_TILE_STORE(0, o0, cs);
-            if (two_c) FA_TILE_STORE(1, o0 + FA_VL, cs);
-            if (two_q) {
-                FA_TILE_STORE(2, o1, cs);
-                if (two_c) FA_TILE_STORE(3, o1 + FA_VL, cs);
-            }
-        }
-    }
+    for (int64_t i0 = 0; i0 < nq; i0 += 2 * FA_AMX_ROWS)
+        FA_NAME(fa_amx_pv_rows)(o + i0 * dvp, pa + i0 * kpp, pa + (i0 + FA_AMX_ROWS) * kpp, as, kpp, vp, dvp,
+                                i0 + FA_AMX_ROWS < nq);
     FA_TILE_RELEASE();
 }

@@ -128,6 +128,12 @@ typedef struct FA_NAME(fa_scratch) {
      * fa_amx_dz(D) / 2 pair rows and vp fa_amx_kpp(bc) */
     uint32_t *pa;
     uint16_t *kz;
+    /* the row-major block (kern_amx_rows.h): two groups of 32 rows of logits (32 x bcz
+     * float32 each, bcz = bc rounded up to 32) and of probabilities (32 x bcz bfloat16
+     * each), each row's lane
+     * sums (brp x 16 float32) and its reference max (brp, times scale log2 e) */
+    float *sr, *lv, *m2;
+    uint16_t *pr;
 #endif
 } FA_NAME(fa_scratch);
 
@@ -219,6 +225,13 @@ static size_t FA_NAME(fa_layout)(const fa_params *p, const fa_blocks *bl, void *
 #ifdef FA_BF16_AMX
     sc->pa = (uint32_t *)FA_NAME(fa_carve)(&cur, brp * kpairs * sizeof(uint32_t));
     sc->kz = (uint16_t *)FA_NAME(fa_carve)(&cur, bc * (size_t)FA_NAME(fa_amx_dz)(p->D) * sizeof(uint16_t));
+    {
+        const size_t bcz = (size_t)FA_NAME(fa_round_up)((int64_t)bc, 2 * FA_AMX_ROWS);
+        sc->sr = (float *)FA_NAME(fa_carve)(&cur, 4 * FA_AMX_ROWS * bcz * sizeof(float));
+        sc->pr = (uint16_t *)FA_NAME(fa_carve)(&cur, 4 * FA_AMX_ROWS * bcz * sizeof(uint16_t));
+        sc->lv = (float *)FA_NAME(fa_carve)(&cur, brp * FA_AMX_ROWS * sizeof(float));
+        sc->m2 = (float *)FA_NAME(fa_carve)(&cur, brp * sizeof(float));
+    }
 #endif
 #endif
 #ifdef FA_BF16_BWD

@@ -102,6 +102,58 @@ static void FA_NAME(fa_dropout_apply)(const fa_params *p, const fa_item *it, int
     }
 }
 
+/* The end of a block: each row's merged result (or, single, its one chunk: sc->o, m, l)
+ * normalized, the sinks folded in, lse and the statistics written, and the output row
+ * stored (unless attention_weights are wanted).  A row that saw no visible key gives 0
+ * and lse -inf; a NaN row keeps its NaN in both.  mM is left holding each row's lse. */
+static void FA_NAME(fa_write_rows)(const fa_params *p, const fa_item *it, int64_t nr, int single,
+                                   int64_t dvp, FA_NAME(fa_scratch) *sc)
+{
+    const int64_t Dv = p->Dv;
+    for (int64_t r = 0; r < nr; r++) {
+        const int64_t h = it->h0 + r / it->nq, row = it->qoff + it->q0 + r % it->nq;
+        const int64_t lo_ = it->b * p->lse_sb + h * p->lse_sh + row * p->lse_sl;
+        FA_T *acc = single ? sc->o + r * dvp : sc->mo + r * dvp;
+        const FA_T tot = sc->mtot[r];
+        FA_T lse_r;
+        if (!single)
+            lse_r = fa_merge_finish(sc->mM[r], tot, acc, Dv);
+        else if (sc->l[r] == (FA_T)0) { /* no visible key */
+            for (int64_t c = 0; c < Dv; c++) acc[c] = (FA_T)0;
+            lse_r = -(FA_T)INFINITY;
+        } else
+            lse_r = FA_NAME(fa_chunk_row)(acc, sc->m[r], sc->l[r], Dv);
+        const FA_T lse_k = lse_r, sink = p->sinks ? ((const FA_T *)p->sinks)[h] : -(FA_T)INFINITY;
+        if (p->sinks) lse_r = fa_sink_fold(lse_k, sink, acc, Dv);
+        if (p->lse) ((FA_T *)p->lse)[lo_] = lse_r;
+        if (p->entropy) { /* H = G / tot + log tot; the largest weight exp(X - lse) */
+            const int none = lse_k == -(FA_T)INFINITY;
+            FA_T H = none ? (FA_T)0 : sc->mG[r] / tot + (FA_T)log((double)tot);
+            FA_T X = none ? (FA_T)0 : (FA_T)exp((double)(sc->mX[r] - lse_k));
+            if (sink != -(FA_T)INFINITY) {
+                /* over the keys and the sink: the keys hold c = exp(lse_k - lse) of the
+                 * mass, the sink s = exp(sink - lse), so H = c (H_k - log c) - s log s */
+                const double lc = (double)lse_k - (double)lse_r, ls = (double)sink - (double)lse_r;
+                const double c = exp(lc), sw = exp(ls);
+                H = (FA_T)((none ? 0.0 : c * ((double)H - lc)) - sw * ls);
+                X = (FA_T)(c * (double)X > sw ? c * (double)X : sw);
+            }
+            ((FA_T *)p->entropy)[lo_] = H;
+            ((FA_T *)p->max_weight)[lo_] = X;
+        }
+        sc->mM[r] = lse_r;
+        if (p->weights) continue;
+#ifdef FA_KV_HALF
+        if (fa_store16(p->out_store)) {
+            uint16_t *orow = (uint16_t *)sc->orow[r];
+            for (int64_t c = 0; c < Dv; c++) orow[c] = FA_FLOAT_TO_16((float)acc[c]);
+            continue;
+        }
+#endif
+        memcpy(sc->orow[r], acc, (size_t)Dv * sizeof(FA_T));
+    }
+}
+
 /* One work item: nr = nh * nq rows against the keys [kv0, kv1) of one kv head. */
 static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa_item *it,
                                void *scratch)
@@ -259,50 +311,7 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
         if (!single) FA_NAME(fa_fold_chunk)(&sc, nr, Dv, dvp);
     }
 
-    /* The merged rows.  A row that saw no visible key gives 0 and lse -inf; a NaN
-     * row keeps its NaN in both.  mM is left holding each row's lse. */
-    for (int64_t r = 0; r < nr; r++) {
-        const int64_t h = it->h0 + r / it->nq, row = it->qoff + it->q0 + r % it->nq;
-        const int64_t lo_ = it->b * p->lse_sb + h * p->lse_sh + row * p->lse_sl;
-        FA_T *acc = single ? sc.o + r * dvp : sc.mo + r * dvp;
-        const FA_T tot = sc.mtot[r];
-        FA_T lse_r;
-        if (!single)
-            lse_r = fa_merge_finish(sc.mM[r], tot, acc, Dv);
-        else if (sc.l[r] == (FA_T)0) { /* no visible key */
-            for (int64_t c = 0; c < Dv; c++) acc[c] = (FA_T)0;
-            lse_r = -(FA_T)INFINITY;
-        } else
-            lse_r = FA_NAME(fa_chunk_row)(acc, sc.m[r], sc.l[r], Dv);
-        const FA_T lse_k = lse_r, sink = p->sinks ? ((const FA_T *)p->sinks)[h] : -(FA_T)INFINITY;
-        if (p->sinks) lse_r = fa_sink_fold(lse_k, sink, acc, Dv);
-        if (p->lse) ((FA_T *)p->lse)[lo_] = lse_r;
-        if (p->entropy) { /* H = G / tot + log tot; the largest weight exp(X - lse) */
-            const int none = lse_k == -(FA_T)INFINITY;
-            FA_T H = none ? (FA_T)0 : sc.mG[r] / tot + (FA_T)log((double)tot);
-            FA_T X = none ? (FA_T)0 : (FA_T)exp((double)(sc.mX[r] - lse_k));
-            if (sink != -(FA_T)INFINITY) {
-                /* over the keys and the sink: the keys hold c = exp(lse_k - lse) of the
-                 * mass, the sink s = exp(sink - lse), so H = c (H_k - log c) - s log s */
-                const double lc = (double)lse_k - (double)lse_r, ls = (double)sink - (double)lse_r;
-                const double c = exp(lc), sw = exp(ls);
-                H = (FA_T)((none ? 0.0 : c * ((double)H - lc)) - sw * ls);
-                X = (FA_T)(c * (double)X > sw ? c * (double)X : sw);
-            }
-            ((FA_T *)p->entropy)[lo_] = H;
-            ((FA_T *)p->max_weight)[lo_] = X;
-        }
-        sc.mM[r] = lse_r;
-        if (p->weights) continue;
-#ifdef FA_KV_HALF
-        if (fa_store16(p->out_store)) {
-            uint16_t *orow = (uint16_t *)sc.orow[r];
-            for (int64_t c = 0; c < Dv; c++) orow[c] = FA_FLOAT_TO_16((float)acc[c]);
-            continue;
-        }
-#endif
-        memcpy(sc.orow[r], acc, (size_t)Dv * sizeof(FA_T));
-    }
+    FA_NAME(fa_write_rows)(p, it, nr, single, dvp, &sc);
     if (!p->weights) return;
 
     /* attention_weights: a second pass recomputes each tile's logits with the same

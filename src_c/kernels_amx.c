@@ -66,6 +66,7 @@ static inline void fa_dp_transpose(__m512i *x)
 #include "kernels_avx512_kvb16.h"
 #define FA_NAME(x) x##_amx
 #include "kernels_tmpl.h"
+#include "kern_amx_rows.h"
 #include "kernels_undef.h"
 
 /* The tile unit's peak loop (fastattn.bench.bf16_peak): iters rounds of 4 tdpbf16ps
@@ -118,7 +119,7 @@ const fa_bf16_kernel fa_kernel_amx_bf16 = {
 #else
     "amx-bf16",
 #endif
-    fa_qblock_amx,
+    fa_qblock_any_amx,
     fa_scratch_bytes_amx,
     fa_amx_chains,
     4.0 * 16 * 16 * 32 * 2, /* flops a round: 4 tiles of 16 x 16 x 32 multiply-adds */

@@ -412,20 +412,55 @@ def test_amx_path_runs_the_tiles(rng, kern):
 def test_amx_model_has_the_pair_paths_bits(rng, shape):
     """The model adds a tile's products in the order vdpbf16ps does (each pair's even
     product, then its odd one, in order of the pairs, one rounding each) and the AMX
-    kernel rescales the output rows before the tiles as the pairs do before theirs, so
-    on normal numbers the model's bits are the pair path's: any packing, padding or
-    tail mistake shows as a bit difference.  (Real AMX hardware sums in its own order,
-    so there the two paths agree only to the tolerance.)"""
+    kernel's key-major block (the calls with a logit step: softcap here) rescales the
+    output rows before the tiles as the pairs do before theirs, so on normal numbers
+    the model's bits are the pair path's: any packing, padding or tail mistake shows as
+    a bit difference.  The row-major block (plain, causal and windowed calls) has a
+    softmax of its own (a lazy reference max, 2^y by its own polynomial), so its bits
+    are its own: it is held to the oracle's tolerance here and in every other test.
+    (Real AMX hardware sums in its own order, so there the paths agree only to the
+    tolerance.)"""
     B, H, Lq, Lk, D = shape
     q, k, v = bf(rng, B, H, Lq, D), bf(rng, B, H, Lk, D), bf(rng, B, H, Lk, D + 5)
     before = _kernels.bf16_path()
+    calls = (dict(window=(20, 3), softcap=30.0), dict(softcap=5.0), dict(), dict(causal=True), dict(window=(20, 3)))
     try:
         outs = {}
         for path in ("avx512-bf16", "amx-bf16"):
             _kernels.set_bf16_path(path)
-            outs[path] = [fastattn.attention(q, k, v, **kw).view(np.uint16)
-                          for kw in (dict(), dict(causal=True), dict(window=(20, 3), softcap=30.0))]
+            outs[path] = [fastattn.attention(q, k, v, **kw) for kw in calls]
     finally:
         _kernels.set_bf16_path(before)
-    for a, b in zip(outs["avx512-bf16"], outs["amx-bf16"]):
-        np.testing.assert_array_equal(a, b)
+    for i, kw in enumerate(calls):
+        a, b = outs["avx512-bf16"][i], outs["amx-bf16"][i]
+        if "softcap" in kw:
+            np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+        else:
+            ref = reference.attention(f32(q), f32(k), f32(v), **kw)
+            assert rel_err(b.astype(np.float32), ref) <= TOL_BF16
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_lazy_max_rescales_and_huge_logits(bf16_kernel, rng, causal):
+    """The AMX row-major block keeps a row's reference max until a key block holds a
+    logit more than 2^8 above it (then redoes the block against the new max and
+    rescales the row's sums and output): logits that climb by ~40 (x log2 e) over the
+    keys force a redo in almost every block, one key far above all force one late;
+    logits past 2^25 (where the FMA's exact product would exceed the rounded max) take
+    the rounded product.  Every path: the oracle's result, and the same bits for any
+    thread count."""
+    B, H, L, D = 1, 2, 1100, 32
+    u = np.float32(3.0) * np.sign(rng.standard_normal(D)).astype(np.float32)  # a direction every query shares
+    q = (rng.standard_normal((B, H, L, D)) + u).astype(BF16)
+    k = bf(rng, B, H, L, D)
+    v = bf(rng, B, H, L, 24)
+    climb = k + np.linspace(0.0, 1.0, L, dtype=np.float32)[None, None, :, None] * u  # logits climb by ~50
+    late = k.astype(np.float32)
+    late[:, :, 900] = 4 * u  # one key ~200 above the rest, in a chunk's second block
+    for kk, scale in ((climb, None), (late, None), (k.astype(np.float32) * np.float32(3e7), 1.0)):
+        kk = kk.astype(BF16)
+        check(q, kk, v, causal=causal, scale=scale)
+        outs = [fastattn.attention(q, kk, v, causal=causal, scale=scale, num_threads=n).view(np.uint16)
+                for n in (1, 2, 3)]
+        np.testing.assert_array_equal(outs[0], outs[1])
+        np.testing.assert_array_equal(outs[0], outs[2])
