@@ -251,6 +251,16 @@ static inline int fa_kv_staged(const fa_params *p)
     return p->kv_store == FA_STORE_I8 || p->block_table != NULL;
 }
 
+/* Does a call's forward take AMX's row-major block (kern_amx_rows.h) when it runs on
+ * the AMX path with bfloat16 q, k, v: no logit step (bias, mask, softcap, ALiBi), no
+ * dropout, statistics or attention weights, K/V one strided array, a finite scale?
+ * (The plan gives those calls longer key blocks.) */
+static inline int fa_amx_rows_call(const fa_params *p)
+{
+    return !p->bias && !p->mask && !(p->softcap > 0) && !p->alibi && !(p->dropout_p > 0) && !p->weights &&
+           !p->entropy && !fa_kv_staged(p) && isfinite(p->scale);
+}
+
 /* The element offset of key row j of sequence b, kv head g, in an array addressed
  * with strides (sb, sh, sl): of its page through the block table, or directly. */
 static inline int64_t fa_kv_row_at(const fa_params *p, int64_t b, int64_t g, int64_t j, int64_t sb,
