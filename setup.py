@@ -50,7 +50,7 @@ __m512bh g(__m512 a, __m512 b) { return _mm512_cvtne2ps_pbh(a, b); }
 # FASTATTN_EMULATE_BF16=1 the same file is built over SIMDe with a software model of
 # the tiles (src_c/amx_model.h; AVX2 flags only).
 AMX_FILE = "kernels_amx.c"
-AMX_FLAGS = BF16_FLAGS + ["-mamx-tile", "-mamx-bf16"]
+AMX_FLAGS = BF16_FLAGS + ["-mavx512dq", "-mamx-tile", "-mamx-bf16"]  # (DQ: vreduceps in its softmax)
 AMX_PROBE = r"""
 #include <immintrin.h>
 void f(const void *cfg, const void *a, const void *b, void *c) {

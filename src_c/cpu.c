@@ -157,8 +157,8 @@ const char *fa_bf16_path_name(int path)
 }
 
 /* AVX512-BF16 pairs need the avx512 kernel, AVX512BW (the pair shuffles) and the
- * instruction itself; the AMX tiles all that (their tails run on the pairs) and the
- * tiles.  In the emulated test build (compiled for AVX2 over SIMDe, the tiles a
+ * instruction itself; the AMX tiles all that, AVX512DQ (vreduceps, in the row-major
+ * block's softmax; every CPU with AMX has it) and the tiles.  In the emulated test build (compiled for AVX2 over SIMDe, the tiles a
  * software model) only the avx2 kernel's instructions. */
 unsigned fa_bf16_paths(void)
 {
@@ -177,7 +177,7 @@ unsigned fa_bf16_paths(void)
     if ((fa_cpu_supported_isas() & (1u << FA_ISA_AVX512)) && bw && (fa_cpu_bf16_features() & 1)) {
         paths |= 1u << FA_BF16_AVX512;
 #ifdef FA_HAVE_AMX_KERNELS
-        if (fa_cpu_bf16_features() & 2) paths |= 1u << FA_BF16_AMX;
+        if ((fa_cpu_bf16_features() & 2) && ((b >> 17) & 1)) paths |= 1u << FA_BF16_AMX; /* (and AVX512DQ) */
 #endif
     }
 #endif
