@@ -158,8 +158,9 @@ const char *fa_bf16_path_name(int path)
 
 /* AVX512-BF16 pairs need the avx512 kernel, AVX512BW (the pair shuffles) and the
  * instruction itself; the AMX tiles all that, AVX512DQ (vreduceps, in the row-major
- * block's softmax; every CPU with AMX has it) and the tiles.  In the emulated test build (compiled for AVX2 over SIMDe, the tiles a
- * software model) only the avx2 kernel's instructions. */
+ * block's softmax; every CPU with AMX has it) and the tiles.  In the emulated test
+ * build (compiled for AVX2 over SIMDe, the tiles a software model) only the avx2
+ * kernel's instructions. */
 unsigned fa_bf16_paths(void)
 {
     unsigned paths = 1u << FA_BF16_FLOAT32;

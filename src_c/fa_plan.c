@@ -135,11 +135,10 @@ static fa_blocks fa_default_blocks(const fa_kernel *kern, const fa_params *p)
         bl.q = banded ? 96 : 192;
         bl.k = 64;
     }
-    /* causal too: see above; AMX's row-major block (kern_amx_rows.h; its key-major one,
-     * for the other calls, keeps the pairs' 192 x 128 and with them their bits in the
-     * emulated build) 192 x 256: on a
-     * Sapphire Rapids class Xeon, 1 thread, B1 H2 L4096, medians of 5 (ms, lower is
-     * better; these runs vary by 5-10%): D=64 q=192 k=256 20.3 | q=384 k=64 21.4 |
+    /* causal too: see above.  AMX's row-major block (kern_amx_rows.h) 192 x 256; its
+     * key-major one, for the other calls, keeps the pairs' 192 x 128 and with them their
+     * bits in the emulated build.  On a Sapphire Rapids class Xeon, 1 thread, B1 H2
+     * L4096, medians of 5 (ms, lower is better; these runs vary by 5-10%): D=64 q=192 k=256 20.3 | q=384 k=64 21.4 |
      * q=192 k=128 21.6 | q=192 k=64 24.0; D=128 q=384 k=64 30.2 | q=192 k=256 30.8 |
      * q=192 k=64 35.2 | q=192 k=128 36.9 (the P.V output tiles load and store once a
      * key block: longer blocks, fewer of them) */

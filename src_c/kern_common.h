@@ -130,8 +130,8 @@ typedef struct FA_NAME(fa_scratch) {
     uint16_t *kz;
     /* the row-major block (kern_amx_rows.h): two groups of 32 rows of logits (32 x bcz
      * float32 each, bcz = bc rounded up to 32) and of probabilities (32 x bcz bfloat16
-     * each), each row's lane
-     * sums (brp x 16 float32) and its reference max (brp, times scale log2 e) */
+     * each), each row's lane sums (brp x 16 float32) and its reference max (brp, times
+     * scale log2 e) */
     float *sr, *lv, *m2;
     uint16_t *pr;
 #endif
