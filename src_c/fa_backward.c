@@ -125,7 +125,7 @@ int fa_attention_backward(const fa_bwd_params *bp_in)
     cx.drop_thresh = fa_dropout_threshold(p->dropout_p);
     const int ki = p->dtype;
     /* bfloat16 inputs where a bfloat16 path runs: the products on pairs (16 lanes) */
-    const fa_bf16_kernel *pk = fa_bf16_bwd_pairs(kern, &bpl);
+    const fa_bf16_kernel *pk = fa_bf16_bwd_kernel(kern, &bpl);
     fa_bwd_kv_fn bwd_kv = pk ? pk->bwd_kv : kern->bwd_kv[ki];
     fa_bwd_q_fn bwd_q = pk ? pk->bwd_q : kern->bwd_q[ki];
     fa_bwd_reduce_fn bwd_reduce = pk ? pk->bwd_reduce : kern->bwd_reduce[ki];

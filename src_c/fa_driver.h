@@ -50,9 +50,10 @@ int fa_make_plan(const fa_kernel *kern, const fa_params *p, int nth, fa_plan *pl
 /* Does a forward call on `kern` take the bfloat16 pair products (fa_bf16_kernel):
  * q, k and v bfloat16 on the avx512 kernel with the AVX512-BF16 path selected? */
 int fa_bf16_pairs(const fa_kernel *kern, const fa_params *p);
-/* The backward on bfloat16 pairs for this call (a bfloat16 path selected, bp->bf16,
- * float32, on the kernel fa_bf16_pairs takes), or NULL. */
-const fa_bf16_kernel *fa_bf16_bwd_pairs(const fa_kernel *kern, const fa_bwd_params *bp);
+/* The bfloat16 backward for this call (a bfloat16 path selected, bp->bf16, float32, on
+ * the kernel fa_bf16_pairs takes): the selected path's kernel (pairs or AMX tiles), or
+ * NULL. */
+const fa_bf16_kernel *fa_bf16_bwd_kernel(const fa_kernel *kern, const fa_bwd_params *bp);
 /* The item for query block qb of head chunk hc of kv head g in sequence b. */
 void fa_item_make(const fa_params *p, const fa_plan *pl, int64_t b, int64_t g, int64_t hc,
                   int64_t qb, fa_item *it);

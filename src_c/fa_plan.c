@@ -95,16 +95,15 @@ int fa_bf16_pairs(const fa_kernel *kern, const fa_params *p)
     return fa_bf16_on(kern) && p->q_store == FA_STORE_BF16 && p->kv_store == FA_STORE_BF16;
 }
 
-const fa_bf16_kernel *fa_bf16_bwd_pairs(const fa_kernel *kern, const fa_bwd_params *bp)
+const fa_bf16_kernel *fa_bf16_bwd_kernel(const fa_kernel *kern, const fa_bwd_params *bp)
 {
 #ifdef FA_HAVE_BF16_KERNELS
-    /* the pairs' backward: on the pair path, and on the AMX path (which has no backward
-     * of its own) where the pairs are fast; on Intel's cores vdpbf16ps runs at half the
-     * float32 FMA rate (fa_cpu_bf16_features bit 3), so there the AMX path's backward
-     * takes the float32 products (measured there: 1.7x faster than on the pairs) */
-    if (fa_bf16_on(kern) && bp->bf16 && bp->f.dtype == FA_F32 && fa_kernel_avx512_bf16.bwd_kv &&
-        (fa_bf16_path() == FA_BF16_AVX512 || FA_BF16_EMULATED || !(fa_cpu_bf16_features() & 8)))
-        return &fa_kernel_avx512_bf16;
+    /* the backward of the selected bfloat16 path: the pairs' on the pair path, the
+     * tiles' on the AMX path (kernels_amx.c) */
+    if (fa_bf16_on(kern) && bp->bf16 && bp->f.dtype == FA_F32) {
+        const fa_bf16_kernel *bk = fa_bf16_kernel_for_path(fa_bf16_path());
+        if (bk && bk->bwd_kv) return bk;
+    }
 #else
     (void)kern;
     (void)bp;

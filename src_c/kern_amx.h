@@ -235,3 +235,31 @@ static void FA_NAME(fa_pv_tile_amx)(const FA_T *FA_RESTRICT s, int nv, int64_t n
                                 i0 + FA_AMX_ROWS < nq);
     FA_TILE_RELEASE();
 }
+
+#ifdef FA_BF16_BWD
+/* The backward's dV += W^T dO and dK += dS^T Q on the tiles (as fa_bw_kv_tile): nk output
+ * rows (keys; o, os floats a row, wp columns, os = zs = wp) += their row pairs of W or
+ * dS (w, ws pairs a row, fa_bw_rpairs(nr) of them filled, zero past the rows) times the
+ * row pairs of dO or Q (z, zs a row: npairs of them, a multiple of 16, zero past the
+ * rows), the keys past the last whole 16 on tiles of that many rows. */
+static void FA_NAME(fa_bw_kv_tile_amx)(const uint32_t *FA_RESTRICT w, int64_t ws, int64_t nk,
+                                       const uint32_t *FA_RESTRICT z, int64_t zs, int64_t npairs, int64_t wp,
+                                       FA_T *FA_RESTRICT o, int64_t os)
+{
+    const int64_t nk16 = nk / FA_AMX_ROWS * FA_AMX_ROWS, as = ws * (int64_t)sizeof(uint32_t);
+    (void)os; /* (= zs = wp: fa_amx_pv_rows takes one stride for B and C) */
+    (void)wp;
+    if (nk <= 0 || npairs <= 0) return;
+    if (nk16 > 0) {
+        FA_NAME(fa_amx_begin)();
+        for (int64_t j = 0; j < nk16; j += 2 * FA_AMX_ROWS)
+            FA_NAME(fa_amx_pv_rows)(o + j * zs, w + j * ws, w + (j + FA_AMX_ROWS) * ws, as, npairs, z, zs,
+                                    j + FA_AMX_ROWS < nk16);
+    }
+    if (nk > nk16) {
+        FA_NAME(fa_amx_config)((int)(nk - nk16));
+        FA_NAME(fa_amx_pv_rows)(o + nk16 * zs, w + nk16 * ws, NULL, as, npairs, z, zs, 0);
+    }
+    FA_TILE_RELEASE();
+}
+#endif

@@ -46,10 +46,12 @@ typedef struct FA_NAME(fa_bscratch) {
     FA_T *dot, *don, *qr, *dp, *pz, *sg, *lsev, *dvec, *ones, *qa, *qs;
     uint8_t *keep;
 #ifdef FA_BF16_BWD
-    /* the products on bfloat16 pairs (kern_bf16bwd.h): dO feature pairs ((Dv+1)/2 x
-     * brp), Q and dO row pairs (brp/2 x dkp, brp/2 x dvp), a tile's W or dS rows as row
-     * pairs (bc x brp/2), the V tile as bfloat16 rows (bc x Dv), and dQ's key pairs of
-     * dS (bc/2 x brp) and of K (bc/2 x dkp) */
+    /* the products on bfloat16 pairs (kern_bf16bwd.h): dO feature pairs
+     * ((fa_bw_width(Dv)+1)/2 x brp), Q and dO row pairs (fa_bw_rpairs(brp) x dkp, x
+     * dvp), a tile's W or dS rows as row pairs (bc x fa_bw_rpairs(brp)), the V tile as
+     * bfloat16 rows (bc x fa_bw_width(Dv)), and dQ's key pairs of dS (bc/2 x brp; on
+     * the tiles brp x fa_amx_kpp(bc), transposed) and of K (bc/2, or fa_amx_kpp(bc), x
+     * dkp) */
     uint32_t *dop, *qz, *doz, *w16, *pp, *kp;
     uint16_t *vb;
 #endif
@@ -80,14 +82,25 @@ static size_t FA_NAME(fa_blayout)(const fa_bwd_ctx *cx, void *base, FA_NAME(fa_b
     sc->qs = (FA_T *)FA_NAME(fa_carve)(&cur, brp * dkp * t);
 #ifdef FA_BF16_BWD
     {
-        const size_t w = sizeof(uint32_t), rp = (brp + 1) / 2, kp = (bc + 1) / 2;
-        sc->dop = (uint32_t *)FA_NAME(fa_carve)(&cur, (size_t)(p->Dv + 1) / 2 * brp * w);
+        const size_t w = sizeof(uint32_t), rp = (size_t)FA_NAME(fa_bw_rpairs)((int64_t)brp);
+#ifdef FA_BF16_AMX
+        const size_t kp = (size_t)FA_NAME(fa_amx_kpp)((int64_t)bc);
+#else
+        const size_t kp = (bc + 1) / 2;
+#endif
+        const size_t fq = (size_t)(FA_NAME(fa_bw_width)(p->D) + 1) / 2, fo = (size_t)(FA_NAME(fa_bw_width)(p->Dv) + 1) / 2;
+        sc->dop = (uint32_t *)FA_NAME(fa_carve)(&cur, fo * brp * w);
         sc->qz = (uint32_t *)FA_NAME(fa_carve)(&cur, rp * dkp * w);
         sc->doz = (uint32_t *)FA_NAME(fa_carve)(&cur, rp * dvp * w);
         sc->w16 = (uint32_t *)FA_NAME(fa_carve)(&cur, bc * rp * w);
         sc->pp = (uint32_t *)FA_NAME(fa_carve)(&cur, kp * brp * w);
         sc->kp = (uint32_t *)FA_NAME(fa_carve)(&cur, kp * dkp * w);
-        sc->vb = (uint16_t *)FA_NAME(fa_carve)(&cur, bc * (size_t)p->Dv * sizeof(uint16_t));
+        sc->vb = (uint16_t *)FA_NAME(fa_carve)(&cur, bc * (size_t)FA_NAME(fa_bw_width)(p->Dv) * sizeof(uint16_t));
+        if (base) { /* the feature pairs past D and Dv (whole tiles): zero, never written */
+            const size_t q0 = (size_t)(p->D + 1) / 2, o0 = (size_t)(p->Dv + 1) / 2;
+            memset(sc->f.qp + q0 * brp, 0, (fq - q0) * brp * w);
+            memset(sc->dop + o0 * brp, 0, (fo - o0) * brp * w);
+        }
     }
 #endif
     if (base)
@@ -120,8 +133,8 @@ static void FA_NAME(fa_bwd_rows)(const fa_bwd_ctx *cx, const fa_item *it, int64_
 #ifdef FA_BF16_BWD
     /* the pairs: padded rows and columns 0 */
     sc->f.bw = 1;
-    memset(sc->qz, 0, (size_t)((nr + 1) / 2 * dkp) * sizeof(uint32_t));
-    memset(sc->doz, 0, (size_t)((nr + 1) / 2 * dvp) * sizeof(uint32_t));
+    memset(sc->qz, 0, (size_t)(FA_NAME(fa_bw_rpairs)(nr) * dkp) * sizeof(uint32_t));
+    memset(sc->doz, 0, (size_t)(FA_NAME(fa_bw_rpairs)(nr) * dvp) * sizeof(uint32_t));
     for (int64_t r = nr; r < nvl; r++) {
         for (int64_t t = 0; t < (D + 1) / 2; t++) sc->f.qp[t * brp + r] = 0;
         for (int64_t t = 0; t < (Dv + 1) / 2; t++) sc->dop[t * brp + r] = 0;
@@ -179,7 +192,13 @@ static int FA_NAME(fa_bwd_tile)(const fa_bwd_ctx *cx, const fa_item *it, int64_t
         }
     }
     const FA_T *v = (const FA_T *)p->v + it->b * p->v_sb + it->g * p->v_sh + (it->koff + j0) * p->v_sl;
-#ifdef FA_BF16_BWD
+#if defined(FA_BF16_BWD) && defined(FA_BF16_AMX)
+    {
+        const int64_t dz = FA_NAME(fa_bw_width)(p->Dv);
+        FA_NAME(fa_qk_tile_amx)(sc->dop, nv, FA_NAME(fa_bw_rows16)(v, p->v_sl, nk, p->Dv, sc->vb), dz, nk, dz, sc->dp,
+                                brp, (FA_T)1, NULL, NULL);
+    }
+#elif defined(FA_BF16_BWD)
     FA_NAME(fa_qk_tile_dp)(sc->dop, nv, FA_NAME(fa_bw_rows16)(v, p->v_sl, nk, p->Dv, sc->vb), p->Dv, nk, p->Dv,
                            sc->dp, brp, (FA_T)1, NULL);
 #else
@@ -246,7 +265,8 @@ static void FA_NAME(fa_bwd_chunks)(const fa_bwd_ctx *cx, const fa_item *it, int6
     for (int64_t c0 = k0; c0 < k1; c0 += kc) {
         const int64_t c1 = k1 - c0 < kc ? k1 : c0 + kc;
         const int64_t lo = it->kv0 > c0 ? it->kv0 : c0, hi = it->kv1 < c1 ? it->kv1 : c1;
-        if (want_dq) memset(sc->qa, 0, (size_t)(nr * dkp) * sizeof(FA_T));
+        if (want_dq) /* (the tiles add 0 to the padded rows: they are set too) */
+            memset(sc->qa, 0, (size_t)((int64_t)nv * FA_VL * dkp) * sizeof(FA_T));
         for (int64_t j0 = lo; j0 < hi; j0 += bc) {
             const int64_t nk = hi - j0 < bc ? hi - j0 : bc;
             const FA_T *w;
@@ -255,11 +275,17 @@ static void FA_NAME(fa_bwd_chunks)(const fa_bwd_ctx *cx, const fa_item *it, int6
                 continue;
 #ifdef FA_BF16_BWD
             if (ka) { /* the same sums over pairs of rows, W and dS rounded to bfloat16 */
-                const int64_t ws = (brp + 1) / 2, npairs = (nr + 1) / 2;
+                const int64_t ws = FA_NAME(fa_bw_rpairs)(brp), npairs = FA_NAME(fa_bw_rpairs)(nr);
+#ifdef FA_BF16_AMX
+#define FA_BW_KV FA_NAME(fa_bw_kv_tile_amx)
+#else
+#define FA_BW_KV FA_NAME(fa_bw_kv_tile)
+#endif
                 FA_NAME(fa_bw_tile16)(w, nk, nr, brp, sc->w16, ws);
-                FA_NAME(fa_bw_kv_tile)(sc->w16, ws, nk, sc->doz, dvp, npairs, dvp, va + (j0 - k0) * dvp, dvp);
+                FA_BW_KV(sc->w16, ws, nk, sc->doz, dvp, npairs, dvp, va + (j0 - k0) * dvp, dvp);
                 FA_NAME(fa_bw_tile16)(sc->dp, nk, nr, brp, sc->w16, ws);
-                FA_NAME(fa_bw_kv_tile)(sc->w16, ws, nk, sc->qz, dkp, npairs, dkp, ka + (j0 - k0) * dkp, dkp);
+                FA_BW_KV(sc->w16, ws, nk, sc->qz, dkp, npairs, dkp, ka + (j0 - k0) * dkp, dkp);
+#undef FA_BW_KV
             }
             if (want_dq) { /* dS and K paired along the keys (K's bfloat16 rows: S's, if it made them) */
                 const FA_T *kj = k + j0 * p->k_sl;
@@ -268,7 +294,12 @@ static void FA_NAME(fa_bwd_chunks)(const fa_bwd_ctx *cx, const fa_item *it, int6
                     sc->f.kb_src = kj;
                     sc->f.kb_n = nk;
                 }
+#ifdef FA_BF16_AMX
+                FA_NAME(fa_pv_tile_amx)(sc->dp, nv, nk, sc->f.kb, FA_NAME(fa_bw_width)(D), D, sc->qa, dkp, sc->ones,
+                                        brp, sc->pp, sc->kp);
+#else
                 FA_NAME(fa_pv_tile_dp)(sc->dp, nr, nv, nk, sc->f.kb, D, D, sc->qa, dkp, sc->ones, brp, sc->pp, sc->kp);
+#endif
             }
 #else
             if (ka) {

@@ -22,22 +22,30 @@
  *                    pairs of query rows
  *   fa_bw_kv_tile    acc[j][c] += sum_t w[j][t] . z[t][c] (dV and dK)
  *
+ * The AMX kernel (kernels_amx.c) instantiates the same backward with FA_BF16_AMX: its
+ * five products on the tiles (kern_amx.h: fa_qk_tile_amx for S and dP, fa_bw_kv_tile_amx
+ * for dV and dK, fa_pv_tile_amx for dQ), on the same packed operands, which are the
+ * tiles' layouts already (feature pairs of Q and dO are B tiles of 16 queries, rows
+ * pairs of W, dS, Q and dO A and B tiles of 32 rows), only padded to whole tiles:
+ * K and V rows to 32 features, row pairs to 16 (fa_bw_width, fa_bw_rpairs), zero.
+ *
  * Needs from the ISA file: FA_DP_* (kern_bf16dp.h) and FA_DP_CVT1(x), 16 float32 values
  * as 16 bfloat16 (round to nearest even) in a __m256i.
  */
 
-/* n rows of `width` float32 values (row stride sl) as bfloat16 rows `width` apart in
- * dst; returns dst. */
+/* n rows of `width` float32 values (row stride sl) as bfloat16 rows fa_bw_width(width)
+ * apart in dst (zero past width); returns dst. */
 static const uint16_t *FA_NAME(fa_bw_rows16)(const FA_T *FA_RESTRICT src, int64_t sl, int64_t n, int64_t width,
                                              uint16_t *FA_RESTRICT dst)
 {
-    const int64_t full = width / FA_VL * FA_VL;
+    const int64_t full = width / FA_VL * FA_VL, ds = FA_NAME(fa_bw_width)(width);
     for (int64_t j = 0; j < n; j++) {
         const FA_T *x = src + j * sl;
-        uint16_t *y = dst + j * width;
+        uint16_t *y = dst + j * ds;
         int64_t c = 0;
         for (; c < full; c += FA_VL) _mm256_storeu_si256((__m256i *)(void *)(y + c), FA_DP_CVT1(FA_VLOADU(x + c)));
         for (; c < width; c++) y[c] = fa_float_to_bf16(x[c]);
+        for (; c < ds; c++) y[c] = 0;
     }
     return dst;
 }
@@ -65,7 +73,7 @@ static void FA_NAME(fa_bw_pack_row)(const FA_T *FA_RESTRICT x, int64_t n, int64_
 
 /* Rows 0 .. nk-1 of a key-major tile (t[j * brp + r]) as bfloat16 pairs of query rows,
  * w[j * ws + q] = (t[j][2q], t[j][2q + 1]) for the nr rows (the second half 0 past
- * them). */
+ * them; whole pairs 0 up to fa_bw_rpairs(nr)). */
 static void FA_NAME(fa_bw_tile16)(const FA_T *FA_RESTRICT t, int64_t nk, int64_t nr, int64_t brp,
                                   uint32_t *FA_RESTRICT w, int64_t ws)
 {
@@ -76,7 +84,7 @@ static void FA_NAME(fa_bw_tile16)(const FA_T *FA_RESTRICT t, int64_t nk, int64_t
         int64_t c = 0;
         for (; c < full; c += FA_VL) _mm256_storeu_si256((__m256i *)(void *)(y + c), FA_DP_CVT1(FA_VLOAD(x + c)));
         for (; c < nr; c++) y[c] = fa_float_to_bf16(x[c]);
-        if (nr & 1) y[nr] = 0;
+        for (; c < 2 * FA_NAME(fa_bw_rpairs)(nr); c++) y[c] = 0;
     }
 }
 

@@ -52,6 +52,29 @@ static inline int64_t FA_NAME(fa_amx_dz)(int64_t D) { return (D + FA_AMX_K - 1) 
 static inline int64_t FA_NAME(fa_amx_kpp)(int64_t nk) { return ((nk + 1) / 2 + 15) / 16 * 16; }
 #endif
 
+#ifdef FA_BF16_BWD
+/* The backward on bfloat16 pairs (kern_bf16bwd.h): a K or V tile's bfloat16 row of D
+ * features is fa_bw_width(D) wide, and n rows make fa_bw_rpairs(n) row pairs; on the
+ * tiles both are whole (32 features, 16 pairs), zero past the data. */
+static inline int64_t FA_NAME(fa_bw_width)(int64_t D)
+{
+#ifdef FA_BF16_AMX
+    return FA_NAME(fa_amx_dz)(D);
+#else
+    return D;
+#endif
+}
+
+static inline int64_t FA_NAME(fa_bw_rpairs)(int64_t n)
+{
+#ifdef FA_BF16_AMX
+    return ((n + 1) / 2 + 15) / 16 * 16;
+#else
+    return (n + 1) / 2;
+#endif
+}
+#endif
+
 /* The scratch of one thread, carved from one allocation into FA_ALIGN-aligned
  * pieces (brp = the block's query rows, a multiple of FA_VL; dvp = Dv rounded up
  * to FA_VL; bc = keys per block):
@@ -113,9 +136,10 @@ typedef struct FA_NAME(fa_scratch) {
     int dp;
 #endif
 #ifdef FA_BF16_BWD
-    /* the backward on bfloat16 pairs (kern_bf16bwd.h): Q as feature pairs ((D+1)/2 x
-     * brp, unscaled) and a K tile as bfloat16 rows (bc x D), for S = Q K^T on pairs;
-     * bw: this block's products take them (fa_bwd_rows) */
+    /* the backward on bfloat16 pairs (kern_bf16bwd.h): Q as feature pairs
+     * ((fa_bw_width(D)+1)/2 x brp, unscaled; pair rows past D zero) and a K tile as
+     * bfloat16 rows (bc x fa_bw_width(D)), for S = Q K^T on pairs (or tiles); bw: this
+     * block's products take them (fa_bwd_rows) */
     uint32_t *qp;
     uint16_t *kb;
     const FA_KV *kb_src; /* kb holds kb_n K rows from kb_src (S's tile; dQ reuses them) */
@@ -238,8 +262,8 @@ static size_t FA_NAME(fa_layout)(const fa_params *p, const fa_blocks *bl, void *
     sc->bw = 0;
     sc->kb_src = NULL;
     sc->kb_n = 0;
-    sc->qp = (uint32_t *)FA_NAME(fa_carve)(&cur, (size_t)(p->D + 1) / 2 * brp * sizeof(uint32_t));
-    sc->kb = (uint16_t *)FA_NAME(fa_carve)(&cur, bc * (size_t)p->D * sizeof(uint16_t));
+    sc->qp = (uint32_t *)FA_NAME(fa_carve)(&cur, (size_t)(FA_NAME(fa_bw_width)(p->D) + 1) / 2 * brp * sizeof(uint32_t));
+    sc->kb = (uint16_t *)FA_NAME(fa_carve)(&cur, bc * (size_t)FA_NAME(fa_bw_width)(p->D) * sizeof(uint16_t));
 #endif
     if (base && sc->ones)
         for (size_t i = 0; i < brp; i++) sc->ones[i] = (FA_T)1;

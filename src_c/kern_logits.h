@@ -302,9 +302,14 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
                 for (int64_t i = 0; i < (int64_t)nv * FA_VL; i++) sc->cmx[i] = -(FA_T)INFINITY;
 #ifdef FA_BF16_BWD
             if (sc->bw) { /* the backward on pairs: the K tile as bfloat16 rows, then pairs */
-                FA_NAME(fa_qk_tile_dp)(sc->qp, nv, FA_NAME(fa_bw_rows16)(k, k_sl, nk, p->D, sc->kb), p->D, nk,
-                                       p->D, sc->s, brp, (FA_T)(p->softcap > 0 ? p->scale / p->softcap : p->scale),
-                                       NULL);
+                const FA_T scale = (FA_T)(p->softcap > 0 ? p->scale / p->softcap : p->scale);
+                const uint16_t *kb = FA_NAME(fa_bw_rows16)(k, k_sl, nk, p->D, sc->kb);
+#ifdef FA_BF16_AMX /* (rows and Q's pairs zero past D to whole tiles: no staging) */
+                const int64_t dz = FA_NAME(fa_bw_width)(p->D);
+                FA_NAME(fa_qk_tile_amx)(sc->qp, nv, kb, dz, nk, dz, sc->s, brp, scale, NULL, NULL);
+#else
+                FA_NAME(fa_qk_tile_dp)(sc->qp, nv, kb, p->D, nk, p->D, sc->s, brp, scale, NULL);
+#endif
                 sc->kb_src = k;
                 sc->kb_n = nk;
             } else

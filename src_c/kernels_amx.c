@@ -67,6 +67,22 @@ static inline void fa_dp_transpose(__m512i *x)
 #define FA_NAME(x) x##_amx
 #include "kernels_tmpl.h"
 #include "kern_amx_rows.h"
+
+/* The backward on the tiles (kern_bf16bwd.h with FA_BF16_AMX): the float32 backward, its
+ * data float32 copies of bfloat16 arrays, with its five products on tdpbf16ps. */
+#include "kernels_kv16.h" /* keeps the float32 operations */
+#undef FA_KV_HALF
+#undef FA_16_TO_FLOAT
+#undef FA_FLOAT_TO_16
+#undef FA_BF16_DP
+#define FA_BF16_BWD 1
+#define FA_NAME(x) x##_abw_amx
+/* (of this instantiation only the backward is used: the forward's pieces go unused) */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-function"
+#include "kernels_tmpl.h"
+#pragma GCC diagnostic pop
+#undef FA_BF16_BWD
 #include "kernels_undef.h"
 
 /* The tile unit's peak loop (fastattn.bench.bf16_peak): iters rounds of 4 tdpbf16ps
@@ -123,8 +139,8 @@ const fa_bf16_kernel fa_kernel_amx_bf16 = {
     fa_scratch_bytes_amx,
     fa_amx_chains,
     4.0 * 16 * 16 * 32 * 2, /* flops a round: 4 tiles of 16 x 16 x 32 multiply-adds */
-    NULL, /* the backward: the AVX512-BF16 pairs' (fa_bf16_bwd_pairs) */
-    NULL,
-    NULL,
-    NULL,
+    fa_bwd_kv_abw_amx,
+    fa_bwd_q_abw_amx,
+    fa_bwd_scratch_bytes_abw_amx,
+    fa_bwd_reduce_abw_amx,
 };

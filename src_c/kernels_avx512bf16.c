@@ -12,7 +12,7 @@
  * float32 -> bfloat16 rounding is done with integer operations; so the same source runs against the oracle on any AVX2 or
  * AVX-512 CPU, called from the avx2 or the avx512 kernel.  Never shipped.
  *
- * The backward of such calls (fa_bf16_bwd_pairs) takes the same pairs for its five
+ * The backward of such calls (fa_bf16_bwd_kernel) takes the same pairs for its five
  * products: the template instantiated a second time, for float32, with FA_BF16_BWD.
  *
  * Per 16 logits at head size D: D/2 vdpbf16ps for QK^T and Dv/2 for P.V, each with

@@ -127,11 +127,13 @@ def test_backward_bf16(rng):
         assert rel_err(g.astype(np.float32), r) <= 1e-2
 
 
+EMULATED_AMX = _kernels.bf16_emulated() and "amx-bf16" in BF16_PATHS
+
 # The backward of q, k, v all bfloat16 on each (kernel, bf16 path): the float32 products,
-# or the pairs (every bfloat16 path: AMX has no backward of its own), W, dS and dout
-# rounded to bfloat16 in the products.  Measured against the float64 oracle on the same
-# inputs: 1.3e-3 to 4.7e-3 relative to each gradient's largest, PyTorch 2.13's bf16
-# backward 2e-3 to 1e-2 (test_backward_no_worse_than_torch); the bound is 1e-2.
+# the pairs, or the AMX tiles, W, dS and dout rounded to bfloat16 in the products.
+# Measured against the float64 oracle on the same inputs: 1.3e-3 to 4.7e-3 relative to
+# each gradient's largest, PyTorch 2.13's bf16 backward 2e-3 to 1e-2
+# (test_backward_no_worse_than_torch); the bound is 1e-2.
 TOL_BWD = 1e-2
 BWD_VARIANTS = {
     "plain": {},
@@ -194,9 +196,13 @@ def test_backward_strided_bshd(bf16_kernel, rng):
 
 @pytest.mark.parametrize("kern", PAIR_KERNELS)
 def test_backward_pairs_run_and_keep_their_bits(rng, kern):
-    """The pair backward runs where a bfloat16 path is selected (its bits differ from the
-    float32 products'), and on each path the gradients have the same bits for every
-    thread count and all three schedules (one pass per head, per key chunk, two passes)."""
+    """The bfloat16 backward runs where a bfloat16 path is selected (its bits differ from
+    the float32 products'): the pairs on the pair path, the tiles on the AMX path; on each
+    path the gradients have the same bits for every thread count and all three schedules
+    (one pass per head, per key chunk, two passes).  The AMX model adds a tile's pairs in
+    vdpbf16ps's order, so in the emulated build the tiles' backward has the pairs' bits
+    (a packing, padding or tail mistake shows as a difference) and the model counts its
+    tile operations; real tiles round in their own order, so natively the bits differ."""
     before = _kernels.current_kernel(), _kernels.bf16_path()
     _kernels.set_kernel(kern)
     try:
@@ -205,18 +211,24 @@ def test_backward_pairs_run_and_keep_their_bits(rng, kern):
         out, lse = fastattn.attention(q, k, v, causal=True, return_lse=True)
         args = [f32(a) for a in (q, k, v, out)] + [lse, f32(dout)]
         va = fastattn._args.Problem("t", *args[:3], "bhsd").variants(None, None, None, None, None, (0.0, 0))
-        bits = {}
+        bits, tiles = {}, {}
         for path in BF16_PATHS:
             _kernels.set_bf16_path(path)
             runs = []
+            n0 = _kernels.amx_model_ops() if EMULATED_AMX else 0
             for passes in (0, 1, 2):
                 for nth in (1, 3):
                     grads = [np.empty_like(a) for a in args[:3]]
                     _kernels.backward(*args, *grads, None, D ** -0.5, 1, nth, 0, 0, va, passes, 1)
                     runs.append(b"".join(g.tobytes() for g in grads))
+            tiles[path] = (_kernels.amx_model_ops() - n0) if EMULATED_AMX else None
             assert all(r == runs[0] for r in runs), path
             bits[path] = runs[0]
-        assert len(set(bits.values())) == 2  # the float32 products, and the pairs (every other path)
+        assert all(b != bits["float32"] for p, b in bits.items() if p != "float32")
+        if "amx-bf16" in bits:
+            assert (bits["amx-bf16"] == bits["avx512-bf16"]) == _kernels.bf16_emulated()
+            if EMULATED_AMX:  # the tiles' backward ran on the model; the pairs' used no tile
+                assert tiles["amx-bf16"] > 0 and tiles["avx512-bf16"] == 0, tiles
     finally:
         _kernels.set_kernel(before[0])
         _kernels.set_bf16_path(before[1])
@@ -367,8 +379,6 @@ def test_bf16_path_names_and_errors():
     with pytest.raises(ValueError, match="unknown bfloat16 path"):
         _kernels.set_bf16_path("amx")
 
-
-EMULATED_AMX = _kernels.bf16_emulated() and "amx-bf16" in BF16_PATHS
 
 
 @pytest.mark.skipif(not EMULATED_AMX, reason="the AMX model counts its operations only in the emulated "
