@@ -28,7 +28,8 @@
  *
  * Block sizes: 64 x 64 by default, shrunk to half the L2 for large head sizes
  * (a sweep of 16..128 x 32..128 on Zen 3 found no setting more than the noise,
- * ~5%, faster).
+ * ~5%, faster); a bfloat16 kernel may ask for other query rows (bwd_block_q: AMX's
+ * tiles 192, see kernels_amx.c).
  */
 #define FA_BWD_BLOCK_Q 64
 #define FA_BWD_BLOCK_K 64
@@ -95,14 +96,14 @@ int fa_attention_backward(const fa_bwd_params *bp_in)
     fa_bwd_params bpl = *bp_in; /* with the backward's default block sizes */
     fa_params *p = &bpl.f;
     const int64_t item = p->dtype == FA_F64 ? 8 : 4;
+    /* bfloat16 inputs where a bfloat16 path runs: the products on pairs or tiles (16 lanes) */
+    const fa_bf16_kernel *pk = fa_bf16_bwd_kernel(kern, &bpl);
     if (p->block_q <= 0 || p->block_k <= 0) {
-        const int64_t budget = fa_cpu_l2_bytes() / 2;
+        const int64_t budget = fa_cpu_l2_bytes() / 2, bq = pk && pk->bwd_block_q > 0 ? pk->bwd_block_q : FA_BWD_BLOCK_Q;
         int64_t bk = FA_BWD_BLOCK_K;
         /* Q and dO (twice each), K and V tiles, and the S, dP, P z tiles */
-        while (item * (2 * FA_BWD_BLOCK_Q * (p->D + p->Dv) + bk * (p->D + p->Dv + 3 * FA_BWD_BLOCK_Q)) > budget &&
-               bk > 16)
-            bk /= 2;
-        if (p->block_q <= 0) p->block_q = FA_BWD_BLOCK_Q;
+        while (item * (2 * bq * (p->D + p->Dv) + bk * (p->D + p->Dv + 3 * bq)) > budget && bk > 16) bk /= 2;
+        if (p->block_q <= 0) p->block_q = bq;
         if (p->block_k <= 0) p->block_k = bk;
     }
     const int nth_req = p->num_threads > 0 ? p->num_threads : fa_max_threads();
@@ -124,8 +125,6 @@ int fa_attention_backward(const fa_bwd_params *bp_in)
     cx.delta_sh = p->Lq;
     cx.drop_thresh = fa_dropout_threshold(p->dropout_p);
     const int ki = p->dtype;
-    /* bfloat16 inputs where a bfloat16 path runs: the products on pairs (16 lanes) */
-    const fa_bf16_kernel *pk = fa_bf16_bwd_kernel(kern, &bpl);
     fa_bwd_kv_fn bwd_kv = pk ? pk->bwd_kv : kern->bwd_kv[ki];
     fa_bwd_q_fn bwd_q = pk ? pk->bwd_q : kern->bwd_q[ki];
     fa_bwd_reduce_fn bwd_reduce = pk ? pk->bwd_reduce : kern->bwd_reduce[ki];
@@ -141,7 +140,6 @@ int fa_attention_backward(const fa_bwd_params *bp_in)
     const int64_t nchq = (p->Lk + cx.kc - 1) / cx.kc;
     const int64_t dkp = (p->D + vl - 1) / vl * vl;
     cx.part_sc = p->B * p->Hq * p->Lq * dkp;
-    const size_t scratch_bytes = pk ? pk->bwd_scratch(&cx) : kern->bwd_scratch[ki](&cx);
     const int64_t per_head = pl.nhc * ((p->Lq + pl.nqp - 1) / pl.nqp);
     const int64_t row_bytes = (dkp + (p->Dv + vl - 1) / vl * vl) * item;
     int sched = bpl.passes == 2 ? 3 : 0;
@@ -154,6 +152,8 @@ int fa_attention_backward(const fa_bwd_params *bp_in)
     if (!sched) sched = 3;
     const int64_t chunk = sched == 1 ? p->Lk : sched == 2 ? cx.kc : FA_BWD_CHUNK * bk;
     const int64_t nch = (p->Lk + chunk - 1) / chunk;
+    cx.kr = chunk < p->Lk ? chunk : p->Lk; /* (the bfloat16 backward keeps a range's K and V rows) */
+    const size_t scratch_bytes = pk ? pk->bwd_scratch(&cx) : kern->bwd_scratch[ki](&cx);
     const int64_t n1 = heads * nch, n2 = sched == 3 && p->Lq > 0 ? pl.items : 0;
     const size_t acc_bytes = (size_t)((chunk < p->Lk ? chunk : p->Lk) * row_bytes);
     void *part = NULL;

@@ -319,6 +319,7 @@ typedef struct fa_bwd_ctx {
     int64_t delta_sb, delta_sh;
     uint32_t drop_thresh;
     int64_t kc, part_sc;
+    int64_t kr; /* the most keys one fa_bwd_kv_fn call takes (its k1 - k0); 0: unknown */
 } fa_bwd_ctx;
 /* dK and dV of keys k0 .. k1-1 of kv head (items[0].b, items[0].g), from the query
  * items (all of that head's, in order; with dq_mode 0 those that see none of the
@@ -388,6 +389,7 @@ typedef struct fa_bf16_kernel {
     fa_bwd_q_fn bwd_q;
     fa_bwd_scratch_fn bwd_scratch;
     fa_bwd_reduce_fn bwd_reduce;
+    int64_t bwd_block_q; /* the backward's query rows a block (0: fa_backward.c's default) */
 } fa_bf16_kernel;
 #ifdef FA_HAVE_BF16_KERNELS
 extern const fa_bf16_kernel fa_kernel_avx512_bf16;

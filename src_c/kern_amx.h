@@ -121,6 +121,7 @@ static void FA_NAME(fa_qk_tile_amx)(const uint32_t *FA_RESTRICT qp, int nv, cons
         FA_NAME(fa_qk_amx_keys)(qp, nv, a + nk16 * a_sl, NULL, 0, as, dz, brp, s + nk16 * brp);
     }
     FA_TILE_RELEASE();
+    if (scale == (FA_T)1 && !colmax) return; /* (the backward's dP, and its S left unscaled) */
     /* the scale on the float32 sums, each query's max folded in (as fa_qk_store) */
     const FA_V sv = FA_VSET1(scale);
     for (int c = 0; c < nv; c++) {

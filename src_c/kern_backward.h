@@ -96,6 +96,14 @@ static size_t FA_NAME(fa_blayout)(const fa_bwd_ctx *cx, void *base, FA_NAME(fa_b
         sc->pp = (uint32_t *)FA_NAME(fa_carve)(&cur, kp * brp * w);
         sc->kp = (uint32_t *)FA_NAME(fa_carve)(&cur, kp * dkp * w);
         sc->vb = (uint16_t *)FA_NAME(fa_carve)(&cur, bc * (size_t)FA_NAME(fa_bw_width)(p->Dv) * sizeof(uint16_t));
+        sc->f.kr = cx->kr > 0 ? (uint16_t *)FA_NAME(fa_carve)(&cur, (size_t)cx->kr * (size_t)FA_NAME(fa_bw_width)(p->D) *
+                                                                         sizeof(uint16_t))
+                              : NULL;
+        sc->f.vr = cx->kr > 0 ? (uint16_t *)FA_NAME(fa_carve)(&cur, (size_t)cx->kr * (size_t)FA_NAME(fa_bw_width)(p->Dv) *
+                                                                         sizeof(uint16_t))
+                              : NULL;
+        sc->f.kr_b = sc->f.kr_g = -1;
+        sc->f.kr_koff = sc->f.kr_j0 = sc->f.kr_n = 0;
         if (base) { /* the feature pairs past D and Dv (whole tiles): zero, never written */
             const size_t q0 = (size_t)(p->D + 1) / 2, o0 = (size_t)(p->Dv + 1) / 2;
             memset(sc->f.qp + q0 * brp, 0, (fq - q0) * brp * w);
@@ -172,6 +180,9 @@ static int FA_NAME(fa_bwd_tile)(const fa_bwd_ctx *cx, const fa_item *it, int64_t
     const fa_params *p = &bp->f;
     const int64_t brp = cx->bl.q;
     FA_T *s = sc->f.s;
+#ifdef FA_BF16_BWD
+    sc->f.pscale = (FA_T)1; /* (fa_scores sets it where it leaves S unscaled) */
+#endif
     if (!FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc->f, 0)) return 0;
     if (p->softcap > 0) { /* s holds y = s_raw / c: the derivative of c tanh(y) is 1 - tanh^2 */
         const FA_V one = FA_VSET1((FA_T)1), m2 = FA_VSET1((FA_T)-2);
@@ -184,23 +195,32 @@ static int FA_NAME(fa_bwd_tile)(const fa_bwd_ctx *cx, const fa_item *it, int64_t
             }
     }
     FA_NAME(fa_logit_tile)(p, s, nk, 0, nv, nr, j0, brp, &sc->f, NULL);
+#ifdef FA_BF16_BWD /* P = exp(S pscale - lse), one rounding (pscale 1: S - lse) */
+    const FA_V ps = FA_VSET1(sc->f.pscale);
+#define FA_BW_ARG(x, nl) FA_VFMA(x, ps, nl)
+#else
+#define FA_BW_ARG(x, nl) FA_VADD(x, nl)
+#endif
     for (int c = 0; c < nv; c++) { /* P = exp(S - lse); hidden keys and padded rows: 0 */
-        const FA_V l = FA_VLOAD(sc->lsev + (int64_t)c * FA_VL);
+        const FA_V nl = FA_VSUB(FA_VZERO(), FA_VLOAD(sc->lsev + (int64_t)c * FA_VL));
         for (int64_t jj = 0; jj < nk; jj++) {
             FA_T *x = s + jj * brp + (int64_t)c * FA_VL;
-            FA_VSTORE(x, FA_VEXP(FA_VSUB(FA_VLOAD(x), l)));
+            FA_VSTORE(x, FA_VEXP(FA_BW_ARG(FA_VLOAD(x), nl)));
         }
     }
+#undef FA_BW_ARG
     const FA_T *v = (const FA_T *)p->v + it->b * p->v_sb + it->g * p->v_sh + (it->koff + j0) * p->v_sl;
-#if defined(FA_BF16_BWD) && defined(FA_BF16_AMX)
+#ifdef FA_BF16_BWD
+    const uint16_t *vb = FA_NAME(fa_bw_cached)(&sc->f, sc->f.vr, it, j0, nk, p->Dv);
+    if (!vb) vb = FA_NAME(fa_bw_rows16)(v, p->v_sl, nk, p->Dv, sc->vb);
+#ifdef FA_BF16_AMX
     {
         const int64_t dz = FA_NAME(fa_bw_width)(p->Dv);
-        FA_NAME(fa_qk_tile_amx)(sc->dop, nv, FA_NAME(fa_bw_rows16)(v, p->v_sl, nk, p->Dv, sc->vb), dz, nk, dz, sc->dp,
-                                brp, (FA_T)1, NULL, NULL);
+        FA_NAME(fa_qk_tile_amx)(sc->dop, nv, vb, dz, nk, dz, sc->dp, brp, (FA_T)1, NULL, NULL);
     }
-#elif defined(FA_BF16_BWD)
-    FA_NAME(fa_qk_tile_dp)(sc->dop, nv, FA_NAME(fa_bw_rows16)(v, p->v_sl, nk, p->Dv, sc->vb), p->Dv, nk, p->Dv,
-                           sc->dp, brp, (FA_T)1, NULL);
+#else
+    FA_NAME(fa_qk_tile_dp)(sc->dop, nv, vb, p->Dv, nk, p->Dv, sc->dp, brp, (FA_T)1, NULL);
+#endif
 #else
     FA_NAME(fa_qk_tile)(sc->dot, nv, v, p->v_sl, nk, p->Dv, sc->dp, brp, NULL);
 #endif
@@ -289,16 +309,18 @@ static void FA_NAME(fa_bwd_chunks)(const fa_bwd_ctx *cx, const fa_item *it, int6
             }
             if (want_dq) { /* dS and K paired along the keys (K's bfloat16 rows: S's, if it made them) */
                 const FA_T *kj = k + j0 * p->k_sl;
-                if (sc->f.kb_src != kj || sc->f.kb_n < nk) {
+                const uint16_t *kb = FA_NAME(fa_bw_cached)(&sc->f, sc->f.kr, it, j0, nk, D);
+                if (!kb && (sc->f.kb_src != kj || sc->f.kb_n < nk)) {
                     FA_NAME(fa_bw_rows16)(kj, p->k_sl, nk, D, sc->f.kb);
                     sc->f.kb_src = kj;
                     sc->f.kb_n = nk;
                 }
+                if (!kb) kb = sc->f.kb;
 #ifdef FA_BF16_AMX
-                FA_NAME(fa_pv_tile_amx)(sc->dp, nv, nk, sc->f.kb, FA_NAME(fa_bw_width)(D), D, sc->qa, dkp, sc->ones,
-                                        brp, sc->pp, sc->kp);
+                FA_NAME(fa_pv_tile_amx)(sc->dp, nv, nk, kb, FA_NAME(fa_bw_width)(D), D, sc->qa, dkp, sc->ones, brp,
+                                        sc->pp, sc->kp);
 #else
-                FA_NAME(fa_pv_tile_dp)(sc->dp, nr, nv, nk, sc->f.kb, D, D, sc->qa, dkp, sc->ones, brp, sc->pp, sc->kp);
+                FA_NAME(fa_pv_tile_dp)(sc->dp, nr, nv, nk, kb, D, D, sc->qa, dkp, sc->ones, brp, sc->pp, sc->kp);
 #endif
             }
 #else
@@ -356,6 +378,21 @@ static void FA_NAME(fa_bwd_kv)(const fa_bwd_ctx *cx, const fa_item *items, int64
     FA_NAME(fa_blayout)(cx, scratch, &sc);
     FA_T *ka = (FA_T *)acc, *va = ka + nk_all * dkp;
     memset(acc, 0, (size_t)(nk_all * (dkp + dvp)) * sizeof(FA_T));
+#ifdef FA_BF16_BWD
+    if (sc.f.kr && nk_all <= cx->kr) { /* the range's K and V rows as bfloat16, once for every item */
+        const fa_item *i0 = items;
+        const int64_t base = i0->koff + k0;
+        FA_NAME(fa_bw_rows16)((const FA_T *)p->k + i0->b * p->k_sb + i0->g * p->k_sh + base * p->k_sl, p->k_sl, nk_all,
+                              D, sc.f.kr);
+        FA_NAME(fa_bw_rows16)((const FA_T *)p->v + i0->b * p->v_sb + i0->g * p->v_sh + base * p->v_sl, p->v_sl, nk_all,
+                              Dv, sc.f.vr);
+        sc.f.kr_b = i0->b;
+        sc.f.kr_g = i0->g;
+        sc.f.kr_koff = i0->koff;
+        sc.f.kr_j0 = k0;
+        sc.f.kr_n = nk_all;
+    }
+#endif
     const int64_t kc = dq_mode ? cx->kc : nk_all;
     for (int64_t t = 0; t < nitems; t++) {
         const fa_item *it = items + t;

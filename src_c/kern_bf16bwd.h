@@ -50,6 +50,17 @@ static const uint16_t *FA_NAME(fa_bw_rows16)(const FA_T *FA_RESTRICT src, int64_
     return dst;
 }
 
+/* The bfloat16 rows (rows: sc->kr or sc->vr, `width` features) of keys j0 .. j0+nk-1 of
+ * item it's kv head where fa_bwd_kv made them for its key range, else NULL. */
+static inline const uint16_t *FA_NAME(fa_bw_cached)(const FA_NAME(fa_scratch) *sc, const uint16_t *rows,
+                                                    const fa_item *it, int64_t j0, int64_t nk, int64_t width)
+{
+    if (!rows || it->b != sc->kr_b || it->g != sc->kr_g || it->koff != sc->kr_koff || j0 < sc->kr_j0 ||
+        j0 + nk > sc->kr_j0 + sc->kr_n)
+        return NULL;
+    return rows + (j0 - sc->kr_j0) * FA_NAME(fa_bw_width)(width);
+}
+
 /* Row r of a block (n values at x) as bfloat16: into the feature pairs fp[t * brp + r]
  * (the last alone when n is odd) and, as the low (r even) or high (r odd) half of
  * each word, into the row pairs zp[(r / 2) * zs + c]. */

@@ -145,6 +145,14 @@ typedef struct FA_NAME(fa_scratch) {
     const FA_KV *kb_src; /* kb holds kb_n K rows from kb_src (S's tile; dQ reuses them) */
     int64_t kb_n;
     int bw;
+    /* the K and V rows of fa_bwd_kv's key range as bfloat16 (fa_bw_width wide), made
+     * once for all of its items: keys kr_j0 .. kr_j0 + kr_n - 1 of kv head (kr_b, kr_g)
+     * of the sequence at kr_koff (kr NULL: none) */
+    uint16_t *kr, *vr;
+    int64_t kr_b, kr_g, kr_koff, kr_j0, kr_n;
+    /* S's factor still to apply (1, or the scale where a tile with no logit step left
+     * S unscaled: P = exp(S pscale - lse) in one rounding, fa_bwd_tile) */
+    FA_T pscale;
 #endif
 #ifdef FA_BF16_AMX
     /* AMX tiles (kern_amx.h): P as query rows of key pairs (brp x fa_amx_kpp(bc)),
@@ -260,6 +268,7 @@ static size_t FA_NAME(fa_layout)(const fa_params *p, const fa_blocks *bl, void *
 #endif
 #ifdef FA_BF16_BWD
     sc->bw = 0;
+    sc->pscale = (FA_T)1;
     sc->kb_src = NULL;
     sc->kb_n = 0;
     sc->qp = (uint32_t *)FA_NAME(fa_carve)(&cur, (size_t)(FA_NAME(fa_bw_width)(p->D) + 1) / 2 * brp * sizeof(uint32_t));

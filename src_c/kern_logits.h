@@ -302,16 +302,22 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
                 for (int64_t i = 0; i < (int64_t)nv * FA_VL; i++) sc->cmx[i] = -(FA_T)INFINITY;
 #ifdef FA_BF16_BWD
             if (sc->bw) { /* the backward on pairs: the K tile as bfloat16 rows, then pairs */
-                const FA_T scale = (FA_T)(p->softcap > 0 ? p->scale / p->softcap : p->scale);
-                const uint16_t *kb = FA_NAME(fa_bw_rows16)(k, k_sl, nk, p->D, sc->kb);
+                /* with no logit step the scale waits for P's exponent (one pass less) */
+                const int fold = !FA_NAME(fa_has_logit_steps)(p, sc);
+                const FA_T scale = fold ? (FA_T)1 : (FA_T)(p->softcap > 0 ? p->scale / p->softcap : p->scale);
+                sc->pscale = fold ? (FA_T)p->scale : (FA_T)1;
+                const uint16_t *kb = FA_NAME(fa_bw_cached)(sc, sc->kr, it, j0, nk, p->D);
+                if (!kb) {
+                    kb = FA_NAME(fa_bw_rows16)(k, k_sl, nk, p->D, sc->kb);
+                    sc->kb_src = k;
+                    sc->kb_n = nk;
+                }
 #ifdef FA_BF16_AMX /* (rows and Q's pairs zero past D to whole tiles: no staging) */
                 const int64_t dz = FA_NAME(fa_bw_width)(p->D);
                 FA_NAME(fa_qk_tile_amx)(sc->qp, nv, kb, dz, nk, dz, sc->s, brp, scale, NULL, NULL);
 #else
                 FA_NAME(fa_qk_tile_dp)(sc->qp, nv, kb, p->D, nk, p->D, sc->s, brp, scale, NULL);
 #endif
-                sc->kb_src = k;
-                sc->kb_n = nk;
             } else
 #endif
 #ifdef FA_BF16_DP

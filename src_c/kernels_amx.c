@@ -129,6 +129,14 @@ static double fa_amx_chains(int64_t iters, double m, double a)
     return sum;
 }
 
+/* The backward's blocks on the tiles: a sweep of query rows x keys, 1 thread, B1 H2 L2048,
+ * medians of 5, GFLOP/s (2.5 x the forward's flops; a Sapphire Rapids class Xeon):
+ *   D=64:  192x64 519 | 128x64 507 | 64x64 501 | 192x32 478 | 256x64 478 | 128x32 472
+ *   D=128: 192x64 655 | 128x64 606 | 192x32 591 | 256x32 583 | 128x32 556
+ * so 192 rows (the keys stay 64).  What bounds it: the tile products take half of the
+ * time at about a quarter of the tile unit's rate (a profile puts the stalls on the
+ * loads of the dK/dV accumulator tiles and on the first vector reads of stored S and
+ * dP tiles), the float32 exp and dS a fifth, bfloat16 packing the rest. */
 const fa_bf16_kernel fa_kernel_amx_bf16 = {
 #ifdef FA_EMULATE_AMX
     "amx-bf16 (a software model of the tiles: a test build)",
@@ -143,4 +151,5 @@ const fa_bf16_kernel fa_kernel_amx_bf16 = {
     fa_bwd_q_abw_amx,
     fa_bwd_scratch_bytes_abw_amx,
     fa_bwd_reduce_abw_amx,
+    192, /* the backward's query rows: see the sweep above */
 };
