@@ -32,6 +32,10 @@ CASES = {
     "decode B1 H32 Lk8192 D128 paged16": dict(fn="fwd", B=1, H=32, Lq=1, Lk=8192, D=128, page=16),
     "decode B1 H32 Lk8192 D128 paged128": dict(fn="fwd", B=1, H=32, Lq=1, Lk=8192, D=128, page=128),
     "backward B1 H8 L2048 D64": dict(fn="bwd", B=1, H=8, Lq=2048, Lk=2048, D=64),
+    "backward B1 H8 L2048 D64 bf16": dict(fn="bwd", B=1, H=8, Lq=2048, Lk=2048, D=64, kv="bfloat16", q16=True),
+    "backward B1 H8 L2048 D128 bf16": dict(fn="bwd", B=1, H=8, Lq=2048, Lk=2048, D=128, kv="bfloat16", q16=True),
+    "backward B1 H8 L4096 D64 causal bf16": dict(fn="bwd", B=1, H=8, Lq=4096, Lk=4096, D=64, causal=True,
+                                                 kv="bfloat16", q16=True),
 }
 
 WORKER = r"""
@@ -60,9 +64,11 @@ for name, c in cases.items():
         k, v = pool(k), pool(v)
         kw.update(block_table=order.reshape(c["B"], -1).astype(np.int32),
                   seqlens_k=np.full(c["B"], c["Lk"], np.int32))
+    if c.get("q16"):  # q (and dout) of K/V's 16-bit type too
+        q = q.astype(kv)
     if c["fn"] == "bwd":
         o, l = fastattn.attention(q, k, v, return_lse=True, **kw)
-        d = rng.standard_normal(o.shape).astype(np.float32)
+        d = rng.standard_normal(o.shape).astype(q.dtype)
         f = lambda q=q, k=k, v=v, o=o, l=l, d=d, kw=kw: fastattn.attention_backward(d, q, k, v, o, l, **kw)
     else:
         f = lambda q=q, k=k, v=v, kw=kw: fastattn.attention(q, k, v, **kw)

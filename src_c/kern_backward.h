@@ -37,7 +37,8 @@
  *   qr   brp x dkp Q block (unscaled), rows     dp   bc x brp   dP, then dS
  *   pz   bc x brp  P times the dropout factor (dropout only)
  *   sg   bc x brp  the softcap's derivative 1 - tanh^2 (softcap only)
- *   lsev dvec brp  each row's lse (+inf for a row that sees no key) and D_i
+ *   lsev dvec brp  each row's lse (+inf for a row that sees no key; the backward
+ *                  keeps -lse there, -inf) and D_i
  *   ones           max(bc, brp) ones (the accumulations' "no rescale")
  *   qa   brp x dkp dQ accumulator of one key chunk, qs brp x dkp their running sum
  * (the dK and dV accumulators of a key range are the caller's). */
@@ -133,7 +134,7 @@ static void FA_NAME(fa_bwd_rows)(const fa_bwd_ctx *cx, const fa_item *it, int64_
     FA_NAME(fa_setup_rows)(p, it, nr, nvl, brp, cx->bl.k, &sc->f);
     for (int64_t r = nr; r < nvl; r++) {
         for (int64_t d = 0; d < Dv; d++) sc->dot[d * brp + r] = (FA_T)0;
-        sc->lsev[r] = (FA_T)INFINITY; /* padded lanes: P = 0 */
+        sc->lsev[r] = -(FA_T)INFINITY; /* padded lanes (-lse): P = 0 */
         sc->dvec[r] = (FA_T)0;
     }
     *lo_max = INT64_MIN;
@@ -161,7 +162,7 @@ static void FA_NAME(fa_bwd_rows)(const fa_bwd_ctx *cx, const fa_item *it, int64_
         for (int64_t d = 0; d < dkp; d++) sc->qr[r * dkp + d] = d < D ? qi[d] : (FA_T)0;
 #endif
         const FA_T l = ((const FA_T *)p->lse)[it->b * p->lse_sb + h * p->lse_sh + row * p->lse_sl];
-        sc->lsev[r] = l == -(FA_T)INFINITY ? (FA_T)INFINITY : l;
+        sc->lsev[r] = l == -(FA_T)INFINITY ? -(FA_T)INFINITY : -l; /* -lse: P = exp(S - lse) is one add */
         sc->dvec[r] = ((const FA_T *)cx->delta)[it->b * cx->delta_sb + h * cx->delta_sh + row];
         if (sc->f.lo[r] > *lo_max) *lo_max = sc->f.lo[r];
         if (sc->f.hi[r] < *hi_min) *hi_min = sc->f.hi[r];
@@ -184,10 +185,12 @@ static int FA_NAME(fa_bwd_tile)(const fa_bwd_ctx *cx, const fa_item *it, int64_t
     sc->f.pscale = (FA_T)1; /* (fa_scores sets it where it leaves S unscaled) */
 #endif
     if (!FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc->f, 0)) return 0;
+    /* (the element-wise passes below run the tile's rows in memory order: a tile can be
+     * larger than L1, and strided reads of it wait on L2) */
     if (p->softcap > 0) { /* s holds y = s_raw / c: the derivative of c tanh(y) is 1 - tanh^2 */
         const FA_V one = FA_VSET1((FA_T)1), m2 = FA_VSET1((FA_T)-2);
-        for (int c = 0; c < nv; c++)
-            for (int64_t jj = 0; jj < nk; jj++) {
+        for (int64_t jj = 0; jj < nk; jj++)
+            for (int c = 0; c < nv; c++) {
                 const int64_t o = jj * brp + (int64_t)c * FA_VL;
                 const FA_V e = FA_VEXP(FA_VMUL(m2, FA_VABS(FA_VLOAD(s + o))));
                 const FA_V th = FA_VDIV(FA_VSUB(one, e), FA_VADD(one, e));
@@ -195,20 +198,6 @@ static int FA_NAME(fa_bwd_tile)(const fa_bwd_ctx *cx, const fa_item *it, int64_t
             }
     }
     FA_NAME(fa_logit_tile)(p, s, nk, 0, nv, nr, j0, brp, &sc->f, NULL);
-#ifdef FA_BF16_BWD /* P = exp(S pscale - lse), one rounding (pscale 1: S - lse) */
-    const FA_V ps = FA_VSET1(sc->f.pscale);
-#define FA_BW_ARG(x, nl) FA_VFMA(x, ps, nl)
-#else
-#define FA_BW_ARG(x, nl) FA_VADD(x, nl)
-#endif
-    for (int c = 0; c < nv; c++) { /* P = exp(S - lse); hidden keys and padded rows: 0 */
-        const FA_V nl = FA_VSUB(FA_VZERO(), FA_VLOAD(sc->lsev + (int64_t)c * FA_VL));
-        for (int64_t jj = 0; jj < nk; jj++) {
-            FA_T *x = s + jj * brp + (int64_t)c * FA_VL;
-            FA_VSTORE(x, FA_VEXP(FA_BW_ARG(FA_VLOAD(x), nl)));
-        }
-    }
-#undef FA_BW_ARG
     const FA_T *v = (const FA_T *)p->v + it->b * p->v_sb + it->g * p->v_sh + (it->koff + j0) * p->v_sl;
 #ifdef FA_BF16_BWD
     const uint16_t *vb = FA_NAME(fa_bw_cached)(&sc->f, sc->f.vr, it, j0, nk, p->Dv);
@@ -224,8 +213,30 @@ static int FA_NAME(fa_bwd_tile)(const fa_bwd_ctx *cx, const fa_item *it, int64_t
 #else
     FA_NAME(fa_qk_tile)(sc->dot, nv, v, p->v_sl, nk, p->Dv, sc->dp, brp, NULL);
 #endif
+    /* P = exp(S - lse) (hidden keys and padded rows: 0) and, without dropout, in the same
+     * pass dS = P (dP - D_i) */
+#ifdef FA_BF16_BWD /* exp(S pscale - lse), one rounding (pscale 1: S - lse) */
+    const FA_V ps = FA_VSET1(sc->f.pscale);
+#define FA_BW_ARG(x, nl) FA_VFMA(x, ps, nl)
+#else
+#define FA_BW_ARG(x, nl) FA_VADD(x, nl)
+#endif
+    const int drop = p->dropout_p > 0;
+    for (int64_t jj = 0; jj < nk; jj++) {
+        FA_T *x = s + jj * brp, *d = sc->dp + jj * brp;
+        if (drop)
+            for (int64_t off = 0; off < (int64_t)nv * FA_VL; off += FA_VL)
+                FA_VSTORE(x + off, FA_VEXP(FA_BW_ARG(FA_VLOAD(x + off), FA_VLOAD(sc->lsev + off))));
+        else
+            for (int64_t off = 0; off < (int64_t)nv * FA_VL; off += FA_VL) {
+                const FA_V pv = FA_VEXP(FA_BW_ARG(FA_VLOAD(x + off), FA_VLOAD(sc->lsev + off)));
+                FA_VSTORE(x + off, pv);
+                FA_VSTORE(d + off, FA_VMUL(pv, FA_VSUB(FA_VLOAD(d + off), FA_VLOAD(sc->dvec + off))));
+            }
+    }
+#undef FA_BW_ARG
     *pw = s;
-    if (p->dropout_p > 0) { /* dV takes P z; dS takes z dP */
+    if (drop) { /* dV takes P z; dS takes z dP */
         const FA_T inv = (FA_T)(1.0 / (1.0 - p->dropout_p));
         for (int64_t r = 0; r < nr; r++)
             fa_dropout_row(p->seed, cx->drop_thresh, it->b, it->h0 + r / it->nq, it->q0 + r % it->nq,
@@ -238,14 +249,11 @@ static int FA_NAME(fa_bwd_tile)(const fa_bwd_ctx *cx, const fa_item *it, int64_t
                 sc->dp[o] *= z;
             }
         *pw = sc->pz;
-    }
-    for (int c = 0; c < nv; c++) {
-        const int64_t off = (int64_t)c * FA_VL;
-        const FA_V dv = FA_VLOAD(sc->dvec + off);
-        for (int64_t jj = 0; jj < nk; jj++) {
-            const int64_t o = jj * brp + off;
-            FA_VSTORE(sc->dp + o, FA_VMUL(FA_VLOAD(s + o), FA_VSUB(FA_VLOAD(sc->dp + o), dv)));
-        }
+        for (int64_t jj = 0; jj < nk; jj++)
+            for (int64_t off = 0; off < (int64_t)nv * FA_VL; off += FA_VL) {
+                const int64_t o = jj * brp + off;
+                FA_VSTORE(sc->dp + o, FA_VMUL(FA_VLOAD(s + o), FA_VSUB(FA_VLOAD(sc->dp + o), FA_VLOAD(sc->dvec + off))));
+            }
     }
     if (write_ds) /* the logits' gradient, before the softcap's derivative */
         for (int64_t r = 0; r < nr; r++) {
