@@ -512,17 +512,23 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
         # to its input's dtype; with q, k and v all bfloat16, its products take bfloat16
         # pairs where a bfloat16 path runs (semantics.md section 9), else float32
         pairs = qa_.dtype == ka_.dtype == va_.dtype == BF16
+        # all three bfloat16 (and no empty feature axis): the kernel rounds each gradient
+        # itself, into bfloat16 arrays (the same bits as rounding float32 ones here)
+        g16 = pairs and pr.D > 0 and pr.v.shape[-1] > 0
         grads = _backward(fn, dout, fresh(qa_, F32), fresh(ka_, F32), fresh(va_, F32), out, lse,
-                          bf16=pairs, pr=None, **kw)
+                          bf16=pairs, pr=None, grad_dt=BF16 if g16 else None, **kw)
+        if g16:
+            return grads
         return tuple(g.astype(x.dtype) for g, x in zip(grads, (qa_, ka_, va_))) + grads[3:]
     return _backward(fn, dout, qa_, ka_, va_, out, lse, bf16=False, pr=pr, **kw)
 
 
 def _backward(fn, dout, qa_, ka_, va_, out, lse, *, scale, causal, window, mask, bias,
               alibi_slopes, softcap, dropout_p, seed, seqlens_k, q_offset, k_offset, layout,
-              return_dbias, num_threads, sinks, return_dsinks, bf16, pr):
+              return_dbias, num_threads, sinks, return_dsinks, bf16, pr, grad_dt=None):
     """attention_backward on checked arrays (pr: their Problem, or None to make it); bf16:
-    q, k, v hold bfloat16 values (the products may take bfloat16 pairs)."""
+    q, k, v hold bfloat16 values (the products may take bfloat16 pairs); grad_dt:
+    bfloat16 to have the kernel write dq, dk, dv rounded to it (with bf16, D, Dv > 0)."""
     if pr is None:
         pr = Problem(fn, qa_, ka_, va_, layout)
     return_dbias = backward_flags(pr, return_dbias, bias)
@@ -534,9 +540,10 @@ def _backward(fn, dout, qa_, ka_, va_, out, lse, *, scale, causal, window, mask,
                      dropout_p, seed, seqlens_k, q_offset=q_offset, k_offset=k_offset,
                      sinks=sinks)
     dout_a, out_a, lse_a = grad_inputs(pr, dout, out, lse)
-    dq = np.empty(pr.user(pr.q.shape), dt)
-    dk = np.empty(pr.user(pr.k.shape), dt)
-    dv = np.empty(pr.user(pr.v.shape), dt)
+    gdt = dt if grad_dt is None else grad_dt
+    dq = np.empty(pr.user(pr.q.shape), gdt)
+    dk = np.empty(pr.user(pr.k.shape), gdt)
+    dv = np.empty(pr.user(pr.v.shape), gdt)
     ds = np.zeros(pr.logits_shape, dt) if return_dbias else None
     qa, ka, vv = pr.q, pr.k, pr.v
     dqa, dka, dva = pr.bhsd(dq), pr.bhsd(dk), pr.bhsd(dv)

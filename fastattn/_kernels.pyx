@@ -69,6 +69,7 @@ cdef extern from "fastattn.h" nogil:
         int64_t ds_sb, ds_sh, ds_sq
         int passes
         int bf16
+        int grad16
     int fa_attention_backward(const fa_bwd_params *bp)
     int fa_key_mass(const fa_params *p, void *mass, int64_t m_sb, int64_t m_sh)
     int fa_dropout_keep(uint64_t seed, uint32_t threshold, int64_t b, int64_t h, int64_t i, int64_t j)
@@ -657,29 +658,38 @@ def backward(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, cnp.n
     place (checked by fastattn._api, which copies what is not).  passes: 0 the
     library's choice, 1 or 2 to force a schedule (tests: the bits are the same).
     bf16: q, k, v are float32 copies of bfloat16 arrays, so where a bfloat16 path runs
-    the products take bfloat16 pairs (dout and the weights rounded to bfloat16)."""
+    the products take bfloat16 pairs (dout and the weights rounded to bfloat16); then
+    dq, dk, dv may be bfloat16 arrays (2-byte items, all three), each gradient rounded
+    from its float32 sum by the kernel."""
     cdef fa_bwd_params bp
     cdef int64_t item = cnp.PyArray_ITEMSIZE(q)
+    cdef int64_t gitem = cnp.PyArray_ITEMSIZE(dq)
     cdef int64_t sh[4]
     cdef int64_t st[4]
     cdef cnp.ndarray a
     cdef int rc
-    for a in (q, k, v, out, lse, dout, dq, dk, dv):
+    cdef int grad16 = bf16 != 0 and item == 4 and gitem == 2
+    for a in (q, k, v, out, lse, dout):
         if not _readable(a, item) or cnp.PyArray_TYPE(a) != cnp.PyArray_TYPE(q):
             raise ValueError("backward: every array must be readable in place, of one dtype")
+    for a in (dq, dk, dv):
+        if not _readable(a, gitem) or (cnp.PyArray_ITEMSIZE(a) != 2 if grad16 else
+                                       cnp.PyArray_TYPE(a) != cnp.PyArray_TYPE(q)):
+            raise ValueError("backward: dq, dk, dv must be writable in place, of q's dtype "
+                             "(or all bfloat16 with bf16)")
     memset(&bp, 0, sizeof(bp))
     _fill(&bp.f, q, k, v, out, lse, scale, causal, num_threads, block_q, block_k, variants)
     bp.dout = cnp.PyArray_DATA(dout)
     _dims(dout, item, sh, st)
     bp.do_sb = st[0]; bp.do_sh = st[1]; bp.do_sl = st[2]
     bp.dq = cnp.PyArray_DATA(dq)
-    _dims(dq, item, sh, st)
+    _dims(dq, gitem, sh, st)
     bp.dq_sb = st[0]; bp.dq_sh = st[1]; bp.dq_sl = st[2]
     bp.dk = cnp.PyArray_DATA(dk)
-    _dims(dk, item, sh, st)
+    _dims(dk, gitem, sh, st)
     bp.dk_sb = st[0]; bp.dk_sh = st[1]; bp.dk_sl = st[2]
     bp.dv = cnp.PyArray_DATA(dv)
-    _dims(dv, item, sh, st)
+    _dims(dv, gitem, sh, st)
     bp.dv_sb = st[0]; bp.dv_sh = st[1]; bp.dv_sl = st[2]
     if ds_obj is not None:
         a = <cnp.ndarray>ds_obj
@@ -688,6 +698,7 @@ def backward(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, cnp.n
         bp.ds_sb = st[0]; bp.ds_sh = st[1]; bp.ds_sq = st[2]
     bp.passes = passes
     bp.bf16 = bf16
+    bp.grad16 = grad16
     with nogil:
         rc = fa_attention_backward(&bp)
     _check_rc(rc, &bp.f)

@@ -48,6 +48,7 @@ static int fa_bwd_check(const fa_bwd_params *bp)
     if (!bp->dout || !bp->dq || !bp->dk || !bp->dv) return FA_ERR_ARG;
     if (!(p->dropout_p >= 0 && p->dropout_p < 1)) return FA_ERR_ARG;
     if (bp->passes < 0 || bp->passes > 2) return FA_ERR_ARG;
+    if (bp->grad16 && (!bp->bf16 || p->dtype != FA_F32)) return FA_ERR_ARG;
     return FA_OK;
 }
 
@@ -95,7 +96,7 @@ int fa_attention_backward(const fa_bwd_params *bp_in)
 
     fa_bwd_params bpl = *bp_in; /* with the backward's default block sizes */
     fa_params *p = &bpl.f;
-    const int64_t item = p->dtype == FA_F64 ? 8 : 4;
+    const int64_t item = p->dtype == FA_F64 ? 8 : 4, gitem = bpl.grad16 ? 2 : item; /* (the gradients') */
     /* bfloat16 inputs where a bfloat16 path runs: the products on pairs or tiles (16 lanes) */
     const fa_bf16_kernel *pk = fa_bf16_bwd_kernel(kern, &bpl);
     if (p->block_q <= 0 || p->block_k <= 0) {
@@ -188,10 +189,10 @@ int fa_attention_backward(const fa_bwd_params *bp_in)
             const int64_t k0 = c * chunk, k1 = p->Lk - k0 < chunk ? p->Lk : k0 + chunk;
             if (per_head == 0) { /* Lq = 0: no query reads these keys */
                 for (int64_t j = k0; j < k1; j++) {
-                    memset((char *)bpl.dk + (size_t)((b * bpl.dk_sb + g * bpl.dk_sh + j * bpl.dk_sl) * item), 0,
-                           (size_t)(p->D * item));
-                    memset((char *)bpl.dv + (size_t)((b * bpl.dv_sb + g * bpl.dv_sh + j * bpl.dv_sl) * item), 0,
-                           (size_t)(p->Dv * item));
+                    memset((char *)bpl.dk + (size_t)((b * bpl.dk_sb + g * bpl.dk_sh + j * bpl.dk_sl) * gitem), 0,
+                           (size_t)(p->D * gitem));
+                    memset((char *)bpl.dv + (size_t)((b * bpl.dv_sb + g * bpl.dv_sh + j * bpl.dv_sl) * gitem), 0,
+                           (size_t)(p->Dv * gitem));
                 }
                 continue;
             }

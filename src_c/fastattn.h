@@ -181,6 +181,10 @@ typedef struct fa_bwd_params {
                            bfloat16 arrays: where a bfloat16 path runs (fa_bf16_path),
                            the products take bfloat16 pairs, with W, dS and dout rounded
                            to bfloat16 (0: float32 products)                       */
+    int grad16;         /* with bf16: dq, dk and dv are bfloat16 arrays (their strides
+                           in their own elements), each gradient rounded to nearest
+                           even from its float32 sum, as a float32 result would be by
+                           the caller (no float32 copy of the gradients is made)   */
 } fa_bwd_params;
 
 /* Thread-safe; the result is bitwise identical for any thread count.  Memory beyond

@@ -361,6 +361,16 @@ static void FA_NAME(fa_bwd_chunks)(const fa_bwd_ctx *cx, const fa_item *it, int6
     }
 }
 
+/* Element i of a gradient array: x itself, or rounded to bfloat16 where the caller's
+ * gradients are bfloat16 (fa_bwd_params.grad16; float32 calls only). */
+static inline void FA_NAME(fa_bw_put)(void *g, int64_t i, FA_T x, int g16)
+{
+    if (g16)
+        ((uint16_t *)g)[i] = fa_float_to_bf16((float)x);
+    else
+        ((FA_T *)g)[i] = x;
+}
+
 /* Writes dq = scale * qs for the rows of `it`. */
 static void FA_NAME(fa_bwd_store_dq)(const fa_bwd_ctx *cx, const fa_item *it, const FA_T *qs)
 {
@@ -369,8 +379,8 @@ static void FA_NAME(fa_bwd_store_dq)(const fa_bwd_ctx *cx, const fa_item *it, co
     const FA_T scale = (FA_T)bp->f.scale;
     for (int64_t r = 0; r < nr; r++) {
         const int64_t h = it->h0 + r / it->nq, row = it->qoff + it->q0 + r % it->nq;
-        FA_T *dq = (FA_T *)bp->dq + it->b * bp->dq_sb + h * bp->dq_sh + row * bp->dq_sl;
-        for (int64_t d = 0; d < D; d++) dq[d] = scale * qs[r * dkp + d];
+        const int64_t o = it->b * bp->dq_sb + h * bp->dq_sh + row * bp->dq_sl;
+        for (int64_t d = 0; d < D; d++) FA_NAME(fa_bw_put)(bp->dq, o + d, scale * qs[r * dkp + d], bp->grad16);
     }
 }
 
@@ -421,10 +431,13 @@ static void FA_NAME(fa_bwd_kv)(const fa_bwd_ctx *cx, const fa_item *items, int64
     const int64_t b = items[0].b, g = items[0].g, koff = items[0].koff;
     const FA_T scale = (FA_T)p->scale;
     for (int64_t jj = 0; jj < nk_all; jj++) {
-        FA_T *dk = (FA_T *)bp->dk + b * bp->dk_sb + g * bp->dk_sh + (koff + k0 + jj) * bp->dk_sl;
-        FA_T *dv = (FA_T *)bp->dv + b * bp->dv_sb + g * bp->dv_sh + (koff + k0 + jj) * bp->dv_sl;
-        for (int64_t d = 0; d < D; d++) dk[d] = scale * ka[jj * dkp + d];
-        memcpy(dv, va + jj * dvp, (size_t)Dv * sizeof(FA_T));
+        const int64_t ok = b * bp->dk_sb + g * bp->dk_sh + (koff + k0 + jj) * bp->dk_sl;
+        const int64_t ov = b * bp->dv_sb + g * bp->dv_sh + (koff + k0 + jj) * bp->dv_sl;
+        for (int64_t d = 0; d < D; d++) FA_NAME(fa_bw_put)(bp->dk, ok + d, scale * ka[jj * dkp + d], bp->grad16);
+        if (bp->grad16)
+            for (int64_t d = 0; d < Dv; d++) FA_NAME(fa_bw_put)(bp->dv, ov + d, va[jj * dvp + d], 1);
+        else
+            memcpy((FA_T *)bp->dv + ov, va + jj * dvp, (size_t)Dv * sizeof(FA_T));
     }
 }
 
@@ -452,13 +465,13 @@ static void FA_NAME(fa_bwd_reduce)(const fa_bwd_ctx *cx, const void *partv, int6
     FA_T tot[4 * FA_VL];
     for (int64_t r = r0; r < r1; r++) {
         const int64_t b = r / (p->Hq * p->Lq), h = (r / p->Lq) % p->Hq, i = r % p->Lq;
-        FA_T *dq = (FA_T *)bp->dq + b * bp->dq_sb + h * bp->dq_sh + i * bp->dq_sl;
+        const int64_t o = b * bp->dq_sb + h * bp->dq_sh + i * bp->dq_sl;
         for (int64_t d0 = 0; d0 < D; d0 += 4 * FA_VL) {
             const int64_t n = D - d0 < 4 * FA_VL ? D - d0 : 4 * FA_VL;
             for (int64_t d = 0; d < n; d++) tot[d] = part[r * dkp + d0 + d];
             for (int64_t c = 1; c < nch; c++)
                 for (int64_t d = 0; d < n; d++) tot[d] += part[c * cx->part_sc + r * dkp + d0 + d];
-            for (int64_t d = 0; d < n; d++) dq[d0 + d] = scale * tot[d];
+            for (int64_t d = 0; d < n; d++) FA_NAME(fa_bw_put)(bp->dq, o + d0 + d, scale * tot[d], bp->grad16);
         }
     }
 }

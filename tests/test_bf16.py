@@ -234,6 +234,42 @@ def test_backward_pairs_run_and_keep_their_bits(rng, kern):
         _kernels.set_bf16_path(before[1])
 
 
+@pytest.mark.parametrize("kern", PAIR_KERNELS)
+def test_backward_writes_bfloat16_gradients_as_rounded_float32(rng, kern):
+    """With q, k, v all bfloat16 the kernel writes dq, dk, dv as bfloat16 itself
+    (attention_backward then makes no float32 gradients): on every bfloat16 path (the
+    float32 products too), every schedule and thread count, its bits are those of the
+    float32 gradients rounded to nearest even, into strided (bshd) views as well."""
+    before = _kernels.current_kernel(), _kernels.bf16_path()
+    _kernels.set_kernel(kern)
+    try:
+        B, Hq, Hkv, Lq, Lk, D, Dv = 2, 4, 2, 70, 150, 40, 24
+        q, k, v = bf(rng, B, Hq, Lq, D), bf(rng, B, Hkv, Lk, D), bf(rng, B, Hkv, Lk, Dv)
+        dout = bf(rng, B, Hq, Lq, Dv)
+        out, lse = fastattn.attention(q, k, v, causal=True, return_lse=True)
+        args = [f32(a) for a in (q, k, v, out)] + [lse, f32(dout)]
+        va = fastattn._args.Problem("t", *args[:3], "bhsd").variants(None, None, None, None, None, (0.0, 0))
+        for path in BF16_PATHS:
+            _kernels.set_bf16_path(path)
+            ref = [np.empty_like(a) for a in args[:3]]
+            _kernels.backward(*args, *ref, None, D ** -0.5, 1, 1, 0, 0, va, 0, 1)
+            want = [r.astype(BF16).view(np.uint16) for r in ref]
+            for passes in (0, 1, 2):
+                for nth in (1, 3):
+                    # bshd buffers, passed as (B, H, L, D) views: strided gradients
+                    g16 = [np.full((a.shape[0], a.shape[2], a.shape[1], a.shape[3]), 7, BF16).transpose(0, 2, 1, 3)
+                           for a in args[:3]]
+                    _kernels.backward(*args, *g16, None, D ** -0.5, 1, nth, 0, 0, va, passes, 1)
+                    for g, w in zip(g16, want):
+                        np.testing.assert_array_equal(g.view(np.uint16), w, err_msg=f"{path} {passes} {nth}")
+        with pytest.raises(ValueError, match="dq, dk, dv must be"):  # bfloat16 gradients need bf16
+            _kernels.backward(*args, *[np.empty(a.shape, BF16) for a in args[:3]], None, D ** -0.5, 1, 1, 0, 0, va,
+                              0, 0)
+    finally:
+        _kernels.set_kernel(before[0])
+        _kernels.set_bf16_path(before[1])
+
+
 def test_backward_no_worse_than_torch(rng):
     torch = pytest.importorskip("torch")
 
