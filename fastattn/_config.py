@@ -43,11 +43,9 @@ def _bf16_line(info: dict[str, Any]) -> str:
     pair_kernels = ("avx2", "avx512") if _kernels.bf16_emulated() else ("avx512",)
     path, kern = _kernels.bf16_path(), _kernels.current_kernel()
     if path == "amx-bf16" and kern in pair_kernels:
-        bwd = ("the backward on float32 products: vdpbf16ps runs at half the float32 FMA rate on "
-               "Intel's cores" if info.get("bf16_pairs_slow") and not _kernels.bf16_emulated()
-               else "the backward on AVX512-BF16 pairs")
         how = (f"the {kern} kernel takes both products on AMX tiles (tdpbf16ps, 16 x 16 float32 "
-               f"tiles, float32 softmax in AVX-512, P rounded to bfloat16; {bwd})")
+               "tiles, float32 softmax in AVX-512, P rounded to bfloat16; the backward on AMX "
+               "tiles too, its five products, W, dS and dout rounded to bfloat16)")
         if _kernels.bf16_emulated():
             how += ", the tiles a software model and AVX-512 from SIMDe: a test build, not for speed"
         return f"{how}; {cpu}; FASTATTN_DISABLE_CPU_FEATURES=AMX turns the tiles off"
