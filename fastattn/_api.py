@@ -515,7 +515,12 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
         # all three bfloat16 (and no empty feature axis): the kernel rounds each gradient
         # itself, into bfloat16 arrays (the same bits as rounding float32 ones here)
         g16 = pairs and pr.D > 0 and pr.v.shape[-1] > 0
-        grads = _backward(fn, dout, fresh(qa_, F32), fresh(ka_, F32), fresh(va_, F32), out, lse,
+        # the float32 copies on the call's threads (num_threads is checked later; a value
+        # that is not a positive int takes OpenMP's default here, then fails that check)
+        nth = num_threads if isinstance(num_threads, int) and num_threads > 0 else 0
+        dout, out = (fresh(x, F32, nth) if isinstance(x, np.ndarray) and x.dtype == BF16 else x
+                     for x in (dout, out))
+        grads = _backward(fn, dout, fresh(qa_, F32, nth), fresh(ka_, F32, nth), fresh(va_, F32, nth), out, lse,
                           bf16=pairs, pr=None, grad_dt=BF16 if g16 else None, **kw)
         if g16:
             return grads

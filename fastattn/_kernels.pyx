@@ -5,7 +5,7 @@ codes into exceptions.  No maths here."""
 
 cimport numpy as cnp
 from libc.math cimport sqrt
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memset
 
 cnp.import_array()
@@ -99,6 +99,7 @@ cdef extern from "fastattn.h" nogil:
     int fa_last_num_threads()
     const char *fa_build_info()
     int fa_exp_array(int isa, int dtype, const void *x, void *y, int64_t n)
+    void fa_bf16_to_f32(const uint16_t *src, uint32_t *dst, int64_t n, int nthreads)
     int fa_fma_peak(int isa, int dtype, int nthreads, double *gflops)
     int fa_bf16_peak(int path, int nthreads, double *gflops)
     int fa_plan_balance(const fa_params *p, int nthreads, double *work, int64_t *nitems)
@@ -203,6 +204,18 @@ def last_num_threads():
     """How many threads ran this Python thread's last kernel call (for tests: it
     shows num_threads, OMP_NUM_THREADS and threadpoolctl reach the kernel)."""
     return fa_last_num_threads()
+
+
+def bf16_to_f32(cnp.ndarray src, cnp.ndarray dst, int num_threads=0):
+    """dst (uint32, C-contiguous) = the float32 bits of src's bfloat16 values (uint16,
+    C-contiguous, as many), on num_threads threads (0: OpenMP's default)."""
+    if (cnp.PyArray_TYPE(src) != cnp.NPY_UINT16 or cnp.PyArray_TYPE(dst) != cnp.NPY_UINT32 or
+            not cnp.PyArray_IS_C_CONTIGUOUS(src) or not cnp.PyArray_IS_C_CONTIGUOUS(dst) or
+            cnp.PyArray_SIZE(src) != cnp.PyArray_SIZE(dst)):
+        raise TypeError("bf16_to_f32: src uint16 and dst uint32, C-contiguous, of one size")
+    with nogil:
+        fa_bf16_to_f32(<const uint16_t *>cnp.PyArray_DATA(src), <uint32_t *>cnp.PyArray_DATA(dst),
+                       cnp.PyArray_SIZE(src), num_threads if num_threads > 0 else 0)
 
 
 def exp(cnp.ndarray x, kernel):

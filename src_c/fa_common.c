@@ -54,6 +54,19 @@ void *fa_scratch_alloc(size_t bytes)
     return aligned_alloc(FA_ALIGN, n ? n : FA_ALIGN);
 }
 
+void fa_bf16_to_f32(const uint16_t *src, uint32_t *dst, int64_t n, int nthreads)
+{
+    const int64_t block = (int64_t)1 << 16; /* values a task: 256 KiB written */
+    const int64_t nb = (n + block - 1) / block;
+    int nth = nthreads > 0 ? nthreads : fa_max_threads();
+    if ((int64_t)nth > nb) nth = (int)(nb > 0 ? nb : 1);
+#pragma omp parallel for num_threads(nth) if (nth > 1) schedule(static)
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t i1 = (b + 1) * block < n ? (b + 1) * block : n;
+        for (int64_t i = b * block; i < i1; i++) dst[i] = (uint32_t)src[i] << 16;
+    }
+}
+
 int fa_exp_array(int isa, int dtype, const void *x, void *y, int64_t n)
 {
     const fa_kernel *kern = fa_kernel_for_isa(isa);

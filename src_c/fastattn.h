@@ -272,6 +272,11 @@ int fa_last_num_threads(void);
 /* "compiler=<name version>; openmp=<_OPENMP date or 0>" */
 const char *fa_build_info(void);
 
+/* ---- bfloat16 to float32: dst[i] = the float32 bits of bfloat16 src[i] (its bits moved
+ * up 16: exact), n values, split among nthreads threads (0: OpenMP's default); the
+ * Python side's float32 copies of bfloat16 arrays (fastattn._args.fresh). ---- */
+void fa_bf16_to_f32(const uint16_t *src, uint32_t *dst, int64_t n, int nthreads);
+
 /* ---- exp, exported for the ULP test: y[i] = exp(x[i]) computed by the kernel's
  * vectorized exp of the given ISA and dtype. Returns FA_ERR_ARG for an ISA this
  * CPU cannot run. ---- */

@@ -410,6 +410,26 @@ def test_nan_and_inf_on_every_path(bf16_kernel, rng):
         assert np.abs(out[fin] - ref[fin]).max() <= TOL_BF16 * np.abs(ref[fin]).max()
 
 
+@pytest.mark.parametrize("n", [0, 3, fastattn._args.BF16_THREADED - 1, fastattn._args.BF16_THREADED,
+                               fastattn._args.BF16_THREADED * 5 + 7])
+def test_float32_copies_of_bfloat16_are_exact(rng, n):
+    """The float32 copies the backward (and the 16-bit K/V paths) make of bfloat16 arrays:
+    every bit pattern moved up 16 (NaN payloads, infinities, denormals, -0), by the
+    extension's shift on a call's threads for large contiguous arrays and NumPy's for the
+    rest (one thread, small, or strided views)."""
+    a = rng.integers(0, 1 << 16, size=n, dtype=np.uint16)
+    a[:min(n, 5)] = [0x7FC1, 0xFF80, 0x0001, 0x8000, 0x7F7F][:min(n, 5)]
+    want = a.astype(np.uint32) << 16
+    two = np.stack([a, a[::-1]], axis=1).view(BF16)[:, 1]  # a strided view
+    for threads in (1, 0, 2, 3):
+        got = fastattn._args.fresh(a.view(BF16), np.float32, threads)
+        assert got.dtype == np.float32 and got.flags.c_contiguous
+        np.testing.assert_array_equal(got.view(np.uint32), want)
+        np.testing.assert_array_equal(fastattn._args.fresh(two, np.float32, threads).view(np.uint32), want[::-1])
+    with pytest.raises(TypeError, match="bf16_to_f32"):
+        _kernels.bf16_to_f32(a, np.empty(n, np.float32))
+
+
 def test_bf16_path_names_and_errors():
     assert BF16_PATHS[0] == "float32" and _kernels.bf16_path() in BF16_PATHS
     with pytest.raises(ValueError, match="unknown bfloat16 path"):
