@@ -138,7 +138,8 @@ def test_fwd_bwd_bf16(benchmark, bench_threads):
                                 kernel=fastattn._kernels.current_kernel())
 
 
-BWD = {"B1 H8 L2048 D64": (1, 8, 2048, 64), "B1 H8 L2048 D128": (1, 8, 2048, 128)}
+BWD = {"B1 H8 L2048 D64": (1, 8, 2048, 64, False), "B1 H8 L2048 D128": (1, 8, 2048, 128, False),
+       "B1 H8 L4096 D64 causal": (1, 8, 4096, 64, True)}
 BWD_BASELINES = ("torch bf16",) + (("fastattn bf16 on the float32 path",) if PATH != "float32" else ())
 BWD_CASES = [(n, b) for n in BWD for b in BWD_BASELINES]
 
@@ -149,16 +150,16 @@ def test_bwd_bf16(benchmark, bench_threads, name, baseline):
     """The backward alone (attention_backward of bfloat16 q, k, v: on a pair path its
     products take the pairs) against PyTorch's bf16 backward (o.backward on a graph made
     in the set-up) and against fastattn's own float32 products; GFLOP/s count the five
-    products, 10 B H L^2 D."""
-    B, H, L, D = BWD[name]
+    products, 10 B H L^2 D (half of it causal)."""
+    B, H, L, D, causal = BWD[name]
     if benchmark.disabled:
         L = 256
     rng = np.random.default_rng(0)
     q, k, v, dout = (rng.standard_normal((B, H, L, D), dtype=np.float32).astype(BF16) for _ in range(4))
-    out, lse = fastattn.attention(q, k, v, return_lse=True, num_threads=bench_threads)
+    out, lse = fastattn.attention(q, k, v, causal=causal, return_lse=True, num_threads=bench_threads)
     if baseline == "torch bf16":
         torch, (tq, tk, tv), tdo = _torch_grad_inputs(bench_threads, q, k, v, dout)
-        graph = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv)  # made once, untimed
+        graph = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)  # once, untimed
 
         def base():  # the backward alone, as ours
             for x in (tq, tk, tv):
@@ -168,16 +169,20 @@ def test_bwd_bf16(benchmark, bench_threads, name, baseline):
         def base():
             fastattn._kernels.set_bf16_path("float32")
             try:
-                return fastattn.attention_backward(dout, q, k, v, out, lse, num_threads=bench_threads)
+                return fastattn.attention_backward(dout, q, k, v, out, lse, causal=causal,
+                                                   num_threads=bench_threads)
             finally:
                 fastattn._kernels.set_bf16_path(PATH)
     grads, bmin, bmed = interleaved(
-        benchmark, lambda: fastattn.attention_backward(dout, q, k, v, out, lse, num_threads=bench_threads),
+        benchmark, lambda: fastattn.attention_backward(dout, q, k, v, out, lse, causal=causal,
+                                                       num_threads=bench_threads),
         base, 3 if L >= 2048 else 11)
     # sampled rows of dq and keys of dk, dv of the first head, from the definitions
     f = np.float64
     qh, kh, vh, doh, oh = (x[0, 0].astype(f) for x in (q, k, v, dout, out))
     s = qh @ kh.T / np.sqrt(D)
+    if causal:
+        s[np.triu_indices(L, 1)] = -np.inf
     p = np.exp(s - lse[0, 0].astype(f)[:, None])
     ds = p * (doh @ vh.T - np.sum(doh * oh, axis=1)[:, None])
     idx = np.linspace(0, L - 1, 6).astype(int)
@@ -186,7 +191,7 @@ def test_bwd_bf16(benchmark, bench_threads, name, baseline):
         assert np.max(np.abs(g.astype(f) - r)) <= 2e-2 * np.max(np.abs(r))
     st = benchmark.stats.stats if benchmark.stats else None
     benchmark.group = f"bf16 bwd {name}"
-    gflops = 10.0 * B * H * L * L * D / st.min / 1e9 if st else None
+    gflops = 10.0 * B * H * L * L * D / (2 if causal else 1) / st.min / 1e9 if st else None
     peak = fastattn.bench.bf16_peak(bench_threads) if st and PATH != "float32" else None
     benchmark.extra_info.update(bf16_case=f"bwd {name} vs {baseline}", baseline_min_s=bmin,
                                 baseline_median_s=bmed, threads=bench_threads,
