@@ -32,6 +32,8 @@ CASES = {
     "decode B1 H32 Lk8192 D128 paged16": dict(fn="fwd", B=1, H=32, Lq=1, Lk=8192, D=128, page=16),
     "decode B1 H32 Lk8192 D128 paged128": dict(fn="fwd", B=1, H=32, Lq=1, Lk=8192, D=128, page=128),
     "backward B1 H8 L2048 D64": dict(fn="bwd", B=1, H=8, Lq=2048, Lk=2048, D=64),
+    "prefill B1 H8 L4096 D64 bf16": dict(fn="fwd", B=1, H=8, Lq=4096, Lk=4096, D=64, kv="bfloat16", q16=True),
+    "prefill B1 H8 L2048 D128 bf16": dict(fn="fwd", B=1, H=8, Lq=2048, Lk=2048, D=128, kv="bfloat16", q16=True),
     "backward B1 H8 L2048 D64 bf16": dict(fn="bwd", B=1, H=8, Lq=2048, Lk=2048, D=64, kv="bfloat16", q16=True),
     "backward B1 H8 L2048 D128 bf16": dict(fn="bwd", B=1, H=8, Lq=2048, Lk=2048, D=128, kv="bfloat16", q16=True),
     "backward B1 H8 L4096 D64 causal bf16": dict(fn="bwd", B=1, H=8, Lq=4096, Lk=4096, D=64, causal=True,

@@ -143,7 +143,10 @@ FA_ALWAYS_INLINE void fa_ra_pass(const float *FA_RESTRICT s, uint16_t *FA_RESTRI
                                  int64_t b, __m512 cv, __m512 nm, __m512 *sum, __m512 *ymax, const int full,
                                  const int big)
 {
+    /* the even and the odd vectors in sums and maxima of their own: two chains of one
+     * dependent operation a step, not one of two */
     const __m512 zero = _mm512_setzero_ps();
+    __m512 s0 = zero, s1 = zero, y0 = *ymax, y1 = *ymax;
     for (int64_t v = 0; v < nz / 16; v += 2) {
         const __mmask16 k0 = full ? 0xFFFF : fa_ra_mask(a - 16 * v, b - 16 * v);
         const __mmask16 k1 = full ? 0xFFFF : fa_ra_mask(a - 16 * v - 16, b - 16 * v - 16);
@@ -151,19 +154,21 @@ FA_ALWAYS_INLINE void fa_ra_pass(const float *FA_RESTRICT s, uint16_t *FA_RESTRI
         if (k0) {
             const __m512 x = _mm512_load_ps(s + 16 * v);
             const __m512 y = big ? _mm512_add_ps(FA_RA_MUL_RN(x, cv), nm) : _mm512_fmadd_ps(x, cv, nm);
-            *ymax = full ? _mm512_max_ps(y, *ymax) : _mm512_mask_max_ps(*ymax, k0, y, *ymax);
+            y0 = full ? _mm512_max_ps(y, y0) : _mm512_mask_max_ps(y0, k0, y, y0);
             p0 = fa_ra_exp2(y, k0);
-            *sum = _mm512_add_ps(*sum, p0);
+            s0 = _mm512_add_ps(s0, p0);
         }
         if (k1) {
             const __m512 x = _mm512_load_ps(s + 16 * v + 16);
             const __m512 y = big ? _mm512_add_ps(FA_RA_MUL_RN(x, cv), nm) : _mm512_fmadd_ps(x, cv, nm);
-            *ymax = full ? _mm512_max_ps(y, *ymax) : _mm512_mask_max_ps(*ymax, k1, y, *ymax);
+            y1 = full ? _mm512_max_ps(y, y1) : _mm512_mask_max_ps(y1, k1, y, y1);
             p1 = fa_ra_exp2(y, k1);
-            *sum = _mm512_add_ps(*sum, p1);
+            s1 = _mm512_add_ps(s1, p1);
         }
         _mm512_store_si512((void *)(pr + 16 * v), FA_RA_CVT2(p1, p0));
     }
+    *sum = _mm512_add_ps(*sum, _mm512_add_ps(s0, s1));
+    *ymax = _mm512_max_ps(y0, y1);
 }
 
 /* One row of a block: logits s (keys [a, b) visible), P to pr (nz bfloat16, 0 outside
