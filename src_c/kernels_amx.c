@@ -134,9 +134,10 @@ static double fa_amx_chains(int64_t iters, double m, double a)
  *   D=64:  192x64 519 | 128x64 507 | 64x64 501 | 192x32 478 | 256x64 478 | 128x32 472
  *   D=128: 192x64 655 | 128x64 606 | 192x32 591 | 256x32 583 | 128x32 556
  * so 192 rows (the keys stay 64).  What bounds it: the tile products take half of the
- * time at about a quarter of the tile unit's rate (a profile puts the stalls on the
- * loads of the dK/dV accumulator tiles and on the first vector reads of stored S and
- * dP tiles), the float32 exp and dS a fifth, bfloat16 packing the rest. */
+ * time at about a quarter of the tile unit's rate (a profile puts its samples on the
+ * first load of each dK/dV accumulator tile and on the first vector reads of stored S
+ * and dP tiles, yet a timing probe that zeroed the accumulators instead of loading them
+ * saved only 7-9%), the float32 exp and dS a fifth, bfloat16 packing the rest. */
 const fa_bf16_kernel fa_kernel_amx_bf16 = {
 #ifdef FA_EMULATE_AMX
     "amx-bf16 (a software model of the tiles: a test build)",
