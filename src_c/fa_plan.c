@@ -134,14 +134,22 @@ static fa_blocks fa_default_blocks(const fa_kernel *kern, const fa_params *p)
         bl.q = banded ? 96 : 192;
         bl.k = 64;
     }
-    /* causal too: see above.  AMX's row-major block (kern_amx_rows.h) 192 x 256; its
+    /* causal too: see above.  AMX's row-major block (kern_amx_rows.h) 384 x 256; its
      * key-major one, for the other calls, keeps the pairs' 192 x 128 and with them their
      * bits in the emulated build.  On a Sapphire Rapids class Xeon, 1 thread, B1 H2
      * L4096, medians of 5 (ms, lower is better; these runs vary by 5-10%): D=64 q=192 k=256 20.3 | q=384 k=64 21.4 |
      * q=192 k=128 21.6 | q=192 k=64 24.0; D=128 q=384 k=64 30.2 | q=192 k=256 30.8 |
      * q=192 k=64 35.2 | q=192 k=128 36.9 (the P.V output tiles load and store once a
-     * key block: longer blocks, fewer of them) */
-    if (fa_bf16_pairs(kern, p)) bl = (fa_blocks){192, fa_bf16_path() == FA_BF16_AMX && fa_amx_rows_call(p) ? 256 : 128};
+     * key block: longer blocks, fewer of them).  A later sweep of the query rows at k=256
+     * (the same call, medians of 7; each item packs the K and V it reads, ~13% of the
+     * block's samples at q=192): D=64 q=192 20.5 | 256 19.9 | 320 19.5 | 384 19.2 | 512
+     * 19.5; D=128 29.1 | 28.9 | 28.0 | 27.3 | 27.7; on 2 threads q=384 against q=192
+     * (medians of 9): B1 H8 L4096 D64 0.93x the time, causal 0.92x, L2048 D128 0.92x,
+     * B4 H16 L256 0.85x, L1024 causal 0.95x. */
+    if (fa_bf16_pairs(kern, p)) {
+        const int rows = fa_bf16_path() == FA_BF16_AMX && fa_amx_rows_call(p);
+        bl = (fa_blocks){rows ? 384 : 192, rows ? 256 : 128};
+    }
     const int64_t budget = fa_cpu_l2_bytes() / 2;
     for (;;) {
         int64_t ws = item * (bl.q * (p->D + p->Dv) + bl.k * (p->D + p->Dv + bl.q));

@@ -61,14 +61,20 @@ __attribute__((noinline, optimize("fp-contract=off"))) static __m512 fa_ra_mul_r
 #define FA_RA_CVT2(x1, x0) ((__m512i)_mm512_cvtne2ps_pbh((x1), (x0)))
 #endif
 
-/* The largest of the 16 lanes (none NaN here), and their sum in lane order. */
+/* The largest of the 16 lanes (none NaN here) in registers (through memory, as a
+ * chain of 15 dependent compares, it was 2.5% of a prefill's samples), and their sum
+ * in lane order. */
 static inline float fa_ra_hmax(__m512 x)
 {
+#ifdef FA_EMULATE_AMX /* (SIMDe has no reduce) */
     float t[16];
     _mm512_storeu_ps(t, x);
-    float m = t[0];
-    for (int i = 1; i < 16; i++) m = t[i] > m ? t[i] : m;
-    return m;
+    for (int w = 8; w >= 1; w /= 2)
+        for (int i = 0; i < w; i++) t[i] = t[i + w] > t[i] ? t[i + w] : t[i];
+    return t[0];
+#else
+    return _mm512_reduce_max_ps(x);
+#endif
 }
 static inline float fa_ra_hsum(__m512 x)
 {
@@ -124,16 +130,27 @@ static inline __m512 fa_ra_exp2(__m512 y, __mmask16 k)
     return _mm512_maskz_scalef_ps(live, r, n);
 }
 
-/* The max of s c over the keys [a, b) of a row (vectors v0 .. v1-1); NaN logits are
- * skipped (their p is NaN whatever the max), -inf when there is none. */
-static inline float fa_ra_max(const float *s, int64_t a, int64_t b, __m512 cv)
+/* The max of s c over the keys [a, b) of a row of nz (a multiple of 32); NaN logits
+ * are skipped (max returns its second operand, the running max, when one is NaN: their
+ * p is NaN whatever the max), -inf when there is none.  A whole row (most rows, the
+ * first block of each chunk) without masks and in two chains: with a mask computed per
+ * vector and one chain this pass and its lane max took 15% of the block's samples
+ * (perf, B1 H2 L4096 D64, 1 thread), as much as half the softmax itself. */
+static inline float fa_ra_max(const float *s, int64_t a, int64_t b, int64_t nz, __m512 cv)
 {
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t v = a / 16; v * 16 < b; v++) {
-        const __mmask16 k = fa_ra_mask(a - 16 * v, b - 16 * v);
-        mx = _mm512_mask_max_ps(mx, k, FA_RA_MUL_RN(_mm512_load_ps(s + 16 * v), cv), mx);
+    __m512 m0 = _mm512_set1_ps(-INFINITY), m1 = m0;
+    if (a == 0 && b == nz) {
+        for (int64_t v = 0; v < nz / 16; v += 2) {
+            m0 = _mm512_max_ps(FA_RA_MUL_RN(_mm512_load_ps(s + 16 * v), cv), m0);
+            m1 = _mm512_max_ps(FA_RA_MUL_RN(_mm512_load_ps(s + 16 * v + 16), cv), m1);
+        }
+    } else {
+        for (int64_t v = a / 16; v * 16 < b; v++) {
+            const __mmask16 k = fa_ra_mask(a - 16 * v, b - 16 * v);
+            m0 = _mm512_mask_max_ps(m0, k, FA_RA_MUL_RN(_mm512_load_ps(s + 16 * v), cv), m0);
+        }
     }
-    return fa_ra_hmax(mx);
+    return fa_ra_hmax(_mm512_max_ps(m0, m1));
 }
 
 /* One pass of fa_ra_row over a row: y = s c - m (nm = -m), p = 2^y into the row's
@@ -181,7 +198,7 @@ static float fa_ra_row(const float *FA_RESTRICT s, uint16_t *FA_RESTRICT pr, int
     const __m512 cv = _mm512_set1_ps(c), zero = _mm512_setzero_ps();
     float m = *m2, alpha = 1.0f;
     if (m == -INFINITY) {
-        m = fa_ra_max(s, a, b, cv);
+        m = fa_ra_max(s, a, b, nz, cv);
         *m2 = m; /* stays -inf if every visible logit is -inf or NaN */
     }
     for (int redone = 0;; redone = 1) {
@@ -209,7 +226,7 @@ static float fa_ra_row(const float *FA_RESTRICT s, uint16_t *FA_RESTRICT pr, int
         /* a logit more than 2^8 above the reference (m is finite here: with m = -inf
          * every y is -inf or NaN): the block again against its max, once (against
          * its own max no y exceeds 2, see above) */
-        const float mn = fa_ra_max(s, a, b, cv), al = exp2f(m - mn);
+        const float mn = fa_ra_max(s, a, b, nz, cv), al = exp2f(m - mn);
         _mm512_store_ps(lv, _mm512_mul_ps(_mm512_load_ps(lv), _mm512_set1_ps(al)));
         alpha *= al;
         *m2 = m = mn;
@@ -340,9 +357,11 @@ static void FA_NAME(fa_qblock_rows)(const fa_params *p, const fa_blocks *bl, con
              * between them do not overlap it), the tile stages ~9 ms, packing and the
              * rest ~1.5 ms. */
             const int64_t ng = (nvl + 2 * FA_AMX_ROWS - 1) / (2 * FA_AMX_ROWS);
+            int64_t kg[3] = {0, 0, 0}; /* the keys group g needs (fa_ra_keys), at g % 3 */
             for (int64_t step = 0; step < ng + 2; step++) {
                 /* S = Q K^T of group step, 2 x 2 tiles of 16 x 16 at a time */
-                int64_t g0 = step * 2 * FA_AMX_ROWS, nkg = g0 < nvl ? fa_ra_keys(&sc, g0, nr, j0, nk) : 0;
+                int64_t g0 = step * 2 * FA_AMX_ROWS;
+                int64_t nkg = kg[step % 3] = g0 < nvl ? fa_ra_keys(&sc, g0, nr, j0, nk) : 0;
                 if (nkg > 0) {
                     if (!packed) {
                         int64_t k_sl;
@@ -390,7 +409,7 @@ static void FA_NAME(fa_qblock_rows)(const fa_params *p, const fa_blocks *bl, con
                 }
                 /* the softmax of group step - 1, row by row; P straight into the A rows */
                 g0 = (step - 1) * 2 * FA_AMX_ROWS;
-                nkg = step >= 1 && g0 < nvl ? fa_ra_keys(&sc, g0, nr, j0, nk) : 0;
+                nkg = step >= 1 ? kg[(step - 1) % 3] : 0;
                 if (nkg > 0) {
                     const int64_t nz = FA_NAME(fa_round_up)(nkg, 2 * FA_AMX_ROWS);
                     const int64_t gr = g0 + FA_AMX_ROWS < nvl ? 2 * FA_AMX_ROWS : FA_AMX_ROWS;
@@ -414,7 +433,7 @@ static void FA_NAME(fa_qblock_rows)(const fa_params *p, const fa_blocks *bl, con
                 }
                 /* O += P V of group step - 2, 2 x 2 tiles of 16 x 16 over the pairs of keys */
                 g0 = (step - 2) * 2 * FA_AMX_ROWS;
-                nkg = step >= 2 && g0 < nvl ? fa_ra_keys(&sc, g0, nr, j0, nk) : 0;
+                nkg = step >= 2 ? kg[(step - 2) % 3] : 0;
                 if (nkg <= 0) continue;
                 const int two_q = g0 + FA_AMX_ROWS < nvl;
                 const uint16_t *pg = sc.pr + (step & 1) * 2 * FA_AMX_ROWS * bcz;
