@@ -355,7 +355,10 @@ static void FA_NAME(fa_qblock_rows)(const fa_params *p, const fa_blocks *bl, con
              * stage timed by leaving it out): the softmax pass ~10 ms (~15 cycles a
              * vector of 16 logits in place, 9 in a loop by itself: the tile instructions
              * between them do not overlap it), the tile stages ~9 ms, packing and the
-             * rest ~1.5 ms. */
+             * rest ~1.5 ms.  The tiles outside the kernel (bench/probes/amx_tiles.c):
+             * a 16 x 16 float32 tile stored into lines not in L1 takes ~17 ns, three
+             * products' worth, so at D = 64 storing S costs more than computing it
+             * (QK^T of a group: 417 ns without the stores, 983 with them). */
             const int64_t ng = (nvl + 2 * FA_AMX_ROWS - 1) / (2 * FA_AMX_ROWS);
             int64_t kg[3] = {0, 0, 0}; /* the keys group g needs (fa_ra_keys), at g % 3 */
             for (int64_t step = 0; step < ng + 2; step++) {
