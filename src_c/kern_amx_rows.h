@@ -308,8 +308,9 @@ static void FA_NAME(fa_qblock_rows)(const fa_params *p, const fa_blocks *bl, con
     const int64_t dz = FA_NAME(fa_amx_dz)(D), nch = dz / FA_AMX_K, bcz = FA_NAME(fa_round_up)(bc, 2 * FA_AMX_ROWS);
     FA_NAME(fa_scratch) sc;
     FA_NAME(fa_layout)(p, bl, scratch, &sc);
+    sc.q_own = 1; /* (Q's rows below, not fa_setup_rows' pairs) */
     FA_NAME(fa_setup_rows)(p, it, nr, nvl, brp, bc, &sc);
-    /* Q's rows zero-padded to dz (over the pairs fa_setup_rows packed: the same room) */
+    /* Q's rows zero-padded to dz (in the room of the pairs, which fa_setup_rows left) */
     uint16_t *qa = (uint16_t *)sc.qp;
     uint32_t *kq = (uint32_t *)(void *)sc.kz;
     for (int64_t r = 0; r < nvl; r++) {

@@ -115,6 +115,8 @@ typedef struct FA_NAME(fa_scratch) {
     int cmx_valid;              /* cmx holds the tile's row maxima (fa_scores) */
     FA_T *cmx;
     int query_major;            /* never key-major (the backward's tiles) */
+    int q_own;                  /* the block lays Q out itself (AMX rows): fa_setup_rows
+                                   packs none */
     int64_t bcp;                /* bc rounded up to FA_VL */
     FA_T *o2;
     uint8_t *mt;
@@ -202,6 +204,7 @@ static size_t FA_NAME(fa_layout)(const fa_params *p, const fa_blocks *bl, void *
     sc->kt = (FA_T *)FA_NAME(fa_carve)(&cur, (size_t)FA_NAME(fa_round_up)(p->D, FA_VL) * FA_VL * t);
     sc->bcp = FA_NAME(fa_round_up)((int64_t)bc, FA_VL);
     sc->query_major = 0;
+    sc->q_own = 0;
     {
         const size_t km = (size_t)FA_DOT_ROWS * (size_t)sc->bcp; /* key-major use */
         sc->s = (FA_T *)FA_NAME(fa_carve)(&cur, (bc * brp > km ? bc * brp : km) * t);

@@ -75,7 +75,8 @@ static void FA_NAME(fa_setup_rows)(const fa_params *p, const fa_item *it, int64_
     const int64_t left = p->window_left, right = p->window_right;
     const int causal = p->causal != FA_CAUSAL_NONE;
     for (int64_t r = nr; r < nvl; r++) {
-        for (int64_t d = 0; d < D; d++) sc->qt[d * brp + r] = (FA_T)0;
+        if (!sc->q_own)
+            for (int64_t d = 0; d < D; d++) sc->qt[d * brp + r] = (FA_T)0;
         sc->lo[r] = 0;
         sc->hi[r] = -1;
         sc->slope[r] = sc->apos[r] = (FA_T)0;
@@ -84,11 +85,16 @@ static void FA_NAME(fa_setup_rows)(const fa_params *p, const fa_item *it, int64_
         if (sc->bt)
             for (int64_t j = 0; j < bc; j++) sc->bt[j * brp + r] = (FA_T)0;
     }
+    /* (a block that lays Q out itself: nothing; the AMX rows block's short calls spent
+     * 7% of their samples packing Q pairs it then overwrote) */
 #ifdef FA_BF16_DP
     /* bfloat16 q, k, v and a prefill call: the products take bfloat16 pairs */
-    if (sc->dp)
+    if (sc->q_own) {
+    } else if (sc->dp)
         FA_NAME(fa_pack_q_pairs)(p, it, nr, nvl, brp, sc->qp);
     else
+#else
+    if (!sc->q_own)
 #endif
         FA_NAME(fa_pack_q)(p, it, nr, brp, qscale, sc->qt);
     for (int64_t r = 0; r < nr; r++) {
