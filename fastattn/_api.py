@@ -11,7 +11,7 @@ from typing import Any, Literal, NamedTuple, Tuple, Union, overload
 import numpy as np
 
 from . import _kernels
-from ._args import BF16, F32, Problem, as_array, fresh, in_place, parse_flag
+from ._args import BF16, F32, Problem, as_array, fresh, in_place, parse_flag, parse_threads
 from ._cache import Source, kv_source
 from ._checks import backward_flags, check_out, grad_inputs
 from ._typing import Array, ArrayLike, Causal, FloatArray, Layout, Window
@@ -515,11 +515,8 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
         # all three bfloat16 (and no empty feature axis): the kernel rounds each gradient
         # itself, into bfloat16 arrays (the same bits as rounding float32 ones here)
         g16 = pairs and pr.D > 0 and pr.v.shape[-1] > 0
-        # the float32 copies on the call's threads (num_threads is checked later; a value
-        # that is not a positive int takes OpenMP's default here, then fails that check)
-        nth = num_threads if isinstance(num_threads, int) and num_threads > 0 else 0
-        dout, out = (fresh(x, F32, nth) if isinstance(x, np.ndarray) and x.dtype == BF16 else x
-                     for x in (dout, out))
+        # the float32 copies on the call's threads (dout and out: grad_inputs, the same)
+        nth = parse_threads(num_threads, fn)
         grads = _backward(fn, dout, fresh(qa_, F32, nth), fresh(ka_, F32, nth), fresh(va_, F32, nth), out, lse,
                           bf16=pairs, pr=None, grad_dt=BF16 if g16 else None, **kw)
         if g16:
@@ -544,7 +541,7 @@ def _backward(fn, dout, qa_, ka_, va_, out, lse, *, scale, causal, window, mask,
     opt = pr.options(causal, scale, num_threads, window, mask, bias, alibi_slopes, softcap,
                      dropout_p, seed, seqlens_k, q_offset=q_offset, k_offset=k_offset,
                      sinks=sinks)
-    dout_a, out_a, lse_a = grad_inputs(pr, dout, out, lse)
+    dout_a, out_a, lse_a = grad_inputs(pr, dout, out, lse, opt.threads)
     gdt = dt if grad_dt is None else grad_dt
     dq = np.empty(pr.user(pr.q.shape), gdt)
     dk = np.empty(pr.user(pr.k.shape), gdt)

@@ -27,28 +27,29 @@ def backward_flags(pr, return_dbias, bias):
     return return_dbias
 
 
-def grad_inputs(pr, dout, out, lse):
+def grad_inputs(pr, dout, out, lse, threads=1):
     """dout, out and lse of attention_backward checked against the forward's shapes of
     its Problem `pr`, as arrays in the compute dtype readable in place (dout and out in
-    the "bhsd" order)."""
+    the "bhsd" order); a copy is made on `threads` threads where `fresh` can."""
     out_shape = pr.user(pr.q.shape[:-1] + (pr.v.shape[-1],))
     what = "the shape attention returned for these q, k, v"
-    return (pr.bhsd(_grad_input(pr, dout, "dout", out_shape, what)),
-            pr.bhsd(_grad_input(pr, out, "out", out_shape, what)),
+    return (pr.bhsd(_grad_input(pr, dout, "dout", out_shape, what, threads)),
+            pr.bhsd(_grad_input(pr, out, "out", out_shape, what, threads)),
             _grad_input(pr, lse, "lse", pr.q.shape[:-1],
-                        "(..., Hq, Lq): what attention(..., return_lse=True) returned"))
+                        "(..., Hq, Lq): what attention(..., return_lse=True) returned", threads))
 
 
-def _grad_input(pr, x, name, shape, what):
+def _grad_input(pr, x, name, shape, what, threads):
     """dout, out or lse of a backward call as an array of `shape` in the compute
-    dtype, readable in place (copied only if it is not)."""
+    dtype, readable in place (copied only if it is not, on `threads` threads where
+    `fresh` can)."""
     fn = pr.fn
     a = as_array(x, name, fn)
     if a.shape != shape:
         raise ValueError(f"fastattn.{fn}: {name} has shape {a.shape}, expected {shape} ({what})")
     if not is_float(a.dtype):
         raise TypeError(f"fastattn.{fn}: {name} must be a float array, got dtype {a.dtype}")
-    return in_place(a, pr.dtype)
+    return in_place(a, pr.dtype, threads)
 
 
 def check_out(out, shape, dtype, inputs):

@@ -208,14 +208,14 @@ def last_num_threads():
 
 def bf16_to_f32(cnp.ndarray src, cnp.ndarray dst, int num_threads=0):
     """dst (uint32, C-contiguous) = the float32 bits of src's bfloat16 values (uint16,
-    C-contiguous, as many), on num_threads threads (0: OpenMP's default)."""
+    C-contiguous, as many), on num_threads threads (0 or less: OpenMP's default)."""
     if (cnp.PyArray_TYPE(src) != cnp.NPY_UINT16 or cnp.PyArray_TYPE(dst) != cnp.NPY_UINT32 or
             not cnp.PyArray_IS_C_CONTIGUOUS(src) or not cnp.PyArray_IS_C_CONTIGUOUS(dst) or
             cnp.PyArray_SIZE(src) != cnp.PyArray_SIZE(dst)):
         raise TypeError("bf16_to_f32: src uint16 and dst uint32, C-contiguous, of one size")
     with nogil:
         fa_bf16_to_f32(<const uint16_t *>cnp.PyArray_DATA(src), <uint32_t *>cnp.PyArray_DATA(dst),
-                       cnp.PyArray_SIZE(src), num_threads if num_threads > 0 else 0)
+                       cnp.PyArray_SIZE(src), num_threads)
 
 
 def exp(cnp.ndarray x, kernel):
