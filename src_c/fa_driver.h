@@ -47,6 +47,7 @@ int64_t fa_max_seq_len(const int64_t *cu, int64_t B, int64_t fixed);
  * forward's thread count, for which the query blocks may be cut smaller (never the
  * key blocks: no result changes); 0 or 1 keeps the default blocks. */
 int fa_make_plan(const fa_kernel *kern, const fa_params *p, int nth, fa_plan *pl);
+int64_t fa_chunk_keys(const fa_kernel *kern, const fa_params *p);
 /* Does a forward call on `kern` take the bfloat16 pair products (fa_bf16_kernel):
  * q, k and v bfloat16 on the avx512 kernel with the AVX512-BF16 path selected? */
 int fa_bf16_pairs(const fa_kernel *kern, const fa_params *p);

@@ -78,7 +78,7 @@ static int fa_run_head_items(const fa_params *p, const fa_plan *pl, fa_qblock_fn
 
 /*
  * Decoding (a few queries against a long KV cache): split-KV.  The keys are cut
- * into the chunks of FA_CHUNK_KEYS from key 0 that every path reduces separately;
+ * into the chunks of fa_chunk_keys from key 0 that every path reduces separately;
  * every (sequence, kv head group, chunk) is a work item that writes that chunk's
  * partial (out, lse), and the partials are merged in chunk order by fa_merge_step,
  * exactly as a prefill block merges the same chunks of the same row.  So the
@@ -89,10 +89,10 @@ static int fa_run_head_items(const fa_params *p, const fa_plan *pl, fa_qblock_fn
  */
 #define FA_DECODE_MAX_LQ 8
 
-static int fa_use_split(const fa_params *p)
+static int fa_use_split(const fa_kernel *kern, const fa_params *p)
 {
     return !p->cu_q && !p->weights && !p->entropy && p->Lq <= FA_DECODE_MAX_LQ &&
-           p->Lk > FA_CHUNK_KEYS;
+           p->Lk > fa_chunk_keys(kern, p);
 }
 
 /* Split-KV item t of heads x nch (sequence, kv head, head chunk; chunk): the item with
@@ -102,7 +102,7 @@ static int fa_use_split(const fa_params *p)
 static int64_t fa_split_item(const fa_params *p, const fa_plan *pl, int64_t t, int64_t heads,
                              int64_t nch, fa_item *it)
 {
-    const int64_t chunk = FA_CHUNK_KEYS;
+    const int64_t chunk = pl->bl.chunk;
     const int chunk_major = p->k_sl != p->D || p->v_sl != p->Dv;
     const int64_t c = chunk_major ? t / heads : t % nch, h = chunk_major ? t % heads : t / nch;
     fa_item_make(p, pl, h / (p->Hkv * pl->nhc), (h / pl->nhc) % p->Hkv, h % pl->nhc, 0, it);
@@ -114,7 +114,7 @@ static int64_t fa_split_item(const fa_params *p, const fa_plan *pl, int64_t t, i
 static int fa_decode_split(const fa_params *p, const fa_plan *pl, fa_qblock_fn qblock,
                            size_t scratch_bytes, int nth_req)
 {
-    const int64_t chunk = FA_CHUNK_KEYS, nch = (p->Lk + chunk - 1) / chunk;
+    const int64_t chunk = pl->bl.chunk, nch = (p->Lk + chunk - 1) / chunk;
     const int64_t rows = p->B * p->Hq * p->Lq, Dv = p->Dv;
     const size_t item = p->dtype == FA_F64 ? 8 : 4;
     char *pout = (char *)fa_scratch_alloc((size_t)(nch * rows * Dv) * item);
@@ -198,7 +198,7 @@ int fa_attention_forward(const fa_params *p)
     if (!kern || (p->isa >= 0 && !(fa_cpu_supported_isas() & (1u << p->isa)))) return FA_ERR_ARG;
     if (p->B == 0 || p->Hq == 0 || (!p->cu_q && p->Lq == 0)) return FA_OK;
 
-    const int nth_req = p->num_threads > 0 ? p->num_threads : fa_max_threads(), split = fa_use_split(p);
+    const int nth_req = p->num_threads > 0 ? p->num_threads : fa_max_threads(), split = fa_use_split(kern, p);
     fa_plan pl;
     rc = fa_make_plan(kern, p, split ? 0 : nth_req, &pl);
     if (rc != FA_OK) return rc;
@@ -307,13 +307,13 @@ int fa_plan_balance(const fa_params *p, int nthreads, double *work, int64_t *nit
     for (int t = 0; t < nthreads; t++) work[t] = 0.0;
     *nitems = 0;
     if (p->B == 0 || p->Hq == 0 || (!p->cu_q && p->Lq == 0)) return FA_OK;
-    const int split = fa_use_split(p);
+    const int split = fa_use_split(kern, p);
     fa_plan pl;
     rc = fa_make_plan(kern, p, split ? 0 : nthreads, &pl);
     if (rc != FA_OK) return rc;
     int nth = nthreads;
     if (split) {
-        const int64_t nch = (p->Lk + FA_CHUNK_KEYS - 1) / FA_CHUNK_KEYS;
+        const int64_t nch = (p->Lk + pl.bl.chunk - 1) / pl.bl.chunk;
         const int64_t heads = p->B * p->Hkv * pl.nhc, items = heads * nch;
         if ((int64_t)nth > items) nth = (int)items;
         for (int64_t t = 0; t < items; t++) {

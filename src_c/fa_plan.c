@@ -134,7 +134,7 @@ static fa_blocks fa_default_blocks(const fa_kernel *kern, const fa_params *p)
         bl.q = banded ? 96 : 192;
         bl.k = 64;
     }
-    /* causal too: see above.  AMX's row-major block (kern_amx_rows.h) 384 x 256; its
+    /* causal too: see above.  AMX's row-major block (kern_amx_rows.h) 768 x 256; its
      * key-major one, for the other calls, keeps the pairs' 192 x 128 and with them their
      * bits in the emulated build.  On a Sapphire Rapids class Xeon, 1 thread, B1 H2
      * L4096, medians of 5 (ms, lower is better; these runs vary by 5-10%): D=64 q=192 k=256 20.3 | q=384 k=64 21.4 |
@@ -145,12 +145,24 @@ static fa_blocks fa_default_blocks(const fa_kernel *kern, const fa_params *p)
      * block's samples at q=192): D=64 q=192 20.5 | 256 19.9 | 320 19.5 | 384 19.2 | 512
      * 19.5; D=128 29.1 | 28.9 | 28.0 | 27.3 | 27.7; on 2 threads q=384 against q=192
      * (medians of 9): B1 H8 L4096 D64 0.93x the time, causal 0.92x, L2048 D128 0.92x,
-     * B4 H16 L256 0.85x, L1024 causal 0.95x. */
-    if (fa_bf16_pairs(kern, p)) {
-        const int rows = fa_bf16_path() == FA_BF16_AMX && fa_amx_rows_call(p);
-        bl = (fa_blocks){rows ? 384 : 192, rows ? 256 : 128};
-    }
+     * B4 H16 L256 0.85x, L1024 causal 0.95x.  With the block's chunks of 2048 keys
+     * (FA_ROWS_CHUNK_KEYS) longer items gained again: 2 threads, k=256, medians of 7,
+     * ms, q = 384 | 512 | 768 | 1024: B1 H8 L4096 D64 33.1 | 31.9 | 31.9 | 31.6; causal
+     * 17.5 | 17.0 | 16.7 | 16.4; L2048 D128 12.4 | 11.6 | 11.4 | 11.4. */
     const int64_t budget = fa_cpu_l2_bytes() / 2;
+    if (fa_bf16_pairs(kern, p)) {
+        if (fa_bf16_path() == FA_BF16_AMX && fa_amx_rows_call(p)) {
+            /* the row-major block's own working set: Q's rows (bfloat16, padded to 32
+             * features) and the output rows (float32) of the item, K and V packed
+             * (bfloat16), two groups of 32 rows' logits and P: 768 rows at D <= 128 */
+            const int64_t dz = (p->D + 31) / 32 * 32, dvp = (p->Dv + 15) / 16 * 16;
+            bl = (fa_blocks){768, 256, 0, 0};
+            while (bl.q > 128 && bl.q * (2 * dz + 4 * dvp) + bl.k * (2 * dz + 2 * dvp + 12 * 32) > budget)
+                bl.q /= 2;
+            return bl;
+        }
+        bl = (fa_blocks){192, 128, 0, 0};
+    }
     for (;;) {
         int64_t ws = item * (bl.q * (p->D + p->Dv) + bl.k * (p->D + p->Dv + bl.q));
         if (ws <= budget) break;
@@ -204,10 +216,24 @@ int fa_check(const fa_params *p)
     return FA_OK;
 }
 
+/* The keys a call's blocks and splits reduce as one chunk (see FA_CHUNK_KEYS): the
+ * row-major AMX block's calls FA_ROWS_CHUNK_KEYS, the others FA_CHUNK_KEYS. */
+int64_t fa_chunk_keys(const fa_kernel *kern, const fa_params *p)
+{
+#ifdef FA_HAVE_BF16_KERNELS
+    if (fa_bf16_pairs(kern, p) && fa_bf16_path() == FA_BF16_AMX && fa_amx_rows_call(p)) return FA_ROWS_CHUNK_KEYS;
+#else
+    (void)kern;
+    (void)p;
+#endif
+    return FA_CHUNK_KEYS;
+}
+
 /* Block sizes: see fa_default_blocks for the measurements behind the defaults. */
 static fa_blocks fa_choose_blocks(const fa_kernel *kern, const fa_params *p)
 {
     fa_blocks bl = fa_default_blocks(kern, p);
+    bl.chunk = fa_chunk_keys(kern, p);
     if (p->block_q > 0) bl.q = p->block_q;
     if (p->block_k > 0) bl.k = p->block_k;
     if (bl.q > 1024) bl.q = 1024;

@@ -35,7 +35,7 @@
  * in whole 32s), every product of P.V one element of a tile chain over the key block's
  * 32s in order; the reference max, the sums (lane = key mod 16, vectors in key order)
  * and the rescale are decided per row from its own logits; the key blocks and chunks
- * start at multiples of bc and FA_CHUNK_KEYS from key 0.  So a row's bits do not depend
+ * start at multiples of bc and FA_ROWS_CHUNK_KEYS from key 0.  So a row's bits do not depend
  * on the other rows of its item, the thread count or the call's shape.
  */
 
@@ -331,11 +331,11 @@ static void FA_NAME(fa_qblock_rows)(const fa_params *p, const fa_blocks *bl, con
     const float c = (float)(p->scale * FA_LOG2E);
     const int64_t ss = bcz * (int64_t)sizeof(float), ps = bcz * (int64_t)sizeof(uint16_t);
     const int64_t qs = dz * (int64_t)sizeof(uint16_t);
-    const int64_t kv0 = it->kv0 / bc * bc;
-    const int single = it->kv1 > kv0 && kv0 / FA_CHUNK_KEYS == (it->kv1 - 1) / FA_CHUNK_KEYS;
+    const int64_t kv0 = it->kv0 / bc * bc, ck = bl->chunk; /* FA_ROWS_CHUNK_KEYS */
+    const int single = it->kv1 > kv0 && kv0 / ck == (it->kv1 - 1) / ck;
     FA_NAME(fa_amx_begin)();
-    for (int64_t c0 = kv0 / FA_CHUNK_KEYS * FA_CHUNK_KEYS; c0 < it->kv1; c0 += FA_CHUNK_KEYS) {
-        const int64_t lo = kv0 > c0 ? kv0 : c0, hi = it->kv1 - c0 < FA_CHUNK_KEYS ? it->kv1 : c0 + FA_CHUNK_KEYS;
+    for (int64_t c0 = kv0 / ck * ck; c0 < it->kv1; c0 += ck) {
+        const int64_t lo = kv0 > c0 ? kv0 : c0, hi = it->kv1 - c0 < ck ? it->kv1 : c0 + ck;
         memset(sc.o, 0, (size_t)(nvl * dvp) * sizeof(float));
         for (int64_t i = 0; i < nvl; i++) {
             sc.m2[i] = -INFINITY;

@@ -184,20 +184,20 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
         sc.mtot[i] = sc.mG[i] = (FA_T)0;
     }
 
-    /* The visible keys in chunks of FA_CHUNK_KEYS from key 0, each by the online
+    /* The visible keys in chunks of ck (FA_CHUNK_KEYS, see fa_chunk_keys) from key 0, each by the online
      * softmax over its tiles (and P.V unless only the weights are wanted), then
      * merged into the running result.  Tiles start at multiples of bc from key 0
      * (not at this block's first visible key), so a row meets the same tiles and
      * chunks in every call it is part of. */
-    const int64_t kv0 = it->kv0 / bc * bc;
-    /* One chunk (at most FA_CHUNK_KEYS keys, short sequences): merging it alone only
+    const int64_t kv0 = it->kv0 / bc * bc, ck = bl->chunk;
+    /* One chunk (at most ck keys, short sequences): merging it alone only
      * copies it, so its rows go from sc.o to the output as fa_fold_chunk and
      * fa_merge_finish would leave them (fa_chunk_row: o / l, lse = m + log l, the
      * same bits), without the merge's two passes over the rows. */
-    const int single = it->kv1 > kv0 && kv0 / FA_CHUNK_KEYS == (it->kv1 - 1) / FA_CHUNK_KEYS && !sc.u &&
+    const int single = it->kv1 > kv0 && kv0 / ck == (it->kv1 - 1) / ck && !sc.u &&
                        !p->weights;
-    for (int64_t c0 = kv0 / FA_CHUNK_KEYS * FA_CHUNK_KEYS; c0 < it->kv1; c0 += FA_CHUNK_KEYS) {
-        const int64_t lo = kv0 > c0 ? kv0 : c0, hi = it->kv1 - c0 < FA_CHUNK_KEYS ? it->kv1 : c0 + FA_CHUNK_KEYS;
+    for (int64_t c0 = kv0 / ck * ck; c0 < it->kv1; c0 += ck) {
+        const int64_t lo = kv0 > c0 ? kv0 : c0, hi = it->kv1 - c0 < ck ? it->kv1 : c0 + ck;
         for (int64_t i = 0; i < nr * dvp; i++) sc.o[i] = (FA_T)0;
         for (int64_t i = 0; i < nvl; i++) {
             sc.m[i] = -(FA_T)INFINITY;

@@ -364,6 +364,26 @@ def test_bits_across_threads_and_calls(bf16_kernel, rng, nth, L):
     np.testing.assert_array_equal(o.view(np.uint16), full[1:2, 1:3].view(np.uint16))
 
 
+def test_key_chunks_in_prefill_and_split_decoding(bf16_kernel, rng):
+    """Keys past two of the row-major AMX block's 2048-key chunks (the other paths'
+    chunks are 512 keys): a few queries of 16 heads on one kv head (Lq = 2 and 3, 32
+    and 48 rows an item) take split-KV decoding, one item a chunk merged afterwards;
+    12 queries take one prefill item that folds the chunks itself.  The same rows have
+    the same bits either way and for 1, 2 and 3 threads, and the oracle's values."""
+    B, Hq, Hkv, Lk, D = 1, 16, 1, 4500, 64
+    q, k, v = bf(rng, B, Hq, 12, D), bf(rng, B, Hkv, Lk, D), bf(rng, B, Hkv, Lk, D)
+    full, lse = fastattn.attention(q, k, v, return_lse=True, num_threads=1)
+    check(q, k, v)
+    for nth in (1, 2, 3):
+        o, l = fastattn.attention(q, k, v, return_lse=True, num_threads=nth)
+        np.testing.assert_array_equal(o.view(np.uint16), full.view(np.uint16))
+        np.testing.assert_array_equal(l, lse)
+        for n in (2, 3):
+            o, l = fastattn.attention(q[:, :, :n], k, v, return_lse=True, num_threads=nth)
+            np.testing.assert_array_equal(o.view(np.uint16), full[:, :, :n].view(np.uint16))
+            np.testing.assert_array_equal(l, lse[:, :, :n])
+
+
 @pytest.mark.parametrize("kern,path", [(k, p) for k in PAIR_KERNELS for p in BF16_PATHS if p != "float32"])
 def test_decode_rows_take_the_float32_products(rng, kern, path):
     """On a pair path, a prefill block's bits differ from the float32 path's (P is
