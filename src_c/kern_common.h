@@ -22,6 +22,10 @@
 #define FA_16_TO_FLOAT(x) fa_half_to_float(x)
 #define FA_FLOAT_TO_16(x) fa_float_to_half(x)
 #endif
+#ifndef FA_ROW_TO_16 /* n floats of a row to the 16-bit type */
+#define FA_ROW_TO_16(d, s, n)                                                                  \
+    for (int64_t c_ = 0; c_ < (n); c_++) (d)[c_] = FA_FLOAT_TO_16((float)(s)[c_])
+#endif
 
 #ifndef FA_KV
 #define FA_KV FA_T

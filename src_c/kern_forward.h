@@ -152,8 +152,7 @@ static void FA_NAME(fa_write_rows)(const fa_params *p, const fa_item *it, int64_
         if (p->weights) continue;
 #ifdef FA_KV_HALF
         if (fa_store16(p->out_store)) {
-            uint16_t *orow = (uint16_t *)sc->orow[r];
-            for (int64_t c = 0; c < Dv; c++) orow[c] = FA_FLOAT_TO_16((float)acc[c]);
+            FA_ROW_TO_16((uint16_t *)sc->orow[r], acc, Dv);
             continue;
         }
 #endif

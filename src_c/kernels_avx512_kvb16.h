@@ -10,3 +10,4 @@
 #define FA_KV_SCALAR(x) fa_bf16_to_float(x)
 #define FA_16_TO_FLOAT(x) fa_bf16_to_float(x)
 #define FA_FLOAT_TO_16(x) fa_float_to_bf16(x)
+#define FA_ROW_TO_16(d, s, n) fa_row_to_bf16((d), (s), (n))

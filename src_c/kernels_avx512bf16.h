@@ -43,16 +43,6 @@ static inline __m512 fa_dp_fma(__m512 acc, __m512i a, __m512i b)
     for (int i = 0; i < 16; i++) s[i] = fa_model_pair_fma(s[i], x[i], y[i]);
     return _mm512_loadu_ps(s);
 }
-/* float32 -> bfloat16 bits in the low half of each lane, round to nearest even; NaN
- * stays a (quiet) NaN */
-static inline __m512i fa_bf16_round(__m512 x)
-{
-    const __m512i b = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    return _mm512_mask_blend_epi32(nan, r, _mm512_or_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(0x40)));
-}
 #define FA_DP_FMA(acc, a, b) fa_dp_fma((acc), (a), (b))
 #define FA_DP_CVT2(x0, x1) _mm512_or_si512(fa_bf16_round(x0), _mm512_slli_epi32(fa_bf16_round(x1), 16))
 #define FA_DP_CVT1(x) _mm512_cvtepi32_epi16(fa_bf16_round(x))

@@ -12,6 +12,7 @@
 #undef FA_KV_TILE_SCALAR
 #undef FA_16_TO_FLOAT
 #undef FA_FLOAT_TO_16
+#undef FA_ROW_TO_16
 #undef FA_I8_LOADU
 #undef FA_HAVE_I8_PRODUCTS
 #undef FA_KV16_V
