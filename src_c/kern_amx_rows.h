@@ -86,7 +86,9 @@ static inline float fa_ra_hsum(__m512 x)
 }
 #define FA_RA_TH 8.0f /* a block's logit more than 2^8 above the reference: rescale */
 /* 2^f on [0, 1), degree 4, fitted to the relative error (Lawson's iteration on 20001
- * points): 2.7e-6 with the coefficients rounded to float32 */
+ * points): 2.7e-6 with the coefficients rounded to float32.  (Degree 3, 7.5e-5, would
+ * save one of the pass's ~11 instructions a vector, but the sums take p unrounded and
+ * lse = m ln 2 + log l is held to float32's tolerance, 3e-5: it failed that.) */
 #define FA_RA_E0 1.0000026226043701f
 #define FA_RA_E1 0.6930038332939148f
 #define FA_RA_E2 0.24144276976585388f
@@ -153,39 +155,48 @@ static inline float fa_ra_max(const float *s, int64_t a, int64_t b, int64_t nz, 
     return fa_ra_hmax(_mm512_max_ps(m0, m1));
 }
 
-/* One pass of fa_ra_row over a row: y = s c - m (nm = -m), p = 2^y into the row's
- * sums and, rounded, into pr; the lanes' largest y into ymax.  full: every key
- * visible, nz = b (no masks); big: the product rounded before the subtraction. */
-FA_ALWAYS_INLINE void fa_ra_pass(const float *FA_RESTRICT s, uint16_t *FA_RESTRICT pr, int64_t nz, int64_t a,
-                                 int64_t b, __m512 cv, __m512 nm, __m512 *sum, __m512 *ymax, const int full,
-                                 const int big)
+/* y = s c - m (nm = -m) of a vector of logits; big: the product rounded first */
+static inline __m512 fa_ra_y(const float *s, __m512 cv, __m512 nm, const int big)
 {
-    /* the even and the odd vectors in sums and maxima of their own: two chains of one
-     * dependent operation a step, not one of two */
+    const __m512 x = _mm512_load_ps(s);
+    return big ? _mm512_add_ps(FA_RA_MUL_RN(x, cv), nm) : _mm512_fmadd_ps(x, cv, nm);
+}
+
+/* One pass of fa_ra_row over a row: p = 2^y into the row's sums and, rounded, into
+ * pr.  full: every key visible, nz = b (no masks). */
+FA_ALWAYS_INLINE void fa_ra_pass(const float *FA_RESTRICT s, uint16_t *FA_RESTRICT pr, int64_t nz, int64_t a,
+                                 int64_t b, __m512 cv, __m512 nm, __m512 *sum, const int full, const int big)
+{
+    /* the even and the odd vectors in sums of their own: two chains */
     const __m512 zero = _mm512_setzero_ps();
-    __m512 s0 = zero, s1 = zero, y0 = *ymax, y1 = *ymax;
+    __m512 s0 = zero, s1 = zero;
     for (int64_t v = 0; v < nz / 16; v += 2) {
         const __mmask16 k0 = full ? 0xFFFF : fa_ra_mask(a - 16 * v, b - 16 * v);
         const __mmask16 k1 = full ? 0xFFFF : fa_ra_mask(a - 16 * v - 16, b - 16 * v - 16);
         __m512 p0 = zero, p1 = zero;
         if (k0) {
-            const __m512 x = _mm512_load_ps(s + 16 * v);
-            const __m512 y = big ? _mm512_add_ps(FA_RA_MUL_RN(x, cv), nm) : _mm512_fmadd_ps(x, cv, nm);
-            y0 = full ? _mm512_max_ps(y, y0) : _mm512_mask_max_ps(y0, k0, y, y0);
-            p0 = fa_ra_exp2(y, k0);
+            p0 = fa_ra_exp2(fa_ra_y(s + 16 * v, cv, nm, big), k0);
             s0 = _mm512_add_ps(s0, p0);
         }
         if (k1) {
-            const __m512 x = _mm512_load_ps(s + 16 * v + 16);
-            const __m512 y = big ? _mm512_add_ps(FA_RA_MUL_RN(x, cv), nm) : _mm512_fmadd_ps(x, cv, nm);
-            y1 = full ? _mm512_max_ps(y, y1) : _mm512_mask_max_ps(y1, k1, y, y1);
-            p1 = fa_ra_exp2(y, k1);
+            p1 = fa_ra_exp2(fa_ra_y(s + 16 * v + 16, cv, nm, big), k1);
             s1 = _mm512_add_ps(s1, p1);
         }
         _mm512_store_si512((void *)(pr + 16 * v), FA_RA_CVT2(p1, p0));
     }
     *sum = _mm512_add_ps(*sum, _mm512_add_ps(s0, s1));
-    *ymax = _mm512_max_ps(y0, y1);
+}
+
+/* The lanes' largest y of the visible keys (NaN skipped: max returns its second
+ * operand, the running max, when one is NaN) */
+static __m512 fa_ra_ymax(const float *s, int64_t nz, int64_t a, int64_t b, __m512 cv, __m512 nm, const int big)
+{
+    __m512 y0 = _mm512_set1_ps(-INFINITY);
+    for (int64_t v = a / 16; v < nz / 16 && 16 * v < b; v++) {
+        const __mmask16 k = fa_ra_mask(a - 16 * v, b - 16 * v);
+        y0 = _mm512_mask_max_ps(y0, k, fa_ra_y(s + 16 * v, cv, nm, big), y0);
+    }
+    return y0;
 }
 
 /* One row of a block: logits s (keys [a, b) visible), P to pr (nz bfloat16, 0 outside
@@ -210,16 +221,22 @@ static float fa_ra_row(const float *FA_RESTRICT s, uint16_t *FA_RESTRICT pr, int
          * two back into an FMA) */
         const int big = !(fabsf(m) < 0x1p25f) && m != -INFINITY;
         const __m512 nm = _mm512_set1_ps(m == -INFINITY ? 0.0f : -m);
-        __m512 sum = zero, ymax = _mm512_set1_ps(-INFINITY);
+        __m512 sum = zero;
         /* every key of the row visible and the rows whole 32s (most rows): no masks to
          * compute (they cost as much as the softmax itself, measured) */
         if (a == 0 && b == nz && !big)
-            fa_ra_pass(s, pr, nz, a, b, cv, nm, &sum, &ymax, 1, 0);
+            fa_ra_pass(s, pr, nz, a, b, cv, nm, &sum, 1, 0);
         else if (big)
-            fa_ra_pass(s, pr, nz, a, b, cv, nm, &sum, &ymax, 0, 1);
+            fa_ra_pass(s, pr, nz, a, b, cv, nm, &sum, 0, 1);
         else
-            fa_ra_pass(s, pr, nz, a, b, cv, nm, &sum, &ymax, 0, 0);
-        if (redone || !_mm512_cmp_ps_mask(ymax, _mm512_set1_ps(FA_RA_TH), _CMP_GT_OQ)) {
+            fa_ra_pass(s, pr, nz, a, b, cv, nm, &sum, 0, 0);
+        /* Is a y above FA_RA_TH?  Not when every lane's sum is at most 2^7: a y > 8 has
+         * p > 2^8 (1 - 2.7e-6), and the p are >= 0, so only rows with a lane sum above
+         * 2^7 or NaN (rare after the first block, whose y are <= 0) take a pass for
+         * their largest y, and the answer is the one a max kept in the pass would give
+         * (the pass did that, one of its ~12 instructions a vector) */
+        if (redone || _mm512_cmp_ps_mask(sum, _mm512_set1_ps(128.0f), _CMP_LE_OQ) == 0xFFFF ||
+            !_mm512_cmp_ps_mask(fa_ra_ymax(s, nz, a, b, cv, nm, big), _mm512_set1_ps(FA_RA_TH), _CMP_GT_OQ)) {
             _mm512_store_ps(lv, _mm512_add_ps(_mm512_load_ps(lv), sum));
             return alpha;
         }
