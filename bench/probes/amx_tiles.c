@@ -11,7 +11,11 @@
  * 2 x 2 tiles of 16 x 16 over two 32-feature steps, each S tile stored row-major into a
  * 32 x 256 float32 buffer), its softmax (one pass a row: FMA, vreduceps, a degree-4
  * polynomial, vscalefps, sums, P rounded to bfloat16), and O += P V (2 x 2 accumulator
- * tiles loaded and stored once a block).
+ * tiles loaded and stored once a block).  Then where the time of the kernel's step
+ * goes: the softmax with its logits and P in L1 or not, the step with S and P in L1,
+ * and the step with its tile work cut into 32 pieces, one before each softmax row (or
+ * after its first few vector pairs), so that the tile unit and the vector ports could
+ * work at the same time.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -41,6 +45,7 @@ static uint16_t pr[2 * 32 * BC] __attribute__((aligned(64)));
 static uint32_t vp[BC / 2 * DV] __attribute__((aligned(64)));
 static float o[NQ * DV] __attribute__((aligned(64)));
 static float small[1024] __attribute__((aligned(64))); /* 4 KiB: stays in L1 */
+static uint16_t psmall[1024] __attribute__((aligned(64)));
 static float sink;
 
 /* S of one 32-row group; store: 0 none, 1 the group's buffer (s), 2 a 4 KiB buffer */
@@ -131,6 +136,73 @@ static void softmax_row(const float *s, uint16_t *p, int nv)
     sink += _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) + _mm512_reduce_max_ps(_mm512_max_ps(y0, y1));
 }
 
+
+/* one 2 x 2 tile piece of QK^T (i in 0..15: key-tile pair i/2, feature step i%2) */
+static inline void qk_chunk(const uint16_t *q, float *s, int i)
+{
+    const int t = 2 * (i / 2), cc = i % 2;
+    if (cc == 0) { _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); }
+    const uint32_t *b0 = kq + (t * (D / 32) + cc) * 256, *b1 = b0 + (D / 32) * 256;
+    _tile_loadd(4, q + 32 * cc, D * 2);
+    _tile_loadd(6, b0, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, b1, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, q + 16 * D + 32 * cc, D * 2);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+    if (cc == 1) {
+        _tile_stored(0, s + 16 * t, BC * 4);
+        _tile_stored(1, s + 16 * t + 16, BC * 4);
+        _tile_stored(2, s + 16 * BC + 16 * t, BC * 4);
+        _tile_stored(3, s + 16 * BC + 16 * t + 16, BC * 4);
+    }
+}
+/* one piece of P.V (i in 0..15: output column pair i/8, key pairs 16 (i%8)) */
+static inline void pv_chunk(float *og, const uint16_t *p, int i)
+{
+    const int c0 = 32 * (i / 8), t0 = 16 * (i % 8);
+    float *o0 = og + c0, *o1 = o0 + 16 * DV;
+    if (t0 == 0) {
+        _tile_loadd(0, o0, DV * 4);
+        _tile_loadd(1, o0 + 16, DV * 4);
+        _tile_loadd(2, o1, DV * 4);
+        _tile_loadd(3, o1 + 16, DV * 4);
+    }
+    _tile_loadd(4, (const uint32_t *)p + t0, BC * 2);
+    _tile_loadd(6, vp + t0 * DV + c0, DV * 4);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, vp + t0 * DV + c0 + 16, DV * 4);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, (const uint32_t *)(p + 16 * BC) + t0, BC * 2);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+    if (t0 == BC / 2 - 16) {
+        _tile_stored(0, o0, DV * 4);
+        _tile_stored(1, o0 + 16, DV * 4);
+        _tile_stored(2, o1, DV * 4);
+        _tile_stored(3, o1 + 16, DV * 4);
+    }
+}
+/* softmax of a row in halves with a tile piece between */
+static void softmax_row_il(const float *s, uint16_t *p, int nv, int split, const uint16_t *q, float *sq, float *og, const uint16_t *pp, int piece)
+{
+    const __m512 c = _mm512_set1_ps(0.18f), nm = _mm512_set1_ps(-1.0f);
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0, y0 = _mm512_set1_ps(-INFINITY), y1 = y0;
+    for (int v = 0; v < nv; v += 2) {
+        if (v == split) { if (piece < 16) qk_chunk(q, sq, piece); else pv_chunk(og, pp, piece - 16); }
+        const __m512 a = _mm512_fmadd_ps(_mm512_load_ps(s + 16 * v), c, nm);
+        const __m512 b = _mm512_fmadd_ps(_mm512_load_ps(s + 16 * v + 16), c, nm);
+        y0 = _mm512_max_ps(a, y0);
+        y1 = _mm512_max_ps(b, y1);
+        const __m512 p0 = exp2v(a), p1 = exp2v(b);
+        s0 = _mm512_add_ps(s0, p0);
+        s1 = _mm512_add_ps(s1, p1);
+        _mm512_store_si512((void *)(p + 16 * v), (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    }
+    sink += _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) + _mm512_reduce_max_ps(_mm512_max_ps(y0, y1));
+}
+
 #define BEST(label, per, body)                                                                    \
     do {                                                                                          \
         double best = 1e9;                                                                        \
@@ -186,6 +258,32 @@ int main(void)
         qk(qa + (i % 12) * 32 * D, sr + (i & 1) * 32 * BC, 1);
         for (int r = 0; r < 32; r++)
             softmax_row(sr + ((i - 1) & 1) * 32 * BC + r * BC, pr + ((i - 1) & 1) * 32 * BC + r * BC, BC / 16);
+        pv(o + (i % 12) * 32 * DV, pr + (i & 1) * 32 * BC);
+    });
+    for (int split = 0; split <= 6; split += 2) {
+        char lab[100]; snprintf(lab, sizeof lab, "interleaved step, tile piece after vector pair %d", split / 2);
+        BEST(lab, groups, for (long i = 0; i < groups; i++) {
+            for (int r = 0; r < 32; r++)
+                softmax_row_il(sr + ((i - 1) & 1) * 32 * BC + r * BC, pr + ((i - 1) & 1) * 32 * BC + r * BC, BC / 16, split,
+                               qa + (i % 12) * 32 * D, sr + (i & 1) * 32 * BC, o + (i % 12) * 32 * DV, pr + (i & 1) * 32 * BC, r);
+        });
+    }
+    BEST("softmax of a group, S rows from 4 KiB (L1), P to 2 KiB (L1)", groups, for (long i = 0; i < groups; i++) {
+        for (int r = 0; r < 32; r++)
+            softmax_row(small + (r & 3) * 256, psmall + (r & 3) * 256, BC / 16);
+    });
+    BEST("softmax of a group, S from its buffer, P to 2 KiB (L1)", groups, for (long i = 0; i < groups; i++) {
+        for (int r = 0; r < 32; r++)
+            softmax_row(sr + ((i - 1) & 1) * 32 * BC + r * BC, psmall + (r & 3) * 256, BC / 16);
+    });
+    BEST("softmax of a group, S from 4 KiB (L1), P to its buffer", groups, for (long i = 0; i < groups; i++) {
+        for (int r = 0; r < 32; r++)
+            softmax_row(small + (r & 3) * 256, pr + ((i - 1) & 1) * 32 * BC + r * BC, BC / 16);
+    });
+    BEST("step with S and P in L1 (QK^T into 4 KiB, softmax from it, P.V)", groups, for (long i = 0; i < groups; i++) {
+        qk(qa + (i % 12) * 32 * D, NULL, 2);
+        for (int r = 0; r < 32; r++)
+            softmax_row(small + (r & 3) * 256, psmall + (r & 3) * 256, BC / 16);
         pv(o + (i % 12) * 32 * DV, pr + (i & 1) * 32 * BC);
     });
     /* the clock: a chain of 1-cycle adds alone, then with one tile product now and then */
