@@ -35,8 +35,8 @@
  * in whole 32s), every product of P.V one element of a tile chain over the key block's
  * 32s in order; the reference max, the sums (lane = key mod 16, vectors in key order)
  * and the rescale are decided per row from its own logits; the key blocks and chunks
- * start at multiples of bc and FA_ROWS_CHUNK_KEYS from key 0.  So a row's bits do not depend
- * on the other rows of its item, the thread count or the call's shape.
+ * start at multiples of bc and FA_ROWS_CHUNK_KEYS from key 0.  So a row's bits do not
+ * depend on the other rows of its item, the thread count or the call's shape.
  */
 
 /* a product rounded on its own (vmulps with a rounding operand: the compiler does not

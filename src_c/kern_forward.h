@@ -183,9 +183,9 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
         sc.mtot[i] = sc.mG[i] = (FA_T)0;
     }
 
-    /* The visible keys in chunks of ck (FA_CHUNK_KEYS, see fa_chunk_keys) from key 0, each by the online
-     * softmax over its tiles (and P.V unless only the weights are wanted), then
-     * merged into the running result.  Tiles start at multiples of bc from key 0
+    /* The visible keys in chunks of ck (FA_CHUNK_KEYS, see fa_chunk_keys) from key 0,
+     * each by the online softmax over its tiles (and P.V unless only the weights are
+     * wanted), then merged into the running result.  Tiles start at multiples of bc from key 0
      * (not at this block's first visible key), so a row meets the same tiles and
      * chunks in every call it is part of. */
     const int64_t kv0 = it->kv0 / bc * bc, ck = bl->chunk;

@@ -225,7 +225,6 @@ static inline void fa_transpose_pd(const double *const *rows, int64_t off, doubl
 }
 
 
-/* a bfloat16 is a float's high half */
 /* float32 -> bfloat16 bits in the low half of each lane, fa_float_to_bf16's: round to
  * nearest even, NaN stays a (quiet) NaN, subnormals kept (vcvtneps2bf16 flushes them) */
 static inline __m512i fa_bf16_round(__m512 x)
@@ -245,6 +244,7 @@ static inline void fa_row_to_bf16(uint16_t *d, const float *s, int64_t n)
         _mm256_storeu_si256((__m256i *)(void *)(d + c), _mm512_cvtepi32_epi16(fa_bf16_round(_mm512_loadu_ps(s + c))));
     for (; c < n; c++) d[c] = fa_float_to_bf16(s[c]);
 }
+/* a bfloat16 is a float's high half */
 static inline __m512 fa_bf16_loadu(const uint16_t *p)
 {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));

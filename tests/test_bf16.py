@@ -364,6 +364,26 @@ def test_bits_across_threads_and_calls(bf16_kernel, rng, nth, L):
     np.testing.assert_array_equal(o.view(np.uint16), full[1:2, 1:3].view(np.uint16))
 
 
+def test_outputs_round_to_nearest_even(bf16_kernel, rng):
+    """A bfloat16 output row is its float32 row rounded to nearest even (NaN kept a NaN,
+    subnormals kept): with q = 0 both keys weigh 1/2 and the float32 row is exactly
+    (v0 + v1) / 2 of random bit patterns a few ulps apart (ties, subnormals, infs and
+    NaNs among them), which the kernels' 16-at-a-time conversion (fa_row_to_bf16) and
+    the scalar one must round as ml_dtypes does; a truncating conversion fails."""
+    n, rows = 64, 64
+    u0 = rng.integers(0, 1 << 16, size=rows * n).astype(np.uint16)
+    u1 = np.clip(u0.astype(np.int64) + rng.integers(-3, 4, size=u0.size), 0, (1 << 16) - 1).astype(np.uint16)
+    v = np.stack([u0.view(BF16), u1.view(BF16)]).reshape(2, rows, n).transpose(1, 0, 2)[:, None]
+    q, k = np.zeros((rows, 1, 1, n), BF16), np.zeros((rows, 1, 2, n), BF16)
+    out = fastattn.attention(q, k, np.ascontiguousarray(v))
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = ((v[:, :, 0].astype(np.float32) + v[:, :, 1].astype(np.float32)) * np.float32(0.5)).astype(BF16)
+    nan = np.isnan(want.astype(np.float32))
+    assert np.isnan(want.astype(np.float32)).sum() > 0 and (np.abs(want.astype(np.float32)) < 2.0 ** -126).any()
+    np.testing.assert_array_equal(np.isnan(out[:, :, 0].astype(np.float32)), nan)
+    np.testing.assert_array_equal(out[:, :, 0].view(np.uint16)[~nan], want.view(np.uint16)[~nan])
+
+
 def test_key_chunks_in_prefill_and_split_decoding(bf16_kernel, rng):
     """Keys past two of the row-major AMX block's 2048-key chunks (the other paths'
     chunks are 512 keys): a few queries of 16 heads on one kv head (Lq = 2 and 3, 32
