@@ -48,100 +48,19 @@ static float small[1024] __attribute__((aligned(64))); /* 4 KiB: stays in L1 */
 static uint16_t psmall[1024] __attribute__((aligned(64)));
 static float sink;
 
-/* S of one 32-row group; store: 0 none, 1 the group's buffer (s), 2 a 4 KiB buffer */
-static void qk(const uint16_t *q, float *s, int store)
+/* One 2 x 2 tile piece of S = Q K^T for a 32-row group (i in 0 .. 2 BC / 32 - 1: key
+ * tile pair i / (D / 32), feature step i % (D / 32)); the last step of a pair stores
+ * its tiles: store 0 none (only the group's last piece, one tile), 1 into the group's
+ * buffer s, 2 into a 4 KiB buffer. */
+static inline void qk_piece(const uint16_t *q, float *s, int store, int i)
 {
-    for (int t = 0; t < BC / 16; t += 2) {
+    const int t = 2 * (i / (D / 32)), cc = i % (D / 32);
+    if (cc == 0) {
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        for (int cc = 0; cc < D / 32; cc++) {
-            const uint32_t *b0 = kq + (t * (D / 32) + cc) * 256, *b1 = b0 + (D / 32) * 256;
-            _tile_loadd(4, q + 32 * cc, D * 2);
-            _tile_loadd(6, b0, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_loadd(7, b1, 64);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_loadd(5, q + 16 * D + 32 * cc, D * 2);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
-        if (store == 1) {
-            _tile_stored(0, s + 16 * t, BC * 4);
-            _tile_stored(1, s + 16 * t + 16, BC * 4);
-            _tile_stored(2, s + 16 * BC + 16 * t, BC * 4);
-            _tile_stored(3, s + 16 * BC + 16 * t + 16, BC * 4);
-        } else if (store == 2) {
-            _tile_stored(0, small, 64);
-            _tile_stored(1, small + 256, 64);
-            _tile_stored(2, small + 512, 64);
-            _tile_stored(3, small + 768, 64);
-        }
     }
-    if (!store) _tile_stored(0, small, 64);
-}
-
-static void pv(float *og, const uint16_t *p)
-{
-    for (int c0 = 0; c0 < DV; c0 += 32) {
-        float *o0 = og + c0, *o1 = o0 + 16 * DV;
-        _tile_loadd(0, o0, DV * 4);
-        _tile_loadd(1, o0 + 16, DV * 4);
-        _tile_loadd(2, o1, DV * 4);
-        _tile_loadd(3, o1 + 16, DV * 4);
-        for (int t0 = 0; t0 < BC / 2; t0 += 16) {
-            _tile_loadd(4, (const uint32_t *)p + t0, BC * 2);
-            _tile_loadd(6, vp + t0 * DV + c0, DV * 4);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_loadd(7, vp + t0 * DV + c0 + 16, DV * 4);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_loadd(5, (const uint32_t *)(p + 16 * BC) + t0, BC * 2);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
-        _tile_stored(0, o0, DV * 4);
-        _tile_stored(1, o0 + 16, DV * 4);
-        _tile_stored(2, o1, DV * 4);
-        _tile_stored(3, o1 + 16, DV * 4);
-    }
-}
-
-static inline __m512 exp2v(__m512 y)
-{
-    const __m512 f = _mm512_reduce_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fmadd_ps(_mm512_set1_ps(0.0135f), f, _mm512_set1_ps(0.052f));
-    r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(0.2414f));
-    r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(0.693f));
-    r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(1.0f));
-    const __mmask16 live = _mm512_cmp_ps_mask(y, _mm512_set1_ps(-125.0f), _CMP_NLT_UQ);
-    return _mm512_maskz_scalef_ps(live, r, y);
-}
-
-/* the softmax pass over nv vectors of a row */
-static void softmax_row(const float *s, uint16_t *p, int nv)
-{
-    const __m512 c = _mm512_set1_ps(0.18f), nm = _mm512_set1_ps(-1.0f);
-    __m512 s0 = _mm512_setzero_ps(), s1 = s0, y0 = _mm512_set1_ps(-INFINITY), y1 = y0;
-    for (int v = 0; v < nv; v += 2) {
-        const __m512 a = _mm512_fmadd_ps(_mm512_load_ps(s + 16 * v), c, nm);
-        const __m512 b = _mm512_fmadd_ps(_mm512_load_ps(s + 16 * v + 16), c, nm);
-        y0 = _mm512_max_ps(a, y0);
-        y1 = _mm512_max_ps(b, y1);
-        const __m512 p0 = exp2v(a), p1 = exp2v(b);
-        s0 = _mm512_add_ps(s0, p0);
-        s1 = _mm512_add_ps(s1, p1);
-        _mm512_store_si512((void *)(p + 16 * v), (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-    }
-    sink += _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) + _mm512_reduce_max_ps(_mm512_max_ps(y0, y1));
-}
-
-
-/* one 2 x 2 tile piece of QK^T (i in 0..15: key-tile pair i/2, feature step i%2) */
-static inline void qk_chunk(const uint16_t *q, float *s, int i)
-{
-    const int t = 2 * (i / 2), cc = i % 2;
-    if (cc == 0) { _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); }
     const uint32_t *b0 = kq + (t * (D / 32) + cc) * 256, *b1 = b0 + (D / 32) * 256;
     _tile_loadd(4, q + 32 * cc, D * 2);
     _tile_loadd(6, b0, 64);
@@ -151,17 +70,35 @@ static inline void qk_chunk(const uint16_t *q, float *s, int i)
     _tile_loadd(5, q + 16 * D + 32 * cc, D * 2);
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
-    if (cc == 1) {
+    if (cc < D / 32 - 1) return;
+    if (store == 1) {
         _tile_stored(0, s + 16 * t, BC * 4);
         _tile_stored(1, s + 16 * t + 16, BC * 4);
         _tile_stored(2, s + 16 * BC + 16 * t, BC * 4);
         _tile_stored(3, s + 16 * BC + 16 * t + 16, BC * 4);
+    } else if (store == 2) {
+        _tile_stored(0, small, 64);
+        _tile_stored(1, small + 256, 64);
+        _tile_stored(2, small + 512, 64);
+        _tile_stored(3, small + 768, 64);
+    } else if (t == BC / 16 - 2) {
+        _tile_stored(0, small, 64);
     }
 }
-/* one piece of P.V (i in 0..15: output column pair i/8, key pairs 16 (i%8)) */
-static inline void pv_chunk(float *og, const uint16_t *p, int i)
+#define QK_PIECES (BC / 16 / 2 * (D / 32))
+
+/* S of one 32-row group */
+static void qk(const uint16_t *q, float *s, int store)
 {
-    const int c0 = 32 * (i / 8), t0 = 16 * (i % 8);
+    for (int i = 0; i < QK_PIECES; i++) qk_piece(q, s, store, i);
+}
+
+/* One piece of O += P V for a 32-row group (i: output column pair i / (BC / 32), 16
+ * key pairs from 16 (i % (BC / 32))): the first of a column pair loads its
+ * accumulators, the last stores them. */
+static inline void pv_piece(float *og, const uint16_t *p, int i)
+{
+    const int c0 = 32 * (i / (BC / 32)), t0 = 16 * (i % (BC / 32));
     float *o0 = og + c0, *o1 = o0 + 16 * DV;
     if (t0 == 0) {
         _tile_loadd(0, o0, DV * 4);
@@ -184,13 +121,40 @@ static inline void pv_chunk(float *og, const uint16_t *p, int i)
         _tile_stored(3, o1 + 16, DV * 4);
     }
 }
-/* softmax of a row in halves with a tile piece between */
-static void softmax_row_il(const float *s, uint16_t *p, int nv, int split, const uint16_t *q, float *sq, float *og, const uint16_t *pp, int piece)
+#define PV_PIECES (DV / 32 * (BC / 32))
+
+/* O += P V of one 32-row group (accumulators loaded and stored once) */
+static void pv(float *og, const uint16_t *p)
+{
+    for (int i = 0; i < PV_PIECES; i++) pv_piece(og, p, i);
+}
+
+static inline __m512 exp2v(__m512 y)
+{
+    const __m512 f = _mm512_reduce_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(_mm512_set1_ps(0.0135f), f, _mm512_set1_ps(0.052f));
+    r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(0.2414f));
+    r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(0.693f));
+    r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(1.0f));
+    const __mmask16 live = _mm512_cmp_ps_mask(y, _mm512_set1_ps(-125.0f), _CMP_NLT_UQ);
+    return _mm512_maskz_scalef_ps(live, r, y);
+}
+
+/* The softmax pass over nv vectors of a row; with split >= 0, tile piece `piece` of
+ * the step (QK^T of the group q into sq, then P.V of og and pp) runs before the row's
+ * vector pair split / 2. */
+static inline void softmax_row_il(const float *s, uint16_t *p, int nv, int split, const uint16_t *q, float *sq,
+                                  float *og, const uint16_t *pp, int piece)
 {
     const __m512 c = _mm512_set1_ps(0.18f), nm = _mm512_set1_ps(-1.0f);
     __m512 s0 = _mm512_setzero_ps(), s1 = s0, y0 = _mm512_set1_ps(-INFINITY), y1 = y0;
     for (int v = 0; v < nv; v += 2) {
-        if (v == split) { if (piece < 16) qk_chunk(q, sq, piece); else pv_chunk(og, pp, piece - 16); }
+        if (v == split) {
+            if (piece < QK_PIECES)
+                qk_piece(q, sq, 1, piece);
+            else
+                pv_piece(og, pp, piece - QK_PIECES);
+        }
         const __m512 a = _mm512_fmadd_ps(_mm512_load_ps(s + 16 * v), c, nm);
         const __m512 b = _mm512_fmadd_ps(_mm512_load_ps(s + 16 * v + 16), c, nm);
         y0 = _mm512_max_ps(a, y0);
@@ -201,6 +165,11 @@ static void softmax_row_il(const float *s, uint16_t *p, int nv, int split, const
         _mm512_store_si512((void *)(p + 16 * v), (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
     }
     sink += _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) + _mm512_reduce_max_ps(_mm512_max_ps(y0, y1));
+}
+
+static void softmax_row(const float *s, uint16_t *p, int nv)
+{
+    softmax_row_il(s, p, nv, -1, NULL, NULL, NULL, NULL, 0);
 }
 
 #define BEST(label, per, body)                                                                    \
