@@ -85,18 +85,17 @@ static void FA_NAME(fa_setup_rows)(const fa_params *p, const fa_item *it, int64_
         if (sc->bt)
             for (int64_t j = 0; j < bc; j++) sc->bt[j * brp + r] = (FA_T)0;
     }
-    /* (a block that lays Q out itself: nothing; the AMX rows block's short calls spent
-     * 7% of their samples packing Q pairs it then overwrote) */
+    /* Q packed, unless the block lays Q out itself (the AMX rows block's short calls
+     * spent 7% of their samples packing Q pairs it then overwrote) */
+    if (!sc->q_own) {
 #ifdef FA_BF16_DP
-    /* bfloat16 q, k, v and a prefill call: the products take bfloat16 pairs */
-    if (sc->q_own) {
-    } else if (sc->dp)
-        FA_NAME(fa_pack_q_pairs)(p, it, nr, nvl, brp, sc->qp);
-    else
-#else
-    if (!sc->q_own)
+        /* bfloat16 q, k, v and a prefill call: the products take bfloat16 pairs */
+        if (sc->dp)
+            FA_NAME(fa_pack_q_pairs)(p, it, nr, nvl, brp, sc->qp);
+        else
 #endif
-        FA_NAME(fa_pack_q)(p, it, nr, brp, qscale, sc->qt);
+            FA_NAME(fa_pack_q)(p, it, nr, brp, qscale, sc->qt);
+    }
     for (int64_t r = 0; r < nr; r++) {
         const int64_t h = it->h0 + r / it->nq, i = it->q0 + r % it->nq, row = it->qoff + i;
         const int64_t a = i + diag; /* the aligned diagonal of this row */
