@@ -136,15 +136,15 @@ static void FA_NAME(fa_qk_tile_amx)(const uint32_t *FA_RESTRICT qp, int nv, cons
 }
 
 /* A V tile (nk rows of v_sl, Dv wide) paired along the keys for the B tiles of P.V:
- * vp[t * dvp + c] = (v[2t][c], v[2t+1][c]), fa_amx_kpp(nk) pair rows, zero past the
- * keys and past Dv. */
+ * vp[t * vs + c] = (v[2t][c], v[2t+1][c]) for c < dvp, fa_amx_kpp(nk) pair rows, zero
+ * past the keys and past Dv. */
 static void FA_NAME(fa_amx_pack_v)(const uint16_t *FA_RESTRICT v, int64_t v_sl, int64_t nk, int64_t Dv,
-                                   int64_t dvp, uint32_t *FA_RESTRICT vp)
+                                   int64_t dvp, int64_t vs, uint32_t *FA_RESTRICT vp)
 {
     const int64_t npairs = (nk + 1) / 2, kpp = FA_NAME(fa_amx_kpp)(nk);
     for (int64_t t = 0; t < kpp; t++) { /* V pairs; rows past the keys zero */
         if (t >= npairs) {
-            for (int64_t c0 = 0; c0 < dvp; c0 += FA_VL) FA_DP_STORE(vp + t * dvp + c0, FA_DP_ZERO());
+            for (int64_t c0 = 0; c0 < dvp; c0 += FA_VL) FA_DP_STORE(vp + t * vs + c0, FA_DP_ZERO());
             continue;
         }
         const uint16_t *v0 = v + 2 * t * v_sl, *v1 = 2 * t + 1 < nk ? v0 + v_sl : NULL;
@@ -152,20 +152,20 @@ static void FA_NAME(fa_amx_pack_v)(const uint16_t *FA_RESTRICT v, int64_t v_sl, 
             const int n = (int)(Dv - c0 < 2 * FA_VL ? Dv - c0 : 2 * FA_VL);
             FA_DP_V lo, hi;
             FA_DP_ZIP(v0 + c0, v1 ? v1 + c0 : NULL, n, lo, hi);
-            FA_DP_STORE(vp + t * dvp + c0, lo);
-            if (c0 + FA_VL < dvp) FA_DP_STORE(vp + t * dvp + c0 + FA_VL, hi);
+            FA_DP_STORE(vp + t * vs + c0, lo);
+            if (c0 + FA_VL < dvp) FA_DP_STORE(vp + t * vs + c0 + FA_VL, hi);
         }
     }
 }
 
 /* The output rows of one or two tiles of 16 (o, o + 16 dvp; two_q), dvp float32
  * channels a row, += their P rows (a0, a1: kpp pairs of keys a row, as bytes apart)
- * times V's pairs (vp, kpp rows of dvp), in 2 x 2 tiles of 16 x 16 over 32 keys at a
+ * times V's pairs (vp, kpp rows of dvp, vs apart), in 2 x 2 tiles of 16 x 16 over 32 keys at a
  * time; the tiles as fa_amx_begin configures them. */
 static void FA_NAME(fa_amx_pv_rows)(FA_T *FA_RESTRICT o, const void *a0, const void *a1, int64_t as, int64_t kpp,
-                                    const uint32_t *FA_RESTRICT vp, int64_t dvp, int two_q)
+                                    const uint32_t *FA_RESTRICT vp, int64_t vs, int64_t dvp, int two_q)
 {
-    const int64_t bs = dvp * (int64_t)sizeof(uint32_t), cs = dvp * (int64_t)sizeof(FA_T);
+    const int64_t bs = vs * (int64_t)sizeof(uint32_t), cs = dvp * (int64_t)sizeof(FA_T);
     for (int64_t c0 = 0; c0 < dvp; c0 += 2 * FA_VL) {
         const int two_c = c0 + FA_VL < dvp;
         FA_T *o0 = o + c0, *o1 = o0 + FA_AMX_ROWS * dvp;
@@ -177,10 +177,10 @@ static void FA_NAME(fa_amx_pv_rows)(FA_T *FA_RESTRICT o, const void *a0, const v
         }
         for (int64_t t0 = 0; t0 < kpp; t0 += 16) {
             FA_TILE_LOAD(4, (const uint32_t *)a0 + t0, as);
-            FA_TILE_LOAD(6, vp + t0 * dvp + c0, bs);
+            FA_TILE_LOAD(6, vp + t0 * vs + c0, bs);
             FA_TILE_DP(0, 4, 6);
             if (two_c) {
-                FA_TILE_LOAD(7, vp + t0 * dvp + c0 + FA_VL, bs);
+                FA_TILE_LOAD(7, vp + t0 * vs + c0 + FA_VL, bs);
                 FA_TILE_DP(1, 4, 7);
             }
             if (two_q) {
@@ -208,7 +208,7 @@ static void FA_NAME(fa_pv_tile_amx)(const FA_T *FA_RESTRICT s, int nv, int64_t n
                                     uint32_t *FA_RESTRICT vp)
 {
     const int64_t npairs = (nk + 1) / 2, kpp = FA_NAME(fa_amx_kpp)(nk), nq = (int64_t)nv * FA_VL;
-    FA_NAME(fa_amx_pack_v)(v, v_sl, nk, Dv, dvp, vp);
+    FA_NAME(fa_amx_pack_v)(v, v_sl, nk, Dv, dvp, dvp, vp);
     for (int c = 0; c < nv; c++) /* P pairs, 16 queries x 16 pairs at a time */
         for (int64_t t0 = 0; t0 < kpp; t0 += 16) {
             FA_DP_V x[16];
@@ -232,7 +232,7 @@ static void FA_NAME(fa_pv_tile_amx)(const FA_T *FA_RESTRICT s, int nv, int64_t n
     const int64_t as = kpp * (int64_t)sizeof(uint32_t);
     FA_NAME(fa_amx_begin)();
     for (int64_t i0 = 0; i0 < nq; i0 += 2 * FA_AMX_ROWS)
-        FA_NAME(fa_amx_pv_rows)(o + i0 * dvp, pa + i0 * kpp, pa + (i0 + FA_AMX_ROWS) * kpp, as, kpp, vp, dvp,
+        FA_NAME(fa_amx_pv_rows)(o + i0 * dvp, pa + i0 * kpp, pa + (i0 + FA_AMX_ROWS) * kpp, as, kpp, vp, dvp, dvp,
                                 i0 + FA_AMX_ROWS < nq);
     FA_TILE_RELEASE();
 }
@@ -248,18 +248,18 @@ static void FA_NAME(fa_bw_kv_tile_amx)(const uint32_t *FA_RESTRICT w, int64_t ws
                                        FA_T *FA_RESTRICT o, int64_t os)
 {
     const int64_t nk16 = nk / FA_AMX_ROWS * FA_AMX_ROWS, as = ws * (int64_t)sizeof(uint32_t);
-    (void)os; /* (= zs = wp: fa_amx_pv_rows takes one stride for B and C) */
+    (void)os; /* (= zs = wp: fa_amx_pv_rows takes the output's width as its row stride) */
     (void)wp;
     if (nk <= 0 || npairs <= 0) return;
     if (nk16 > 0) {
         FA_NAME(fa_amx_begin)();
         for (int64_t j = 0; j < nk16; j += 2 * FA_AMX_ROWS)
-            FA_NAME(fa_amx_pv_rows)(o + j * zs, w + j * ws, w + (j + FA_AMX_ROWS) * ws, as, npairs, z, zs,
+            FA_NAME(fa_amx_pv_rows)(o + j * zs, w + j * ws, w + (j + FA_AMX_ROWS) * ws, as, npairs, z, zs, zs,
                                     j + FA_AMX_ROWS < nk16);
     }
     if (nk > nk16) {
         FA_NAME(fa_amx_config)((int)(nk - nk16));
-        FA_NAME(fa_amx_pv_rows)(o + nk16 * zs, w + nk16 * ws, NULL, as, npairs, z, zs, 0);
+        FA_NAME(fa_amx_pv_rows)(o + nk16 * zs, w + nk16 * ws, NULL, as, npairs, z, zs, zs, 0);
     }
     FA_TILE_RELEASE();
 }

@@ -323,6 +323,7 @@ static void FA_NAME(fa_qblock_rows)(const fa_params *p, const fa_blocks *bl, con
     const int64_t brp = bl->q, bc = bl->k, D = p->D, Dv = p->Dv, nr = it->nh * it->nq;
     const int64_t nvl = FA_NAME(fa_round_up)(nr, FA_AMX_ROWS), dvp = FA_NAME(fa_round_up)(Dv, FA_VL);
     const int64_t dz = FA_NAME(fa_amx_dz)(D), nch = dz / FA_AMX_K, bcz = FA_NAME(fa_round_up)(bc, 2 * FA_AMX_ROWS);
+    const int64_t rs = bcz + FA_RA_PAD, vs = dvp + FA_RA_PAD / 2; /* S and P rows, V pairs apart */
     FA_NAME(fa_scratch) sc;
     FA_NAME(fa_layout)(p, bl, scratch, &sc);
     sc.q_own = 1; /* (Q's rows below, not fa_setup_rows' pairs) */
@@ -346,7 +347,7 @@ static void FA_NAME(fa_qblock_rows)(const fa_params *p, const fa_blocks *bl, con
         sc.mtot[i] = sc.mG[i] = (FA_T)0;
     }
     const float c = (float)(p->scale * FA_LOG2E);
-    const int64_t ss = bcz * (int64_t)sizeof(float), ps = bcz * (int64_t)sizeof(uint16_t);
+    const int64_t ss = rs * (int64_t)sizeof(float), ps = rs * (int64_t)sizeof(uint16_t);
     const int64_t qs = dz * (int64_t)sizeof(uint16_t);
     const int64_t kv0 = it->kv0 / bc * bc, ck = bl->chunk; /* FA_ROWS_CHUNK_KEYS */
     const int single = it->kv1 > kv0 && kv0 / ck == (it->kv1 - 1) / ck;
@@ -389,14 +390,14 @@ static void FA_NAME(fa_qblock_rows)(const fa_params *p, const fa_blocks *bl, con
                         const uint16_t *kt = FA_NAME(fa_kv_tile)(p, it, j0, nk, 0, sc.kst, &k_sl);
                         fa_ra_pack_k(kt, k_sl, nk, D, nch, kq);
                         vt = FA_NAME(fa_kv_tile)(p, it, j0, nk, 1, sc.vst, &v_sl);
-                        FA_NAME(fa_amx_pack_v)(vt, v_sl, nk, Dv, dvp, sc.vp);
+                        FA_NAME(fa_amx_pack_v)(vt, v_sl, nk, Dv, dvp, vs, sc.vp);
                         vfin = fa_ra_finite(vt, v_sl, nk, Dv);
                         packed = 1;
                     }
                     const int two_q = g0 + FA_AMX_ROWS < nvl;
                     const int64_t nkt = (nkg + FA_AMX_ROWS - 1) / FA_AMX_ROWS;
                     const uint16_t *q0p = qa + g0 * dz, *q1p = q0p + FA_AMX_ROWS * dz;
-                    float *s0 = sc.sr + (step & 1) * 2 * FA_AMX_ROWS * bcz, *s1 = s0 + FA_AMX_ROWS * bcz;
+                    float *s0 = sc.sr + (step & 1) * 2 * FA_AMX_ROWS * rs, *s1 = s0 + FA_AMX_ROWS * rs;
                     for (int64_t t = 0; t < nkt; t += 2) {
                         const int two_k = t + 1 < nkt;
                         FA_TILE_ZERO(0);
@@ -434,17 +435,17 @@ static void FA_NAME(fa_qblock_rows)(const fa_params *p, const fa_blocks *bl, con
                 if (nkg > 0) {
                     const int64_t nz = FA_NAME(fa_round_up)(nkg, 2 * FA_AMX_ROWS);
                     const int64_t gr = g0 + FA_AMX_ROWS < nvl ? 2 * FA_AMX_ROWS : FA_AMX_ROWS;
-                    const float *sg = sc.sr + ((step - 1) & 1) * 2 * FA_AMX_ROWS * bcz;
-                    uint16_t *pg = sc.pr + ((step - 1) & 1) * 2 * FA_AMX_ROWS * bcz;
+                    const float *sg = sc.sr + ((step - 1) & 1) * 2 * FA_AMX_ROWS * rs;
+                    uint16_t *pg = sc.pr + ((step - 1) & 1) * 2 * FA_AMX_ROWS * rs;
                     for (int64_t r = 0; r < gr; r++) {
                         const int64_t R = g0 + r;
                         int64_t a = 0, b = 0;
                         fa_ra_range(&sc, R, nr, j0, nkg, &a, &b);
                         if (b <= a) {
-                            memset(pg + r * bcz, 0, (size_t)nz * sizeof(uint16_t));
+                            memset(pg + r * rs, 0, (size_t)nz * sizeof(uint16_t));
                             continue;
                         }
-                        const float al = fa_ra_row(sg + r * bcz, pg + r * bcz, nz, a, b, c, sc.m2 + R, sc.lv + R * 16);
+                        const float al = fa_ra_row(sg + r * rs, pg + r * rs, nz, a, b, c, sc.m2 + R, sc.lv + R * 16);
                         if (al != 1.0f) { /* a new reference max: the row's output so far */
                             float *o = sc.o + R * dvp;
                             for (int64_t cv = 0; cv < dvp; cv += 16)
@@ -457,12 +458,12 @@ static void FA_NAME(fa_qblock_rows)(const fa_params *p, const fa_blocks *bl, con
                 nkg = step >= 2 ? kg[(step - 2) % 3] : 0;
                 if (nkg <= 0) continue;
                 const int two_q = g0 + FA_AMX_ROWS < nvl;
-                const uint16_t *pg = sc.pr + (step & 1) * 2 * FA_AMX_ROWS * bcz;
+                const uint16_t *pg = sc.pr + (step & 1) * 2 * FA_AMX_ROWS * rs;
                 if (!vfin) { /* an inf or NaN in V: only the visible (row, key) pairs, in float32 */
                     for (int64_t R = g0; R < g0 + 2 * FA_AMX_ROWS && R < nr; R++) {
                         int64_t a, b;
                         fa_ra_range(&sc, R, nr, j0, nkg, &a, &b);
-                        const uint16_t *prow = pg + (R - g0) * bcz;
+                        const uint16_t *prow = pg + (R - g0) * rs;
                         float *o = sc.o + R * dvp;
                         for (int64_t jj = a; jj < b; jj++) {
                             const float pj = fa_bf16_to_float(prow[jj]);
@@ -472,8 +473,8 @@ static void FA_NAME(fa_qblock_rows)(const fa_params *p, const fa_blocks *bl, con
                     }
                     continue;
                 }
-                FA_NAME(fa_amx_pv_rows)(sc.o + g0 * dvp, pg, pg + FA_AMX_ROWS * bcz, ps,
-                                        FA_NAME(fa_round_up)(nkg, 2 * FA_AMX_ROWS) / 2, sc.vp, dvp, two_q);
+                FA_NAME(fa_amx_pv_rows)(sc.o + g0 * dvp, pg, pg + FA_AMX_ROWS * rs, ps,
+                                        FA_NAME(fa_round_up)(nkg, 2 * FA_AMX_ROWS) / 2, sc.vp, vs, dvp, two_q);
             }
         }
         /* the chunk's rows as the fold expects them: m in natural log units, l summed */

@@ -236,12 +236,27 @@ static inline __m512i fa_bf16_round(__m512 x)
     return _mm512_mask_blend_epi32(nan, r, _mm512_or_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(0x40)));
 }
 /* n floats to bfloat16 (fa_float_to_bf16's bits), 16 at a time: the output rows of a
- * bfloat16 call (scalar, 4% of a short AMX prefill's samples) */
+ * bfloat16 call (scalar, 4% of a short AMX prefill's samples).  In the files built for
+ * AVX512-BF16 a vector without subnormals takes vcvtneps2bf16, whose bits are
+ * fa_float_to_bf16's everywhere but there (it flushes them; 2e7 random patterns with
+ * ties, infs and NaN payloads compared on a Sapphire Rapids class Xeon): four
+ * instructions rather than nine, 8% of a short AMX prefill went to writing its rows. */
 static inline void fa_row_to_bf16(uint16_t *d, const float *s, int64_t n)
 {
     int64_t c = 0;
-    for (; c + 16 <= n; c += 16)
-        _mm256_storeu_si256((__m256i *)(void *)(d + c), _mm512_cvtepi32_epi16(fa_bf16_round(_mm512_loadu_ps(s + c))));
+    for (; c + 16 <= n; c += 16) {
+        const __m512 x = _mm512_loadu_ps(s + c);
+#if defined(__AVX512BF16__) && !defined(FA_EMULATE_BF16)
+        /* subnormal: 1 <= |bits| <= 0x7FFFFF, as (|bits| - 1) < 0x7FFFFF unsigned */
+        const __m512i m1 = _mm512_sub_epi32(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF)),
+                                            _mm512_set1_epi32(1));
+        if (!_mm512_cmplt_epu32_mask(m1, _mm512_set1_epi32(0x7FFFFF))) {
+            _mm256_storeu_si256((__m256i *)(void *)(d + c), (__m256i)_mm512_cvtneps_pbh(x));
+            continue;
+        }
+#endif
+        _mm256_storeu_si256((__m256i *)(void *)(d + c), _mm512_cvtepi32_epi16(fa_bf16_round(x)));
+    }
     for (; c < n; c++) d[c] = fa_float_to_bf16(s[c]);
 }
 /* a bfloat16 is a float's high half */
