@@ -13,9 +13,11 @@
  * polynomial, vscalefps, sums, P rounded to bfloat16), and O += P V (2 x 2 accumulator
  * tiles loaded and stored once a block).  Then where the time of the kernel's step
  * goes: the softmax with its logits and P in L1 or not, the step with S and P in L1,
- * and the step with its tile work cut into 32 pieces, one before each softmax row (or
- * after its first few vector pairs), so that the tile unit and the vector ports could
- * work at the same time.
+ * and the step with its tile work cut into 32 pieces (64 at D = 128), spread over the
+ * softmax rows, one or two before each (or after its first few vector pairs), so that
+ * the tile unit and the vector ports could work at the same time.  -DD=128 for D = 128;
+ * -DPAD=16 makes the rows of S, O and V's pairs 16 elements and those of P 32 elements
+ * (64 bytes each) longer, so that the 16 rows of a tile fall into different L1 sets.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -27,9 +29,18 @@
 #include <unistd.h>
 
 #define BC 256 /* keys a block */
-#define D 64   /* features */
-#define DV 64
+#ifndef D
+#define D 64 /* features (64 or 128) */
+#endif
+#define DV D
 #define NQ 384 /* query rows an item */
+#ifndef PAD /* (kern_amx_rows.h pads S by 32 floats, P by 32, V's pairs by 16, O not) */
+#define PAD 0
+#endif
+#define SS (BC + PAD)
+#define PS (BC + 2 * PAD)
+#define OS (DV + PAD)
+#define VS (DV + PAD)
 
 static double now(void)
 {
@@ -40,10 +51,10 @@ static double now(void)
 
 static uint16_t qa[NQ * D] __attribute__((aligned(64)));   /* Q rows, A tiles */
 static uint32_t kq[BC * D / 2] __attribute__((aligned(64))); /* K as B tiles (pairs) */
-static float sr[2 * 32 * BC] __attribute__((aligned(64)));  /* two groups' logits */
-static uint16_t pr[2 * 32 * BC] __attribute__((aligned(64)));
-static uint32_t vp[BC / 2 * DV] __attribute__((aligned(64)));
-static float o[NQ * DV] __attribute__((aligned(64)));
+static float sr[2 * 32 * SS] __attribute__((aligned(64)));  /* two groups' logits */
+static uint16_t pr[2 * 32 * PS] __attribute__((aligned(64)));
+static uint32_t vp[BC / 2 * VS] __attribute__((aligned(64)));
+static float o[NQ * OS] __attribute__((aligned(64)));
 static float small[1024] __attribute__((aligned(64))); /* 4 KiB: stays in L1 */
 static uint16_t psmall[1024] __attribute__((aligned(64)));
 static float sink;
@@ -72,10 +83,10 @@ static inline void qk_piece(const uint16_t *q, float *s, int store, int i)
     _tile_dpbf16ps(3, 5, 7);
     if (cc < D / 32 - 1) return;
     if (store == 1) {
-        _tile_stored(0, s + 16 * t, BC * 4);
-        _tile_stored(1, s + 16 * t + 16, BC * 4);
-        _tile_stored(2, s + 16 * BC + 16 * t, BC * 4);
-        _tile_stored(3, s + 16 * BC + 16 * t + 16, BC * 4);
+        _tile_stored(0, s + 16 * t, SS * 4);
+        _tile_stored(1, s + 16 * t + 16, SS * 4);
+        _tile_stored(2, s + 16 * SS + 16 * t, SS * 4);
+        _tile_stored(3, s + 16 * SS + 16 * t + 16, SS * 4);
     } else if (store == 2) {
         _tile_stored(0, small, 64);
         _tile_stored(1, small + 256, 64);
@@ -99,29 +110,30 @@ static void qk(const uint16_t *q, float *s, int store)
 static inline void pv_piece(float *og, const uint16_t *p, int i)
 {
     const int c0 = 32 * (i / (BC / 32)), t0 = 16 * (i % (BC / 32));
-    float *o0 = og + c0, *o1 = o0 + 16 * DV;
+    float *o0 = og + c0, *o1 = o0 + 16 * OS;
     if (t0 == 0) {
-        _tile_loadd(0, o0, DV * 4);
-        _tile_loadd(1, o0 + 16, DV * 4);
-        _tile_loadd(2, o1, DV * 4);
-        _tile_loadd(3, o1 + 16, DV * 4);
+        _tile_loadd(0, o0, OS * 4);
+        _tile_loadd(1, o0 + 16, OS * 4);
+        _tile_loadd(2, o1, OS * 4);
+        _tile_loadd(3, o1 + 16, OS * 4);
     }
-    _tile_loadd(4, (const uint32_t *)p + t0, BC * 2);
-    _tile_loadd(6, vp + t0 * DV + c0, DV * 4);
+    _tile_loadd(4, (const uint32_t *)p + t0, PS * 2);
+    _tile_loadd(6, vp + t0 * VS + c0, VS * 4);
     _tile_dpbf16ps(0, 4, 6);
-    _tile_loadd(7, vp + t0 * DV + c0 + 16, DV * 4);
+    _tile_loadd(7, vp + t0 * VS + c0 + 16, VS * 4);
     _tile_dpbf16ps(1, 4, 7);
-    _tile_loadd(5, (const uint32_t *)(p + 16 * BC) + t0, BC * 2);
+    _tile_loadd(5, (const uint32_t *)(p + 16 * PS) + t0, PS * 2);
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
     if (t0 == BC / 2 - 16) {
-        _tile_stored(0, o0, DV * 4);
-        _tile_stored(1, o0 + 16, DV * 4);
-        _tile_stored(2, o1, DV * 4);
-        _tile_stored(3, o1 + 16, DV * 4);
+        _tile_stored(0, o0, OS * 4);
+        _tile_stored(1, o0 + 16, OS * 4);
+        _tile_stored(2, o1, OS * 4);
+        _tile_stored(3, o1 + 16, OS * 4);
     }
 }
 #define PV_PIECES (DV / 32 * (BC / 32))
+#define NPR ((QK_PIECES + PV_PIECES) / 32) /* pieces before each of a group's 32 rows */
 
 /* O += P V of one 32-row group (accumulators loaded and stored once) */
 static void pv(float *og, const uint16_t *p)
@@ -150,10 +162,12 @@ static inline void softmax_row_il(const float *s, uint16_t *p, int nv, int split
     __m512 s0 = _mm512_setzero_ps(), s1 = s0, y0 = _mm512_set1_ps(-INFINITY), y1 = y0;
     for (int v = 0; v < nv; v += 2) {
         if (v == split) {
-            if (piece < QK_PIECES)
-                qk_piece(q, sq, 1, piece);
-            else
-                pv_piece(og, pp, piece - QK_PIECES);
+            for (int j = piece * NPR; j < piece * NPR + NPR; j++) {
+                if (j < QK_PIECES)
+                    qk_piece(q, sq, 1, j);
+                else
+                    pv_piece(og, pp, j - QK_PIECES);
+            }
         }
         const __m512 a = _mm512_fmadd_ps(_mm512_load_ps(s + 16 * v), c, nm);
         const __m512 b = _mm512_fmadd_ps(_mm512_load_ps(s + 16 * v + 16), c, nm);
@@ -200,8 +214,8 @@ int main(void)
     _tile_loadconfig(cfg);
     for (int i = 0; i < NQ * D; i++) qa[i] = 0x3C00;
     for (int i = 0; i < BC * D / 2; i++) kq[i] = 0x3C003C00u;
-    for (int i = 0; i < BC / 2 * DV; i++) vp[i] = 0x3C003C00u;
-    for (int i = 0; i < 2 * 32 * BC; i++) sr[i] = (float)(i % 37) * 0.1f;
+    for (int i = 0; i < BC / 2 * VS; i++) vp[i] = 0x3C003C00u;
+    for (int i = 0; i < 2 * 32 * SS; i++) sr[i] = (float)(i % 37) * 0.1f;
     const long n = 1000000, groups = 20000;
     BEST("tdpbf16ps, 4 accumulators, operands in tiles (a product)", 4.0 * n, for (long i = 0; i < n; i++) {
         _tile_dpbf16ps(0, 4, 6);
@@ -216,25 +230,25 @@ int main(void)
     BEST("QK^T of a group, S stored into 4 KiB (L1)", groups,
          for (long i = 0; i < groups; i++) qk(qa + (i % 12) * 32 * D, NULL, 2));
     BEST("QK^T of a group, S stored into its 32 KiB buffer (two, as the kernel)", groups,
-         for (long i = 0; i < groups; i++) qk(qa + (i % 12) * 32 * D, sr + (i & 1) * 32 * BC, 1));
+         for (long i = 0; i < groups; i++) qk(qa + (i % 12) * 32 * D, sr + (i & 1) * 32 * SS, 1));
     BEST("O += P V of a group (accumulators loaded and stored once)", groups,
-         for (long i = 0; i < groups; i++) pv(o + (i % 12) * 32 * DV, pr + (i & 1) * 32 * BC));
+         for (long i = 0; i < groups; i++) pv(o + (i % 12) * 32 * OS, pr + (i & 1) * 32 * PS));
     BEST("softmax pass of a group's 32 rows x 256 keys, no tiles", groups, for (long i = 0; i < groups; i++) {
         for (int r = 0; r < 32; r++)
-            softmax_row(sr + (i & 1) * 32 * BC + r * BC, pr + (i & 1) * 32 * BC + r * BC, BC / 16);
+            softmax_row(sr + (i & 1) * 32 * SS + r * SS, pr + (i & 1) * 32 * PS + r * PS, BC / 16);
     });
     BEST("the kernel's step: QK^T g, softmax g-1, P.V g-2 (a group)", groups, for (long i = 0; i < groups; i++) {
-        qk(qa + (i % 12) * 32 * D, sr + (i & 1) * 32 * BC, 1);
+        qk(qa + (i % 12) * 32 * D, sr + (i & 1) * 32 * SS, 1);
         for (int r = 0; r < 32; r++)
-            softmax_row(sr + ((i - 1) & 1) * 32 * BC + r * BC, pr + ((i - 1) & 1) * 32 * BC + r * BC, BC / 16);
-        pv(o + (i % 12) * 32 * DV, pr + (i & 1) * 32 * BC);
+            softmax_row(sr + ((i - 1) & 1) * 32 * SS + r * SS, pr + ((i - 1) & 1) * 32 * PS + r * PS, BC / 16);
+        pv(o + (i % 12) * 32 * OS, pr + (i & 1) * 32 * PS);
     });
     for (int split = 0; split <= 6; split += 2) {
         char lab[100]; snprintf(lab, sizeof lab, "interleaved step, tile piece after vector pair %d", split / 2);
         BEST(lab, groups, for (long i = 0; i < groups; i++) {
             for (int r = 0; r < 32; r++)
-                softmax_row_il(sr + ((i - 1) & 1) * 32 * BC + r * BC, pr + ((i - 1) & 1) * 32 * BC + r * BC, BC / 16, split,
-                               qa + (i % 12) * 32 * D, sr + (i & 1) * 32 * BC, o + (i % 12) * 32 * DV, pr + (i & 1) * 32 * BC, r);
+                softmax_row_il(sr + ((i - 1) & 1) * 32 * SS + r * SS, pr + ((i - 1) & 1) * 32 * PS + r * PS, BC / 16, split,
+                               qa + (i % 12) * 32 * D, sr + (i & 1) * 32 * SS, o + (i % 12) * 32 * OS, pr + (i & 1) * 32 * PS, r);
         });
     }
     BEST("softmax of a group, S rows from 4 KiB (L1), P to 2 KiB (L1)", groups, for (long i = 0; i < groups; i++) {
@@ -243,17 +257,17 @@ int main(void)
     });
     BEST("softmax of a group, S from its buffer, P to 2 KiB (L1)", groups, for (long i = 0; i < groups; i++) {
         for (int r = 0; r < 32; r++)
-            softmax_row(sr + ((i - 1) & 1) * 32 * BC + r * BC, psmall + (r & 3) * 256, BC / 16);
+            softmax_row(sr + ((i - 1) & 1) * 32 * SS + r * SS, psmall + (r & 3) * 256, BC / 16);
     });
     BEST("softmax of a group, S from 4 KiB (L1), P to its buffer", groups, for (long i = 0; i < groups; i++) {
         for (int r = 0; r < 32; r++)
-            softmax_row(small + (r & 3) * 256, pr + ((i - 1) & 1) * 32 * BC + r * BC, BC / 16);
+            softmax_row(small + (r & 3) * 256, pr + ((i - 1) & 1) * 32 * PS + r * PS, BC / 16);
     });
     BEST("step with S and P in L1 (QK^T into 4 KiB, softmax from it, P.V)", groups, for (long i = 0; i < groups; i++) {
         qk(qa + (i % 12) * 32 * D, NULL, 2);
         for (int r = 0; r < 32; r++)
             softmax_row(small + (r & 3) * 256, psmall + (r & 3) * 256, BC / 16);
-        pv(o + (i % 12) * 32 * DV, pr + (i & 1) * 32 * BC);
+        pv(o + (i % 12) * 32 * OS, pr + (i & 1) * 32 * PS);
     });
     /* the clock: a chain of 1-cycle adds alone, then with one tile product now and then */
     uint64_t x = 1;
