@@ -160,8 +160,8 @@ static void FA_NAME(fa_amx_pack_v)(const uint16_t *FA_RESTRICT v, int64_t v_sl, 
 
 /* The output rows of one or two tiles of 16 (o, o + 16 dvp; two_q), dvp float32
  * channels a row, += their P rows (a0, a1: kpp pairs of keys a row, as bytes apart)
- * times V's pairs (vp, kpp rows of dvp, vs apart), in 2 x 2 tiles of 16 x 16 over 32 keys at a
- * time; the tiles as fa_amx_begin configures them. */
+ * times V's pairs (vp, kpp rows of dvp, vs apart), in 2 x 2 tiles of 16 x 16 over 32
+ * keys at a time; the tiles as fa_amx_begin configures them. */
 static void FA_NAME(fa_amx_pv_rows)(FA_T *FA_RESTRICT o, const void *a0, const void *a1, int64_t as, int64_t kpp,
                                     const uint32_t *FA_RESTRICT vp, int64_t vs, int64_t dvp, int two_q)
 {

@@ -236,11 +236,11 @@ static inline __m512i fa_bf16_round(__m512 x)
     return _mm512_mask_blend_epi32(nan, r, _mm512_or_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(0x40)));
 }
 /* n floats to bfloat16 (fa_float_to_bf16's bits), 16 at a time: the output rows of a
- * bfloat16 call (scalar, 4% of a short AMX prefill's samples).  In the files built for
- * AVX512-BF16 a vector without subnormals takes vcvtneps2bf16, whose bits are
+ * bfloat16 call (as a scalar loop, 4% of a short AMX prefill's samples).  In the files
+ * built for AVX512-BF16 a vector without subnormals takes vcvtneps2bf16, whose bits are
  * fa_float_to_bf16's everywhere but there (it flushes them; 2e7 random patterns with
  * ties, infs and NaN payloads compared on a Sapphire Rapids class Xeon): four
- * instructions rather than nine, 8% of a short AMX prefill went to writing its rows. */
+ * instructions rather than nine, where 8% of a short AMX prefill went to its rows. */
 static inline void fa_row_to_bf16(uint16_t *d, const float *s, int64_t n)
 {
     int64_t c = 0;
