@@ -323,7 +323,7 @@ static void FA_NAME(fa_qblock_rows)(const fa_params *p, const fa_blocks *bl, con
     const int64_t brp = bl->q, bc = bl->k, D = p->D, Dv = p->Dv, nr = it->nh * it->nq;
     const int64_t nvl = FA_NAME(fa_round_up)(nr, FA_AMX_ROWS), dvp = FA_NAME(fa_round_up)(Dv, FA_VL);
     const int64_t dz = FA_NAME(fa_amx_dz)(D), nch = dz / FA_AMX_K, bcz = FA_NAME(fa_round_up)(bc, 2 * FA_AMX_ROWS);
-    const int64_t rs = bcz + FA_RA_PAD, vs = dvp + FA_RA_PAD / 2; /* S and P rows, V pairs apart */
+    const int64_t rs = FA_RA_SROW(bcz), vs = FA_RA_VROW(dvp); /* S and P rows, V pairs apart */
     FA_NAME(fa_scratch) sc;
     FA_NAME(fa_layout)(p, bl, scratch, &sc);
     sc.q_own = 1; /* (Q's rows below, not fa_setup_rows' pairs) */

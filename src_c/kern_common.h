@@ -9,11 +9,15 @@
  * FA_KV_HALF and the FA_KV_* loads (kernels_tmpl.h lists every macro).
  */
 
-/* The row-major AMX block's S and P rows are this many elements longer than the
- * key block (kern_amx_rows.h), so that the rows of a tile fall into different L1 sets. */
+/* The row-major AMX block's (kern_amx_rows.h) row strides: its S and P rows FA_RA_PAD
+ * elements longer than the key block (bcz), V's pair rows FA_RA_PAD / 2 words longer
+ * than dvp, so that the 16 rows of a tile fall into different L1 sets.  fa_layout
+ * carves by the same strides (V's pairs for every bfloat16 pair path: they share sc->vp). */
 #ifndef FA_RA_PAD
 #define FA_RA_PAD 32
 #endif
+#define FA_RA_SROW(bcz) ((bcz) + FA_RA_PAD)
+#define FA_RA_VROW(dvp) ((dvp) + FA_RA_PAD / 2)
 
 /* The switch cases of every register tile shape up to 6 rows x 4 vectors, so each
  * tail shape gets its own fully unrolled code; CASE(R, C) must ignore shapes
@@ -266,14 +270,14 @@ static size_t FA_NAME(fa_layout)(const fa_params *p, const fa_blocks *bl, void *
 #else
     sc->pp = (uint32_t *)FA_NAME(fa_carve)(&cur, (bc + 1) / 2 * brp * sizeof(uint32_t));
 #endif
-    sc->vp = (uint32_t *)FA_NAME(fa_carve)(&cur, kpairs * (dvp + FA_RA_PAD / 2) * sizeof(uint32_t));
+    sc->vp = (uint32_t *)FA_NAME(fa_carve)(&cur, kpairs * FA_RA_VROW(dvp) * sizeof(uint32_t));
 #ifdef FA_BF16_AMX
     sc->pa = (uint32_t *)FA_NAME(fa_carve)(&cur, brp * kpairs * sizeof(uint32_t));
     sc->kz = (uint16_t *)FA_NAME(fa_carve)(&cur, bc * (size_t)FA_NAME(fa_amx_dz)(p->D) * sizeof(uint16_t));
     {
         const size_t bcz = (size_t)FA_NAME(fa_round_up)((int64_t)bc, 2 * FA_AMX_ROWS);
-        sc->sr = (float *)FA_NAME(fa_carve)(&cur, 4 * FA_AMX_ROWS * (bcz + FA_RA_PAD) * sizeof(float));
-        sc->pr = (uint16_t *)FA_NAME(fa_carve)(&cur, 4 * FA_AMX_ROWS * (bcz + FA_RA_PAD) * sizeof(uint16_t));
+        sc->sr = (float *)FA_NAME(fa_carve)(&cur, 4 * FA_AMX_ROWS * FA_RA_SROW(bcz) * sizeof(float));
+        sc->pr = (uint16_t *)FA_NAME(fa_carve)(&cur, 4 * FA_AMX_ROWS * FA_RA_SROW(bcz) * sizeof(uint16_t));
         sc->lv = (float *)FA_NAME(fa_carve)(&cur, brp * FA_AMX_ROWS * sizeof(float));
         sc->m2 = (float *)FA_NAME(fa_carve)(&cur, brp * sizeof(float));
     }

@@ -185,9 +185,9 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
 
     /* The visible keys in chunks of ck (FA_CHUNK_KEYS, see fa_chunk_keys) from key 0,
      * each by the online softmax over its tiles (and P.V unless only the weights are
-     * wanted), then merged into the running result.  Tiles start at multiples of bc from key 0
-     * (not at this block's first visible key), so a row meets the same tiles and
-     * chunks in every call it is part of. */
+     * wanted), then merged into the running result.  Tiles start at multiples of bc
+     * from key 0 (not at this block's first visible key), so a row meets the same
+     * tiles and chunks in every call it is part of. */
     const int64_t kv0 = it->kv0 / bc * bc, ck = bl->chunk;
     /* One chunk (at most ck keys, short sequences): merging it alone only
      * copies it, so its rows go from sc.o to the output as fa_fold_chunk and
