@@ -98,7 +98,7 @@ cdef extern from "fastattn.h" nogil:
     int fa_max_threads()
     int fa_last_num_threads()
     const char *fa_build_info()
-    int fa_exp_array(int isa, int dtype, const void *x, void *y, int64_t n)
+    int fa_exp_array(int isa, int dtype, const void *x, void *y, int64_t n, int logit)
     void fa_bf16_to_f32(const uint16_t *src, uint32_t *dst, int64_t n, int nthreads)
     int fa_fma_peak(int isa, int dtype, int nthreads, double *gflops)
     int fa_bf16_peak(int path, int nthreads, double *gflops)
@@ -218,8 +218,9 @@ def bf16_to_f32(cnp.ndarray src, cnp.ndarray dst, int num_threads=0):
                        cnp.PyArray_SIZE(src), num_threads)
 
 
-def exp(cnp.ndarray x, kernel):
-    """exp(x) computed by `kernel`'s vectorized exp (x: contiguous float32/float64)."""
+def exp(cnp.ndarray x, kernel, bint logit=False):
+    """exp(x) computed by `kernel`'s vectorized exp (x: contiguous float32/float64); with
+    `logit`, by the cheaper exp its online softmax takes for the logits (FA_VEXP_LOGIT)."""
     cdef cnp.ndarray y = cnp.PyArray_EMPTY(1, cnp.PyArray_DIMS(x), cnp.PyArray_TYPE(x), 0)
     cdef int dt = FA_F32 if cnp.PyArray_TYPE(x) == cnp.NPY_FLOAT32 else FA_F64
     if cnp.PyArray_NDIM(x) != 1 or not cnp.PyArray_IS_C_CONTIGUOUS(x) or \
@@ -228,7 +229,7 @@ def exp(cnp.ndarray x, kernel):
     cdef int isa = _isa_index(kernel)
     cdef int rc
     with nogil:
-        rc = fa_exp_array(isa, dt, cnp.PyArray_DATA(x), cnp.PyArray_DATA(y), cnp.PyArray_SIZE(x))
+        rc = fa_exp_array(isa, dt, cnp.PyArray_DATA(x), cnp.PyArray_DATA(y), cnp.PyArray_SIZE(x), logit)
     if rc != FA_OK:
         raise ValueError(f"kernel {kernel!r} cannot run on this CPU")
     return y

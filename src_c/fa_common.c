@@ -67,12 +67,12 @@ void fa_bf16_to_f32(const uint16_t *src, uint32_t *dst, int64_t n, int nthreads)
     }
 }
 
-int fa_exp_array(int isa, int dtype, const void *x, void *y, int64_t n)
+int fa_exp_array(int isa, int dtype, const void *x, void *y, int64_t n, int logit)
 {
     const fa_kernel *kern = fa_kernel_for_isa(isa);
     if (!kern || !(fa_cpu_supported_isas() & (1u << isa))) return FA_ERR_ARG;
     if (dtype != FA_F32 && dtype != FA_F64) return FA_ERR_ARG;
-    kern->exp_array[dtype](x, y, n);
+    kern->exp_array[dtype](x, y, n, logit);
     return FA_OK;
 }
 

@@ -81,4 +81,34 @@ static const double fa_exp_f64_coef[FA_EXP_F64_DEG + 1] = {
     1.0 / 6227020800.0,
 };
 
+/* The softmax's e^x as 2^y, y = x log2(e) (the AVX-512 kernels' FA_VEXP_LOGIT):
+ * 2^f for |f| <= 1/2 by the AVX2 polynomial above in powers of f (M_k ln2^k, rounded to
+ * float32; the fit's 2.0e-9 is unchanged, r = f ln2 being the same interval), and in
+ * float64 by the Taylor coefficients ln2^k / k! (correctly rounded, from mpmath at 50
+ * digits).  Below y = FLUSH the result is +0 (2^n stays normal). */
+#define FA_EXP2_F32_FLUSH (-125.0f)
+#define FA_EXP2_F64_FLUSH (-1021.0)
+#define FA_EXP2_F32_P1 6.931471825e-01f
+#define FA_EXP2_F32_P2 2.402264774e-01f
+#define FA_EXP2_F32_P3 5.550332740e-02f
+#define FA_EXP2_F32_P4 9.618436918e-03f
+#define FA_EXP2_F32_P5 1.339887502e-03f
+#define FA_EXP2_F32_P6 1.535335614e-04f
+static const double fa_exp2_f64_coef[FA_EXP_F64_DEG + 1] = {
+    1.0,
+    0.69314718055994529,
+    0.24022650695910072,
+    0.055504108664821583,
+    0.0096181291076284769,
+    0.0013333558146428443,
+    0.00015403530393381609,
+    1.5252733804059841e-05,
+    1.321548679014431e-06,
+    1.01780860092397e-07,
+    7.0549116208011234e-09,
+    4.4455382718708116e-10,
+    2.5678435993488206e-11,
+    1.3691488853904128e-12,
+};
+
 #endif /* FA_EXP_H */

@@ -352,7 +352,7 @@ typedef void (*fa_mass_fn)(const fa_bwd_ctx *cx, const fa_item *items, int64_t n
 /* dq of rows r0 .. r1-1 (of B Hq Lq) from the nch chunk sums in part. */
 typedef void (*fa_bwd_reduce_fn)(const fa_bwd_ctx *cx, const void *part, int64_t nch, int64_t r0,
                                  int64_t r1);
-typedef void (*fa_exp_fn)(const void *x, void *y, int64_t n);
+typedef void (*fa_exp_fn)(const void *x, void *y, int64_t n, int logit);
 /* iters rounds of FA_PEAK_CHAINS vector FMAs (fa_fma_peak) */
 #define FA_PEAK_CHAINS 12
 typedef double (*fa_peak_fn)(int64_t iters, double m, double a);

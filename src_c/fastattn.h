@@ -280,7 +280,7 @@ void fa_bf16_to_f32(const uint16_t *src, uint32_t *dst, int64_t n, int nthreads)
 /* ---- exp, exported for the ULP test: y[i] = exp(x[i]) computed by the kernel's
  * vectorized exp of the given ISA and dtype. Returns FA_ERR_ARG for an ISA this
  * CPU cannot run. ---- */
-int fa_exp_array(int isa, int dtype, const void *x, void *y, int64_t n);
+int fa_exp_array(int isa, int dtype, const void *x, void *y, int64_t n, int logit);
 
 /* ---- the FMA peak of an ISA's kernel file, float32 or float64, on nthreads OpenMP
  * threads: *gflops from independent FMA chains (fa_common.c).  FA_ERR_ARG for an ISA

@@ -28,6 +28,9 @@
     FA_TILE_ROW(CASE, 1) FA_TILE_ROW(CASE, 2) FA_TILE_ROW(CASE, 3) FA_TILE_ROW(CASE, 4)          \
     FA_TILE_ROW(CASE, 5) FA_TILE_ROW(CASE, 6)
 
+#ifndef FA_VEXP_LOGIT /* e^x of the softmax's logits: the ISA's exp unless it has a cheaper one */
+#define FA_VEXP_LOGIT(x) FA_VEXP(x)
+#endif
 #ifndef FA_16_TO_FLOAT /* the 16-bit type of q and out with 16-bit K/V: IEEE half */
 #define FA_16_TO_FLOAT(x) fa_half_to_float(x)
 #define FA_FLOAT_TO_16(x) fa_float_to_half(x)

@@ -347,7 +347,7 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
             const FA_V mv = FA_VLOAD(sc.m + c * FA_VL), inv = FA_VLOAD(sc.alpha + c * FA_VL);
             for (int64_t jj = 0; jj < nk; jj++) {
                 FA_T *sp = sc.s + jj * brp + c * FA_VL;
-                FA_VSTORE(sp, FA_VMUL(FA_VEXP(FA_VSUB(FA_VLOAD(sp), mv)), inv));
+                FA_VSTORE(sp, FA_VMUL(FA_VEXP_LOGIT(FA_VSUB(FA_VLOAD(sp), mv)), inv));
             }
         }
         if (p->dropout_p > 0) FA_NAME(fa_dropout_apply)(p, it, nr, j0, nk, sc.s, brp, 1);
@@ -357,16 +357,21 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
 }
 
 #ifndef FA_KV_HALF
-/* y = exp(x) with this file's vector exp (the ULP test calls it through fa_exp_array). */
-static void FA_NAME(fa_exp_array)(const void *xv, void *yv, int64_t n)
+/* y = exp(x) with this file's vector exp, or with logit its softmax's FA_VEXP_LOGIT (the
+ * ULP tests call them through fa_exp_array). */
+static void FA_NAME(fa_exp_array)(const void *xv, void *yv, int64_t n, int logit)
 {
     const FA_T *x = (const FA_T *)xv;
     FA_T *y = (FA_T *)yv;
     int64_t i = 0;
-    for (; i + FA_VL <= n; i += FA_VL) FA_VSTOREU(y + i, FA_VEXP(FA_VLOADU(x + i)));
+    for (; i + FA_VL <= n; i += FA_VL) {
+        const FA_V v = FA_VLOADU(x + i);
+        FA_VSTOREU(y + i, logit ? FA_VEXP_LOGIT(v) : FA_VEXP(v));
+    }
     if (i < n) {
         FA_T tmp[FA_VL];
-        FA_VSTOREU(tmp, FA_VEXP(FA_VLOADU_N(x + i, (int)(n - i))));
+        const FA_V v = FA_VLOADU_N(x + i, (int)(n - i));
+        FA_VSTOREU(tmp, logit ? FA_VEXP_LOGIT(v) : FA_VEXP(v));
         for (int64_t t = 0; t < n - i; t++) y[i + t] = tmp[t];
     }
 }

@@ -43,7 +43,7 @@ static void FA_NAME(fa_softmax_tile_u)(FA_T *FA_RESTRICT s, int64_t nk, int c0, 
         FA_V sum0 = FA_VZERO(), sum1 = FA_VZERO(), us = FA_VZERO();
         for (int64_t j = 0; j < nk; j++) {
             const FA_V x = FA_VSUB(FA_VLOAD(sc + j * brp), m_use);
-            const FA_V e = FA_VEXP(x);
+            const FA_V e = FA_VEXP_LOGIT(x);
             FA_VSTORE(sc + j * brp, e);
             if (j & 1)
                 sum1 = FA_VADD(sum1, e);
@@ -83,15 +83,15 @@ static void FA_NAME(fa_softmax_tile)(FA_T *FA_RESTRICT s, int64_t nk, int c0, in
         FA_V sum0 = FA_VZERO(), sum1 = FA_VZERO();
         int64_t j = 0;
         for (; j + 1 < nk; j += 2) {
-            FA_V e0 = FA_VEXP(FA_VSUB(FA_VLOAD(sc + j * brp), m_use));
-            FA_V e1 = FA_VEXP(FA_VSUB(FA_VLOAD(sc + (j + 1) * brp), m_use));
+            FA_V e0 = FA_VEXP_LOGIT(FA_VSUB(FA_VLOAD(sc + j * brp), m_use));
+            FA_V e1 = FA_VEXP_LOGIT(FA_VSUB(FA_VLOAD(sc + (j + 1) * brp), m_use));
             FA_VSTORE(sc + j * brp, e0);
             FA_VSTORE(sc + (j + 1) * brp, e1);
             sum0 = FA_VADD(sum0, e0);
             sum1 = FA_VADD(sum1, e1);
         }
         if (j < nk) {
-            FA_V e0 = FA_VEXP(FA_VSUB(FA_VLOAD(sc + j * brp), m_use));
+            FA_V e0 = FA_VEXP_LOGIT(FA_VSUB(FA_VLOAD(sc + j * brp), m_use));
             FA_VSTORE(sc + j * brp, e0);
             sum0 = FA_VADD(sum0, e0);
         }
@@ -120,7 +120,7 @@ static void FA_NAME(fa_softmax_row)(FA_T *FA_RESTRICT s, int64_t nk, FA_T *FA_RE
         if (lanes[i] > m_new || lanes[i] != lanes[i]) m_new = lanes[i];
     const FA_T m_use = m_new == -(FA_T)INFINITY ? (FA_T)0 : m_new;
     const FA_V mu = FA_VSET1(m_use);
-    for (int64_t j = 0; j < nkv; j += FA_VL) FA_VSTORE(s + j, FA_VEXP(FA_VSUB(FA_VLOAD(s + j), mu)));
+    for (int64_t j = 0; j < nkv; j += FA_VL) FA_VSTORE(s + j, FA_VEXP_LOGIT(FA_VSUB(FA_VLOAD(s + j), mu)));
     FA_T sum0 = 0, sum1 = 0;
     int64_t j = 0;
     for (; j + 1 < nk; j += 2) {

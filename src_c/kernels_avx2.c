@@ -40,6 +40,29 @@ static inline __m256 fa_exp_f32_avx2(__m256 x)
     return _mm256_and_ps(keep, _mm256_mul_ps(y, two_n));
 }
 
+/* e^x for the softmax's logits (kernels_avx512.h: fa_exp_logit_f32_avx512): 2^y with
+ * y = x log2(e), n = round(y) from the magic FMA as above, f = x log2(e) - n by one more
+ * FMA (so y is rounded once, in f), 2^f by the same fitted polynomial in powers of f
+ * (fa_exp.h, doubled): the two Cody-Waite steps become one (13 instructions, not 14);
+ * the error grows by up to |x| 2^-24 relative, e^0 = 1 exactly. */
+static inline __m256 fa_exp_logit_f32_avx2(__m256 x)
+{
+    const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(FA_EXP_F32_FLUSH), _CMP_NLT_UQ);
+    const __m256 magic = _mm256_set1_ps(FA_EXP_F32_MAGIC), l2e = _mm256_set1_ps(FA_LOG2E_F);
+    x = _mm256_min_ps(_mm256_set1_ps(FA_EXP_F32_HI), x);
+    const __m256 j = _mm256_fmadd_ps(x, l2e, magic);
+    const __m256 n = _mm256_sub_ps(j, magic);
+    const __m256 f = _mm256_fmsub_ps(x, l2e, n);
+    __m256 y = _mm256_fmadd_ps(_mm256_set1_ps(2 * FA_EXP2_F32_P6), f, _mm256_set1_ps(2 * FA_EXP2_F32_P5));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(2 * FA_EXP2_F32_P4));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(2 * FA_EXP2_F32_P3));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(2 * FA_EXP2_F32_P2));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(2 * FA_EXP2_F32_P1));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(2.0f));
+    const __m256 two_n = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(j), 23));
+    return _mm256_and_ps(keep, _mm256_mul_ps(y, two_n));
+}
+
 /* exp for 4 doubles: the same scheme (magic 1.5 * 2^52 + 1022, the exponent field
  * 52 bits up, n in [-1020, 1024]) with the degree-13 Taylor polynomial, doubled. */
 static inline __m256d fa_exp_f64_avx2(__m256d x)
@@ -204,6 +227,7 @@ static inline double fa_reduce_pd(__m256d x)
 #define FA_VFMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
 #define FA_VMAX(a, b) _mm256_max_ps((a), (b))
 #define FA_VEXP(x) fa_exp_f32_avx2(x)
+#define FA_VEXP_LOGIT(x) fa_exp_logit_f32_avx2(x)
 #define FA_VNEGINF_TO_ZERO(x) fa_neginf_to_zero_ps(x)
 #define FA_VREDUCE(x) fa_reduce_ps(x)
 #define FA_VABS(x) fa_abs_ps(x)

@@ -120,6 +120,47 @@ static inline __m512d fa_exp_f64_avx512(__m512d x)
     return _mm512_maskz_scalef_pd(keep, y, n);
 }
 
+/* e^x for the softmax's logits (x = s - m: at most 0, or NaN) in fewer instructions than
+ * fa_exp_f32_avx512: n = round(x log2(e)), f = x log2(e) - n by one FMA (x log2(e)
+ * rounded once, in f), 2^f by the AVX2 kernel's fitted degree-6 polynomial in powers of
+ * f (fa_exp.h), and scalef by n.  Against the Cody-Waite exp it drops the clamp (scalef
+ * overflows to +inf by itself) and one FMA each of the reduction and of the polynomial
+ * (11 instructions, not 14).  The price: f carries log2(e)'s float32 rounding times x,
+ * a relative error of at most u (2 + |x| / 4) (u = 2^-24; tests/test_exp.py) against
+ * the exp's 1 ulp: a weight e^x is off by at most (2 + |x| / 4) u e^x, under 2u of the
+ * row's largest weight.  e^0 = 1 exactly (n = f = 0, the polynomial's constant term is 1): a row's
+ * largest logit still weighs 1.  Lanes with x log2(e) < -125 (-inf included) give +0
+ * and are never computed; NaN stays NaN. */
+static inline __m512 fa_exp_logit_f32_avx512(__m512 x)
+{
+    const __m512 l2e = _mm512_set1_ps(FA_LOG2E_F), y = _mm512_mul_ps(x, l2e);
+    const __mmask16 live = _mm512_cmp_ps_mask(y, _mm512_set1_ps(FA_EXP2_F32_FLUSH), _CMP_NLT_UQ);
+    const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_fmsub_ps(x, l2e, n);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(FA_EXP2_F32_P6), f, _mm512_set1_ps(FA_EXP2_F32_P5));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FA_EXP2_F32_P4));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FA_EXP2_F32_P3));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FA_EXP2_F32_P2));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FA_EXP2_F32_P1));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_scalef_ps(live, p, n);
+}
+
+/* The same for 8 doubles: 2^f by the degree-13 Taylor polynomial of e^(f ln 2)
+ * (|f ln 2| <= ln2/2: fa_exp_f64_avx512's truncation), +0 below x log2(e) = -1021;
+ * relative error at most u (2 + |x| / 4), u = 2^-53. */
+static inline __m512d fa_exp_logit_f64_avx512(__m512d x)
+{
+    const __m512d l2e = _mm512_set1_pd(FA_LOG2E), y = _mm512_mul_pd(x, l2e);
+    const __mmask8 live = _mm512_cmp_pd_mask(y, _mm512_set1_pd(FA_EXP2_F64_FLUSH), _CMP_NLT_UQ);
+    const __m512d n = _mm512_roundscale_pd(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512d f = _mm512_fmsub_pd(x, l2e, n);
+    __m512d p = _mm512_set1_pd(fa_exp2_f64_coef[FA_EXP_F64_DEG]);
+    for (int i = FA_EXP_F64_DEG - 1; i >= 0; i--)
+        p = _mm512_fmadd_pd(p, f, _mm512_set1_pd(fa_exp2_f64_coef[i]));
+    return _mm512_maskz_scalef_pd(live, p, n);
+}
+
 static inline __m512 fa_neginf_to_zero_ps(__m512 x)
 {
     __mmask16 inf = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
@@ -292,6 +333,7 @@ static inline __m512 fa_bf16_loadu_n(const uint16_t *p, int n)
 #define FA_VFMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
 #define FA_VMAX(a, b) _mm512_max_ps((a), (b))
 #define FA_VEXP(x) fa_exp_f32_avx512(x)
+#define FA_VEXP_LOGIT(x) fa_exp_logit_f32_avx512(x)
 #define FA_VNEGINF_TO_ZERO(x) fa_neginf_to_zero_ps(x)
 #define FA_VREDUCE(x) _mm512_reduce_add_ps(x)
 #define FA_VABS(x) _mm512_abs_ps(x)

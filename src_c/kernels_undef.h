@@ -21,6 +21,7 @@
 #undef FA_VFMA
 #undef FA_VMAX
 #undef FA_VEXP
+#undef FA_VEXP_LOGIT
 #undef FA_VNEGINF_TO_ZERO
 #undef FA_VABS
 #undef FA_VDIV

@@ -409,11 +409,16 @@ def test_decode_rows_take_the_float32_products(rng, kern, path):
     """On a pair path, a prefill block's bits differ from the float32 path's (P is
     rounded to bfloat16 before P.V) while staying within the tolerance, and decode
     rows (at most 8 an item) are computed by the float32 products: the float32
-    path's bits, with grouped heads stacked (4 query heads a K/V head: 4 rows an item)
-    and without (one row an item, which the plan's blocks round up to a vector).  A
-    chunk of 2-8 positions takes the same float32 products, but its bits differed
-    from the float32 path's in rare elements (1 of 2560 at 5 rows, both paths): not
-    held here.  (Parametrized over the pair paths this machine runs.)"""
+    path's bfloat16 outputs, with grouped heads stacked (4 query heads a K/V head: 4
+    rows an item) and without (one row an item, which the plan's blocks round up to a
+    vector), but for rare elements one bfloat16 unit apart.  Their float32 values
+    differ from the float32 path's in the last place (the pair files' instantiation
+    of the same template; seen with float32 outputs), which the rounding to bfloat16
+    hides unless a value lies next to a tie: 1 of 512 outputs here with the softmax's
+    logit exp (FA_VEXP_LOGIT), 1 of 512 with other inputs before it; a chunk of 2-8
+    positions likewise (1 of 2560 at 5 rows).  A P rounded to bfloat16 (the pair
+    products) would move most elements.  (Parametrized over the pair paths this
+    machine runs.)"""
     before = _kernels.current_kernel(), _kernels.bf16_path()
     q, k, v = bf(rng, 1, 8, 200, 64), bf(rng, 1, 2, 700, 64), bf(rng, 1, 2, 700, 64)
     km, vm = bf(rng, 1, 8, 700, 64), bf(rng, 1, 8, 700, 64)
@@ -431,7 +436,9 @@ def test_decode_rows_take_the_float32_products(rng, kern, path):
         _kernels.set_bf16_path(before[1])
     assert not np.array_equal(outs["float32"][0], outs[path][0])
     for a, b in zip(outs["float32"][1:], outs[path][1:]):
-        np.testing.assert_array_equal(a, b)
+        # bfloat16 bits of finite values of one sign: adjacent values are adjacent ints
+        units = np.abs(a.astype(np.int32) - b.astype(np.int32))
+        assert units.max() <= 1 and np.count_nonzero(units) <= 2, (units.max(), np.count_nonzero(units))
 
 
 def test_nan_and_inf_on_every_path(bf16_kernel, rng):
