@@ -99,6 +99,14 @@ static int fa_use_split(const fa_kernel *kern, const fa_params *p)
  * its key range cut to the chunk; returns the chunk.  Contiguous K/V: a head's chunks
  * in a row; strided ("bshd"): a chunk's heads in a row, which share the rows' pages
  * (TLB entries). */
+/* An item's row of the call's V-tile flags (fa_vfin_slot): its (sequence, kv head)'s. */
+static void fa_vfin_attach(fa_item *it, uint8_t *vfin, int64_t vfin_n, int64_t Hkv)
+{
+    if (!vfin) return;
+    it->vfin = vfin + (it->b * Hkv + it->g) * vfin_n;
+    it->vfin_n = vfin_n;
+}
+
 static int64_t fa_split_item(const fa_params *p, const fa_plan *pl, int64_t t, int64_t heads,
                              int64_t nch, fa_item *it)
 {
@@ -229,7 +237,21 @@ int fa_attention_forward(const fa_params *p)
     int failed = 0;
     if (fa_use_head_tasks(p, &pl)) {
         failed = fa_run_head_items(p, &pl, qblock, scratch_bytes, nth) != FA_OK;
-    } else if (nth == 1) {
+        free(pl.start);
+        return failed ? FA_ERR_NOMEM : FA_OK;
+    }
+    /* The V-tile flags (fa_vfin_slot), where some (sequence, kv head) has several items;
+     * without the memory each item checks its tiles itself (the same decisions). */
+    int64_t vfin_n = 0;
+    uint8_t *vfin = NULL;
+    if (items > p->B * p->Hkv && pl.bl.k > 0) {
+        int64_t lk = 0;
+        for (int64_t b = 0; b < p->B; b++)
+            if (fa_key_len(p, b) > lk) lk = fa_key_len(p, b);
+        vfin_n = (lk + pl.bl.k - 1) / pl.bl.k;
+        vfin = (uint8_t *)calloc((size_t)(p->B * p->Hkv * vfin_n) + 1, 1);
+    }
+    if (nth == 1) {
         /* One thread: no parallel region at all (short calls stay cheap). */
         fa_last_threads = 1;
         void *scratch = fa_scratch_alloc(scratch_bytes);
@@ -237,6 +259,7 @@ int fa_attention_forward(const fa_params *p)
         for (int64_t t = 0; t < items && scratch; t++) {
             fa_item it;
             fa_item_of(p, &pl, t, &it);
+            fa_vfin_attach(&it, vfin, vfin_n, p->Hkv);
             qblock(p, &pl.bl, &it, scratch);
         }
         free(scratch);
@@ -252,12 +275,14 @@ int fa_attention_forward(const fa_params *p)
                 if (!scratch) continue;
                 fa_item it;
                 fa_item_of(p, &pl, t, &it);
+                fa_vfin_attach(&it, vfin, vfin_n, p->Hkv);
                 qblock(p, &pl.bl, &it, scratch);
             }
             free(scratch);
         }
         fa_last_threads = ran;
     }
+    free(vfin);
     free(pl.start);
     return failed ? FA_ERR_NOMEM : FA_OK;
 }

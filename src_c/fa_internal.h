@@ -308,7 +308,37 @@ typedef struct fa_item {
     int64_t qoff, koff; /* its first row on the L axis of q/out/lse and of k/v    */
     int64_t kv0, kv1;   /* keys that may be visible to some row: [kv0, kv1), inside
                            [0, Lk], and [0, 0) when none is (fa_key_range)       */
+    uint8_t *vfin;      /* this (b, g)'s V-tile flags (fa_vfin_slot), or NULL      */
+    int64_t vfin_n;     /* how many                                               */
 } fa_item;
+
+/* The call's V-tile flags (fa_forward.c): for each (sequence, kv head), a byte per whole
+ * tile of bk keys from key 0: 0 not checked yet, 1 every V value finite, 2 not.  The
+ * query blocks of a head, and the heads of a group, read the same V tiles, and each
+ * checked every tile before its P.V (fa_v_finite): 4% of a float32 forward's kernel
+ * time at D=128, 7% causal (64-row blocks: three times the items).  Now the first item
+ * to reach a tile checks it and stores the answer; the others read it.  Items on other
+ * threads may check one tile at the same time: each stores the same byte (relaxed
+ * atomics), so the decision, and every bit of the result, is the check's whichever
+ * item makes it.  A partial tile (a causal block's last, the keys' end) has no flag and
+ * is checked by each item, as before. */
+static inline int64_t fa_vfin_slot(const fa_item *it, int64_t bk, int64_t j0, int64_t nk)
+{
+    if (!it->vfin || nk != bk || j0 % bk) return -1;
+    return j0 / bk < it->vfin_n ? j0 / bk : -1;
+}
+/* The tile's flag: 1 finite, 2 not, 0 unknown (or no slot) */
+static inline int fa_vfin_read(const fa_item *it, int64_t slot)
+{
+    return slot < 0 ? 0 : __atomic_load_n(it->vfin + slot, __ATOMIC_RELAXED);
+}
+/* Record a check's answer (finite: nonzero) in the slot; returns the flag (1 or 2). */
+static inline int fa_vfin_write(const fa_item *it, int64_t slot, int finite)
+{
+    const uint8_t f = finite ? 1 : 2;
+    if (slot >= 0) __atomic_store_n(it->vfin + slot, f, __ATOMIC_RELAXED);
+    return f;
+}
 
 /* Computes one item (rows r = hh*nq + i), writing its output rows and lse (or its
  * rows of attention weights).  `scratch` holds fa_kernel.scratch_bytes(p, bl) bytes,

@@ -119,6 +119,35 @@ def test_nan_stays_in_its_rows(kernel, dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_inf_in_v_tiles_shared_by_many_blocks(kernel, dtype):
+    """A V tile is checked for inf/NaN once a call, by whichever item reaches it first
+    (fa_vfin_slot): many query blocks and grouped heads over the same tiles, an inf in a
+    whole tile and a NaN in the keys' last partial one, hidden from some rows by a mask,
+    the causal diagonal or a window.  The rows that see them, and only those, are not
+    finite, as the oracle says, and every thread count gives the same bits."""
+    rng = np.random.default_rng(8)
+    q = rng.standard_normal((1, 6, 700, 16)).astype(dtype)
+    k = rng.standard_normal((1, 3, 700, 16)).astype(dtype)
+    v = rng.standard_normal((1, 3, 700, 8)).astype(dtype)
+    v[0, 1, 130, 2] = np.inf      # a whole tile of kv head 1 (query heads 2, 3)
+    v[0, 2, 697, 5] = np.nan      # the last, partial tile of kv head 2
+    mask = np.ones((700, 700), bool)
+    mask[::2, 120:140] = False    # even rows never see key 130
+    for kw in ({}, dict(causal=True), dict(window=(50, 50)), dict(mask=mask)):
+        outs = [fastattn.attention(q, k, v, num_threads=t, **kw) for t in (1, 2, 3)]
+        ref = reference.attention(q, k, v, **kw)
+        np.testing.assert_array_equal(np.isnan(outs[0]), np.isnan(ref))
+        np.testing.assert_array_equal(np.isinf(outs[0]), np.isinf(ref))
+        fin = np.isfinite(ref)
+        assert np.abs(outs[0][fin] - ref[fin]).max() <= TOL[np.dtype(dtype)] * np.abs(ref[fin]).max()
+        for o in outs[1:]:
+            np.testing.assert_array_equal(o, outs[0])
+    out = fastattn.attention(q, k, v, mask=mask)
+    assert np.isinf(out[0, 2:4, 1::2, 2]).all() and np.isfinite(out[0, 2:4, ::2]).all()
+    assert np.isnan(out[0, 4:6, :, 5]).all() and np.isfinite(out[0, :2]).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("Lq", [1, 4])
 def test_nan_inf_in_decode_blocks(kernel, dtype, Lq):
     """Blocks of a few rows (decoding, split-KV) run P.V before looking at V; rows it
