@@ -99,12 +99,31 @@ static int fa_use_split(const fa_kernel *kern, const fa_params *p)
  * its key range cut to the chunk; returns the chunk.  Contiguous K/V: a head's chunks
  * in a row; strided ("bshd"): a chunk's heads in a row, which share the rows' pages
  * (TLB entries). */
-/* An item's row of the call's V-tile flags (fa_vfin_slot): its (sequence, kv head)'s. */
-static void fa_vfin_attach(fa_item *it, uint8_t *vfin, int64_t vfin_n, int64_t Hkv)
+/* What a call's items share: the V-tile flags (fa_vfin_slot) and the packed key blocks
+ * (fa_pk_slot), n of each for every (sequence, kv head); NULL where the call has none. */
+#define FA_PK_MAX_BYTES (256.0 * 1024 * 1024)
+typedef struct fa_share {
+    uint8_t *vfin;
+    int64_t n;
+    uint8_t *pkst;
+    char *pkbuf;
+    int64_t pk_bytes;
+} fa_share;
+
+/* An item's rows of them: its (sequence, kv head)'s. */
+static void fa_share_attach(fa_item *it, const fa_share *sh, int64_t Hkv)
 {
-    if (!vfin) return;
-    it->vfin = vfin + (it->b * Hkv + it->g) * vfin_n;
-    it->vfin_n = vfin_n;
+    const int64_t row = (it->b * Hkv + it->g) * sh->n;
+    if (sh->vfin) {
+        it->vfin = sh->vfin + row;
+        it->vfin_n = sh->n;
+    }
+    if (sh->pkst) {
+        it->pkst = sh->pkst + row;
+        it->pkbuf = sh->pkbuf + row * sh->pk_bytes;
+        it->pk_n = sh->n;
+        it->pk_bytes = sh->pk_bytes;
+    }
 }
 
 static int64_t fa_split_item(const fa_params *p, const fa_plan *pl, int64_t t, int64_t heads,
@@ -251,6 +270,28 @@ int fa_attention_forward(const fa_params *p)
         vfin_n = (lk + pl.bl.k - 1) / pl.bl.k;
         vfin = (uint8_t *)calloc((size_t)(p->B * p->Hkv * vfin_n) + 1, 1);
     }
+    /* The packed key blocks the items share (fa_pk_slot), where the call's block packs
+     * K and V (a bfloat16 kernel's share_bytes) and they fit in FA_PK_MAX_BYTES; without
+     * the memory each item packs its own, as before (the same values). */
+    fa_share sh = {NULL, vfin_n, NULL, NULL, 0};
+    sh.vfin = vfin;
+#ifdef FA_HAVE_BF16_KERNELS
+    if (vfin && fa_bf16_pairs(kern, p)) {
+        const fa_bf16_kernel *bk = fa_bf16_kernel_for_path(fa_bf16_path());
+        const int64_t per = bk && bk->share_bytes ? bk->share_bytes(p, &pl.bl) : 0;
+        if (per > 0 && (double)(p->B * p->Hkv * vfin_n) * (double)per <= FA_PK_MAX_BYTES) {
+            sh.pkst = (uint8_t *)calloc((size_t)(p->B * p->Hkv * vfin_n) + 1, 1);
+            sh.pkbuf = (char *)fa_scratch_alloc((size_t)(p->B * p->Hkv * vfin_n * per));
+            sh.pk_bytes = per;
+            if (!sh.pkst || !sh.pkbuf) {
+                free(sh.pkst);
+                free(sh.pkbuf);
+                sh.pkst = NULL;
+                sh.pkbuf = NULL;
+            }
+        }
+    }
+#endif
     if (nth == 1) {
         /* One thread: no parallel region at all (short calls stay cheap). */
         fa_last_threads = 1;
@@ -259,7 +300,7 @@ int fa_attention_forward(const fa_params *p)
         for (int64_t t = 0; t < items && scratch; t++) {
             fa_item it;
             fa_item_of(p, &pl, t, &it);
-            fa_vfin_attach(&it, vfin, vfin_n, p->Hkv);
+            fa_share_attach(&it, &sh, p->Hkv);
             qblock(p, &pl.bl, &it, scratch);
         }
         free(scratch);
@@ -275,7 +316,7 @@ int fa_attention_forward(const fa_params *p)
                 if (!scratch) continue;
                 fa_item it;
                 fa_item_of(p, &pl, t, &it);
-                fa_vfin_attach(&it, vfin, vfin_n, p->Hkv);
+                fa_share_attach(&it, &sh, p->Hkv);
                 qblock(p, &pl.bl, &it, scratch);
             }
             free(scratch);
@@ -283,6 +324,8 @@ int fa_attention_forward(const fa_params *p)
         fa_last_threads = ran;
     }
     free(vfin);
+    free(sh.pkst);
+    free(sh.pkbuf);
     free(pl.start);
     return failed ? FA_ERR_NOMEM : FA_OK;
 }

@@ -310,6 +310,9 @@ typedef struct fa_item {
                            [0, Lk], and [0, 0) when none is (fa_key_range)       */
     uint8_t *vfin;      /* this (b, g)'s V-tile flags (fa_vfin_slot), or NULL      */
     int64_t vfin_n;     /* how many                                               */
+    uint8_t *pkst;      /* this (b, g)'s packed key blocks (fa_pk_slot), or NULL  */
+    char *pkbuf;        /* their bytes, pk_bytes a block                          */
+    int64_t pk_n, pk_bytes;
 } fa_item;
 
 /* The call's V-tile flags (fa_forward.c): for each (sequence, kv head), a byte per whole
@@ -331,6 +334,18 @@ static inline int64_t fa_vfin_slot(const fa_item *it, int64_t bk, int64_t j0, in
 static inline int fa_vfin_read(const fa_item *it, int64_t slot)
 {
     return slot < 0 ? 0 : __atomic_load_n(it->vfin + slot, __ATOMIC_RELAXED);
+}
+/* The call's packed key blocks (a kernel's share_bytes, fa_forward.c): for each
+ * (sequence, kv head), pk_bytes a whole block of bk keys from key 0, K and V laid out as
+ * the kernel's tiles read them, and a state byte: 0 not packed, 1 being packed, 2
+ * packed with every V value finite, 3 packed with an inf or NaN in V.  The first item to
+ * reach a block claims it (0 -> 1), packs it there and publishes it (release); an item
+ * that finds it packed (acquire) uses it; one that finds it being packed packs its own
+ * copy, as every item did before.  The same values either way, so the same bits. */
+static inline int64_t fa_pk_slot(const fa_item *it, int64_t bk, int64_t j0, int64_t nk)
+{
+    if (!it->pkst || nk != bk || j0 % bk) return -1;
+    return j0 / bk < it->pk_n ? j0 / bk : -1;
 }
 /* Record a check's answer (finite: nonzero) in the slot; returns the flag (1 or 2). */
 static inline int fa_vfin_write(const fa_item *it, int64_t slot, int finite)
@@ -431,6 +446,9 @@ typedef struct fa_bf16_kernel {
     fa_bwd_scratch_fn bwd_scratch;
     fa_bwd_reduce_fn bwd_reduce;
     int64_t bwd_block_q; /* the backward's query rows a block (0: fa_backward.c's default) */
+    /* bytes of a whole key block packed for the call's blocks to share (fa_pk_slot), 0
+     * where the call's block does not share them; NULL: never */
+    int64_t (*share_bytes)(const fa_params *p, const fa_blocks *bl);
 } fa_bf16_kernel;
 #ifdef FA_HAVE_BF16_KERNELS
 extern const fa_bf16_kernel fa_kernel_avx512_bf16;

@@ -13,7 +13,8 @@
  * those passes took 11-14 of 23 ms, the tiles 8.  Here the queries are the tiles' rows:
  *   S = Q K^T      A = 16 query rows x 32 features (Q staged zero-padded to whole
  *                  32-feature rows, once per item), B = 32 features x 16 keys as pairs
- *                  (K packed once per key block for all the item's rows), C = 16 x 16
+ *                  (K packed once per key block, for all the items of the kv head
+ *                  where the call shares its whole blocks: fa_pk_slot), C = 16 x 16
  *                  logits, stored row-major into sr (32 rows x the block's keys);
  *   the softmax    one pass over each row (vectors of 16 keys): y = s c - m2 with
  *                  c = scale log2 e folded into one FMA, p = 2^y (a degree-4
@@ -21,8 +22,8 @@
  *                  relative error is 2.7e-6), the lane sums, and P rounded to bfloat16
  *                  straight into the A rows of P.V (vcvtne2ps2bf16 keeps keys in order:
  *                  no transpose);
- *   O += P V       A = P (16 rows x 32 keys), B = V paired along the keys (packed once
- *                  per key block), C = the running output rows.
+ *   O += P V       A = P (16 rows x 32 keys), B = V paired along the keys (packed with
+ *                  K), C = the running output rows.
  * The reference max m2 is lazy (as FlashAttention 4 does): a row's first visible block
  * sets it to that block's max; later blocks keep it unless one of their logits exceeds
  * it by more than 2^8 (FA_RA_TH), in which case the row's block is redone against its
@@ -317,6 +318,19 @@ static inline int64_t fa_ra_keys_any(const int64_t *lo, const int64_t *hi, int64
 }
 #define fa_ra_keys(sc, g0, nr, j0, nk) fa_ra_keys_any((sc)->lo, (sc)->hi, g0, nr, j0, nk)
 
+/* uint32 words of a key block's K packed by fa_ra_pack_k (nk keys, nch feature chunks) */
+static inline int64_t fa_ra_kwords(int64_t nk, int64_t nch) { return (nk + 15) / 16 * nch * 256; }
+
+/* Bytes of a whole key block of the call, K and V packed as fa_qblock_rows packs them,
+ * for the call's items to share (fa_pk_slot); 0 where the call takes the other block. */
+static int64_t FA_NAME(fa_rows_share_bytes)(const fa_params *p, const fa_blocks *bl)
+{
+    if (!FA_NAME(fa_rows_ok)(p, bl)) return 0;
+    const int64_t nch = FA_NAME(fa_amx_dz)(p->D) / FA_AMX_K;
+    const int64_t vs = FA_RA_VROW(FA_NAME(fa_round_up)(p->Dv, FA_VL));
+    return (fa_ra_kwords(bl->k, nch) + FA_NAME(fa_amx_kpp)(bl->k) * vs) * (int64_t)sizeof(uint32_t);
+}
+
 /* One work item on the row-major block (see the top of this file). */
 static void FA_NAME(fa_qblock_rows)(const fa_params *p, const fa_blocks *bl, const fa_item *it, void *scratch)
 {
@@ -330,7 +344,7 @@ static void FA_NAME(fa_qblock_rows)(const fa_params *p, const fa_blocks *bl, con
     FA_NAME(fa_setup_rows)(p, it, nr, nvl, brp, bc, &sc);
     /* Q's rows zero-padded to dz (in the room of the pairs, which fa_setup_rows left) */
     uint16_t *qa = (uint16_t *)sc.qp;
-    uint32_t *kq = (uint32_t *)(void *)sc.kz;
+    uint32_t *const kq_own = (uint32_t *)(void *)sc.kz;
     for (int64_t r = 0; r < nvl; r++) {
         uint16_t *d = qa + r * dz;
         int64_t n = 0;
@@ -363,6 +377,7 @@ static void FA_NAME(fa_qblock_rows)(const fa_params *p, const fa_blocks *bl, con
             const int64_t nk = hi - j0 < bc ? hi - j0 : bc;
             int packed = 0, vfin = 1;
             const uint16_t *vt = NULL;
+            const uint32_t *kq = kq_own, *vq = sc.vp; /* K and V packed: this item's or shared */
             int64_t v_sl = 0;
             /* A pipeline over the groups of 32 rows: step g runs S = Q K^T of group g,
              * the softmax of group g - 1 and P.V of group g - 2, each group's logits and
@@ -386,12 +401,32 @@ static void FA_NAME(fa_qblock_rows)(const fa_params *p, const fa_blocks *bl, con
                 int64_t nkg = kg[step % 3] = g0 < nvl ? fa_ra_keys(&sc, g0, nr, j0, nk) : 0;
                 if (nkg > 0) {
                     if (!packed) {
-                        int64_t k_sl;
-                        const uint16_t *kt = FA_NAME(fa_kv_tile)(p, it, j0, nk, 0, sc.kst, &k_sl);
-                        fa_ra_pack_k(kt, k_sl, nk, D, nch, kq);
+                        /* a whole block another item has packed (fa_pk_slot), or packed
+                         * here: into the call's block if this item claims it, else into
+                         * the item's own scratch */
+                        const int64_t slot = fa_pk_slot(it, bc, j0, nk);
+                        int st = slot >= 0 ? __atomic_load_n(it->pkst + slot, __ATOMIC_ACQUIRE) : 0;
+                        uint32_t *shk = slot >= 0 ? (uint32_t *)(void *)(it->pkbuf + slot * it->pk_bytes) : NULL;
                         vt = FA_NAME(fa_kv_tile)(p, it, j0, nk, 1, sc.vst, &v_sl);
-                        FA_NAME(fa_amx_pack_v)(vt, v_sl, nk, Dv, dvp, vs, sc.vp);
-                        vfin = fa_ra_finite(vt, v_sl, nk, Dv);
+                        if (st >= 2) {
+                            kq = shk;
+                            vq = shk + fa_ra_kwords(bc, nch);
+                            vfin = st == 2;
+                        } else {
+                            uint8_t zero = 0;
+                            const int mine = st == 0 && slot >= 0 &&
+                                             __atomic_compare_exchange_n(it->pkst + slot, &zero, 1, 0,
+                                                                         __ATOMIC_ACQUIRE, __ATOMIC_RELAXED);
+                            uint32_t *kw = mine ? shk : kq_own, *vw = mine ? shk + fa_ra_kwords(bc, nch) : sc.vp;
+                            int64_t k_sl;
+                            const uint16_t *kt = FA_NAME(fa_kv_tile)(p, it, j0, nk, 0, sc.kst, &k_sl);
+                            fa_ra_pack_k(kt, k_sl, nk, D, nch, kw);
+                            FA_NAME(fa_amx_pack_v)(vt, v_sl, nk, Dv, dvp, vs, vw);
+                            vfin = fa_ra_finite(vt, v_sl, nk, Dv);
+                            if (mine) __atomic_store_n(it->pkst + slot, (uint8_t)(vfin ? 2 : 3), __ATOMIC_RELEASE);
+                            kq = kw;
+                            vq = vw;
+                        }
                         packed = 1;
                     }
                     const int two_q = g0 + FA_AMX_ROWS < nvl;
@@ -474,7 +509,7 @@ static void FA_NAME(fa_qblock_rows)(const fa_params *p, const fa_blocks *bl, con
                     continue;
                 }
                 FA_NAME(fa_amx_pv_rows)(sc.o + g0 * dvp, pg, pg + FA_AMX_ROWS * rs, ps,
-                                        FA_NAME(fa_round_up)(nkg, 2 * FA_AMX_ROWS) / 2, sc.vp, vs, dvp, two_q);
+                                        FA_NAME(fa_round_up)(nkg, 2 * FA_AMX_ROWS) / 2, vq, vs, dvp, two_q);
             }
         }
         /* the chunk's rows as the fold expects them: m in natural log units, l summed */

@@ -77,4 +77,5 @@ const fa_bf16_kernel fa_kernel_avx512_bf16 = {
     fa_bwd_scratch_bytes_bbw_avx512,
     fa_bwd_reduce_bbw_avx512,
     0,
+    NULL,
 };

@@ -384,6 +384,36 @@ def test_outputs_round_to_nearest_even(bf16_kernel, rng):
     np.testing.assert_array_equal(out[:, :, 0].view(np.uint16)[~nan], want.view(np.uint16)[~nan])
 
 
+def test_key_blocks_shared_by_the_items_of_a_head(bf16_kernel, rng):
+    """Several items a kv head (the row-major AMX block's 768-row items, grouped heads)
+    over whole key blocks, which the call packs once for all of them (fa_pk_slot) and
+    checks for inf and NaN once (fa_vfin_slot on the other blocks): an inf in V in one
+    block and a NaN in another.  Each item's rows have the bits they have in a call of
+    their own (one item a head: nothing shared), for 1, 2 and 3 threads, and the
+    oracle's values and non-finite pattern."""
+    B, Hq, Hkv, Lq, Lk, D = 1, 4, 2, 1700, 1100, 64
+    q, k, v = bf(rng, B, Hq, Lq, D), bf(rng, B, Hkv, Lk, D), bf(rng, B, Hkv, Lk, D)
+    v[0, 1, 300, 7] = np.inf       # kv head 1, key block 1 of 256 keys
+    v[0, 0, 600, 3] = np.nan       # kv head 0, key block 2
+    outs = [fastattn.attention(q, k, v, num_threads=t) for t in (1, 2, 3)]
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o.view(np.uint16), outs[0].view(np.uint16))
+    for a, b in ((0, 700), (700, 1500), (1500, 1700)):
+        part = fastattn.attention(q[:, :, a:b], k, v, num_threads=1)
+        np.testing.assert_array_equal(part.view(np.uint16), outs[0][:, :, a:b].view(np.uint16))
+    ref = reference.attention(f32(q), f32(k), f32(v))
+    out = outs[0].astype(np.float32)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    np.testing.assert_array_equal(np.isinf(out), np.isinf(ref))
+    assert np.isnan(out[0, :2, :, 3]).all() and np.isinf(out[0, 2:, :, 7]).all()
+    fin = np.isfinite(ref)
+    assert np.abs(out[fin] - ref[fin]).max() <= 2 * TOL_BF16 * np.abs(ref[fin]).max()
+    k2, v2 = k.copy(), v.copy()
+    v2[~np.isfinite(v2.astype(np.float32))] = 0
+    check(q, k2, v2)
+    check(q, k2, v2, causal=True)
+
+
 def test_key_chunks_in_prefill_and_split_decoding(bf16_kernel, rng):
     """Keys past two of the row-major AMX block's 2048-key chunks (the other paths'
     chunks are 512 keys): a few queries of 16 heads on one kv head (Lq = 2 and 3, 32
