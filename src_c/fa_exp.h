@@ -81,7 +81,8 @@ static const double fa_exp_f64_coef[FA_EXP_F64_DEG + 1] = {
     1.0 / 6227020800.0,
 };
 
-/* The softmax's e^x as 2^y, y = x log2(e) (the AVX-512 kernels' FA_VEXP_LOGIT):
+/* The softmax's e^x as 2^y, y = x log2(e) (FA_VEXP_LOGIT of the AVX-512 kernels and of
+ * the AVX2 kernel's float32):
  * 2^f for |f| <= 1/2 by the AVX2 polynomial above in powers of f (M_k ln2^k, rounded to
  * float32; the fit's 2.0e-9 is unchanged, r = f ln2 being the same interval), and in
  * float64 by the Taylor coefficients ln2^k / k! (correctly rounded, from mpmath at 50

@@ -95,10 +95,6 @@ static int fa_use_split(const fa_kernel *kern, const fa_params *p)
            p->Lk > fa_chunk_keys(kern, p);
 }
 
-/* Split-KV item t of heads x nch (sequence, kv head, head chunk; chunk): the item with
- * its key range cut to the chunk; returns the chunk.  Contiguous K/V: a head's chunks
- * in a row; strided ("bshd"): a chunk's heads in a row, which share the rows' pages
- * (TLB entries). */
 /* What a call's items share: the V-tile flags (fa_vfin_slot) and the packed key blocks
  * (fa_pk_slot), n of each for every (sequence, kv head); NULL where the call has none. */
 #define FA_PK_MAX_BYTES (256.0 * 1024 * 1024)
@@ -126,6 +122,10 @@ static void fa_share_attach(fa_item *it, const fa_share *sh, int64_t Hkv)
     }
 }
 
+/* Split-KV item t of heads x nch (sequence, kv head, head chunk; chunk): the item with
+ * its key range cut to the chunk; returns the chunk.  Contiguous K/V: a head's chunks
+ * in a row; strided ("bshd"): a chunk's heads in a row, which share the rows' pages
+ * (TLB entries). */
 static int64_t fa_split_item(const fa_params *p, const fa_plan *pl, int64_t t, int64_t heads,
                              int64_t nch, fa_item *it)
 {

@@ -335,6 +335,13 @@ static inline int fa_vfin_read(const fa_item *it, int64_t slot)
 {
     return slot < 0 ? 0 : __atomic_load_n(it->vfin + slot, __ATOMIC_RELAXED);
 }
+/* Record a check's answer (finite: nonzero) in the slot; returns the flag (1 or 2). */
+static inline int fa_vfin_write(const fa_item *it, int64_t slot, int finite)
+{
+    const uint8_t f = finite ? 1 : 2;
+    if (slot >= 0) __atomic_store_n(it->vfin + slot, f, __ATOMIC_RELAXED);
+    return f;
+}
 /* The call's packed key blocks (a kernel's share_bytes, fa_forward.c): for each
  * (sequence, kv head), pk_bytes a whole block of bk keys from key 0, K and V laid out as
  * the kernel's tiles read them, and a state byte: 0 not packed, 1 being packed, 2
@@ -346,13 +353,6 @@ static inline int64_t fa_pk_slot(const fa_item *it, int64_t bk, int64_t j0, int6
 {
     if (!it->pkst || nk != bk || j0 % bk) return -1;
     return j0 / bk < it->pk_n ? j0 / bk : -1;
-}
-/* Record a check's answer (finite: nonzero) in the slot; returns the flag (1 or 2). */
-static inline int fa_vfin_write(const fa_item *it, int64_t slot, int finite)
-{
-    const uint8_t f = finite ? 1 : 2;
-    if (slot >= 0) __atomic_store_n(it->vfin + slot, f, __ATOMIC_RELAXED);
-    return f;
 }
 
 /* Computes one item (rows r = hh*nq + i), writing its output rows and lse (or its

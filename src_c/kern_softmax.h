@@ -9,7 +9,8 @@
  *                        result merged in order by fa_merge_step (fa_internal.h, the
  *                        merge every path shares), the entropy by the chain rule
  *
- * Needs from the including ISA file: the vector operations, FA_VEXP (exp(-inf) = 0),
+ * Needs from the including ISA file: the vector operations, FA_VEXP (exp(-inf) = 0) and
+ * optionally FA_VEXP_LOGIT (the logits' exp, kern_common.h),
  * FA_VMAX (NaN-propagating), FA_VNEGINF_TO_ZERO, FA_VREDUCE.
  */
 
