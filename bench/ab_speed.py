@@ -19,7 +19,10 @@ import time
 CASES = {
     "prefill B1 H8 L4096 D64": dict(fn="fwd", B=1, H=8, Lq=4096, Lk=4096, D=64),
     "prefill B1 H8 L4096 D64 causal": dict(fn="fwd", B=1, H=8, Lq=4096, Lk=4096, D=64, causal=True),
+    "prefill B1 H8 L2048 D128": dict(fn="fwd", B=1, H=8, Lq=2048, Lk=2048, D=128),
     "prefill B4 H16 L256 D64": dict(fn="fwd", B=4, H=16, Lq=256, Lk=256, D=64),
+    "prefill B1 H8 L2048 D64 float64": dict(fn="fwd", B=1, H=8, Lq=2048, Lk=2048, D=64, dtype="float64"),
+    "prefill B1 H8 L2048 D128 float64": dict(fn="fwd", B=1, H=8, Lq=2048, Lk=2048, D=128, dtype="float64"),
     "decode B1 H32 Lk8192 D128": dict(fn="fwd", B=1, H=32, Lq=1, Lk=8192, D=128),
     "decode B8 H32 Lk2048 D128": dict(fn="fwd", B=8, H=32, Lq=1, Lk=2048, D=128),
     "decode B1 Hq32 Hkv8 Lk8192 D128": dict(fn="fwd", B=1, H=32, Hkv=8, Lq=1, Lk=8192, D=128),
@@ -52,8 +55,9 @@ nth = int(sys.argv[2])
 rng = np.random.default_rng(0)
 data = {}
 for name, c in cases.items():
-    q = rng.standard_normal((c["B"], c["H"], c["Lq"], c["D"])).astype(np.float32)
-    hkv, kv = c.get("Hkv", c["H"]), c.get("kv", "float32")
+    dt = c.get("dtype", "float32")  # q's (and, unless kv says otherwise, K/V's)
+    q = rng.standard_normal((c["B"], c["H"], c["Lq"], c["D"])).astype(dt)
+    hkv, kv = c.get("Hkv", c["H"]), c.get("kv", dt)
     if kv == "bfloat16":
         import ml_dtypes
         kv = ml_dtypes.bfloat16

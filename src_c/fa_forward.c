@@ -95,8 +95,8 @@ static int fa_use_split(const fa_kernel *kern, const fa_params *p)
            p->Lk > fa_chunk_keys(kern, p);
 }
 
-/* What a call's items share: the V-tile flags (fa_vfin_slot) and the packed key blocks
- * (fa_pk_slot), n of each for every (sequence, kv head); NULL where the call has none. */
+/* What a call's items share: the V-tile flags and the packed key blocks
+ * (fa_share_slot), n of each for every (sequence, kv head); NULL where the call has none. */
 #define FA_PK_MAX_BYTES (256.0 * 1024 * 1024)
 typedef struct fa_share {
     uint8_t *vfin;
@@ -110,14 +110,11 @@ typedef struct fa_share {
 static void fa_share_attach(fa_item *it, const fa_share *sh, int64_t Hkv)
 {
     const int64_t row = (it->b * Hkv + it->g) * sh->n;
-    if (sh->vfin) {
-        it->vfin = sh->vfin + row;
-        it->vfin_n = sh->n;
-    }
+    it->share_n = sh->n;
+    if (sh->vfin) it->vfin = sh->vfin + row;
     if (sh->pkst) {
         it->pkst = sh->pkst + row;
         it->pkbuf = sh->pkbuf + row * sh->pk_bytes;
-        it->pk_n = sh->n;
         it->pk_bytes = sh->pk_bytes;
     }
 }
@@ -259,29 +256,29 @@ int fa_attention_forward(const fa_params *p)
         free(pl.start);
         return failed ? FA_ERR_NOMEM : FA_OK;
     }
-    /* The V-tile flags (fa_vfin_slot), where some (sequence, kv head) has several items;
+    /* The V-tile flags (fa_share_slot), where some (sequence, kv head) has several items;
      * without the memory each item checks its tiles itself (the same decisions). */
-    int64_t vfin_n = 0;
+    int64_t share_n = 0;
     uint8_t *vfin = NULL;
     if (items > p->B * p->Hkv && pl.bl.k > 0) {
         int64_t lk = 0;
         for (int64_t b = 0; b < p->B; b++)
             if (fa_key_len(p, b) > lk) lk = fa_key_len(p, b);
-        vfin_n = (lk + pl.bl.k - 1) / pl.bl.k;
-        vfin = (uint8_t *)calloc((size_t)(p->B * p->Hkv * vfin_n) + 1, 1);
+        share_n = (lk + pl.bl.k - 1) / pl.bl.k;
+        vfin = (uint8_t *)calloc((size_t)(p->B * p->Hkv * share_n) + 1, 1);
     }
-    /* The packed key blocks the items share (fa_pk_slot), where the call's block packs
+    /* The packed key blocks the items share (fa_share_slot), where the call's block packs
      * K and V (a bfloat16 kernel's share_bytes) and they fit in FA_PK_MAX_BYTES; without
      * the memory each item packs its own, as before (the same values). */
-    fa_share sh = {NULL, vfin_n, NULL, NULL, 0};
+    fa_share sh = {NULL, share_n, NULL, NULL, 0};
     sh.vfin = vfin;
 #ifdef FA_HAVE_BF16_KERNELS
     if (vfin && fa_bf16_pairs(kern, p)) {
         const fa_bf16_kernel *bk = fa_bf16_kernel_for_path(fa_bf16_path());
         const int64_t per = bk && bk->share_bytes ? bk->share_bytes(p, &pl.bl) : 0;
-        if (per > 0 && (double)(p->B * p->Hkv * vfin_n) * (double)per <= FA_PK_MAX_BYTES) {
-            sh.pkst = (uint8_t *)calloc((size_t)(p->B * p->Hkv * vfin_n) + 1, 1);
-            sh.pkbuf = (char *)fa_scratch_alloc((size_t)(p->B * p->Hkv * vfin_n * per));
+        if (per > 0 && (double)(p->B * p->Hkv * share_n) * (double)per <= FA_PK_MAX_BYTES) {
+            sh.pkst = (uint8_t *)calloc((size_t)(p->B * p->Hkv * share_n) + 1, 1);
+            sh.pkbuf = (char *)fa_scratch_alloc((size_t)(p->B * p->Hkv * share_n * per));
             sh.pk_bytes = per;
             if (!sh.pkst || !sh.pkbuf) {
                 free(sh.pkst);

@@ -308,11 +308,11 @@ typedef struct fa_item {
     int64_t qoff, koff; /* its first row on the L axis of q/out/lse and of k/v    */
     int64_t kv0, kv1;   /* keys that may be visible to some row: [kv0, kv1), inside
                            [0, Lk], and [0, 0) when none is (fa_key_range)       */
-    uint8_t *vfin;      /* this (b, g)'s V-tile flags (fa_vfin_slot), or NULL      */
-    int64_t vfin_n;     /* how many                                               */
-    uint8_t *pkst;      /* this (b, g)'s packed key blocks (fa_pk_slot), or NULL  */
-    char *pkbuf;        /* their bytes, pk_bytes a block                          */
-    int64_t pk_n, pk_bytes;
+    int64_t share_n;    /* whole key blocks of this (b, g) the call shares (fa_share_slot) */
+    uint8_t *vfin;      /* their V-tile flags, or NULL                            */
+    uint8_t *pkst;      /* their packed K and V's states, or NULL                 */
+    char *pkbuf;        /* the packed blocks, pk_bytes a block                    */
+    int64_t pk_bytes;
 } fa_item;
 
 /* The call's V-tile flags (fa_forward.c): for each (sequence, kv head), a byte per whole
@@ -325,10 +325,13 @@ typedef struct fa_item {
  * atomics), so the decision, and every bit of the result, is the check's whichever
  * item makes it.  A partial tile (a causal block's last, the keys' end) has no flag and
  * is checked by each item, as before. */
-static inline int64_t fa_vfin_slot(const fa_item *it, int64_t bk, int64_t j0, int64_t nk)
+/* The slot of the whole key block [j0, j0 + nk) of bk keys from key 0 among the
+ * (sequence, kv head)'s shared ones, in `tab` (it->vfin, it->pkst), or -1: a partial
+ * block, or nothing shared (tab NULL). */
+static inline int64_t fa_share_slot(const fa_item *it, const void *tab, int64_t bk, int64_t j0, int64_t nk)
 {
-    if (!it->vfin || nk != bk || j0 % bk) return -1;
-    return j0 / bk < it->vfin_n ? j0 / bk : -1;
+    if (!tab || nk != bk || j0 % bk) return -1;
+    return j0 / bk < it->share_n ? j0 / bk : -1;
 }
 /* The tile's flag: 1 finite, 2 not, 0 unknown (or no slot) */
 static inline int fa_vfin_read(const fa_item *it, int64_t slot)
@@ -344,16 +347,12 @@ static inline int fa_vfin_write(const fa_item *it, int64_t slot, int finite)
 }
 /* The call's packed key blocks (a kernel's share_bytes, fa_forward.c): for each
  * (sequence, kv head), pk_bytes a whole block of bk keys from key 0, K and V laid out as
- * the kernel's tiles read them, and a state byte: 0 not packed, 1 being packed, 2
- * packed with every V value finite, 3 packed with an inf or NaN in V.  The first item to
- * reach a block claims it (0 -> 1), packs it there and publishes it (release); an item
- * that finds it packed (acquire) uses it; one that finds it being packed packs its own
- * copy, as every item did before.  The same values either way, so the same bits. */
-static inline int64_t fa_pk_slot(const fa_item *it, int64_t bk, int64_t j0, int64_t nk)
-{
-    if (!it->pkst || nk != bk || j0 % bk) return -1;
-    return j0 / bk < it->pk_n ? j0 / bk : -1;
-}
+ * the kernel's tiles read them, and a state byte (it->pkst, fa_share_slot): 0 not
+ * packed, 1 being packed, 2 packed with every V value finite, 3 packed with an inf or
+ * NaN in V.  The first item to reach a block claims it (0 -> 1), packs it there and
+ * publishes it (release); an item that finds it packed (acquire) uses it; one that finds
+ * it being packed packs its own copy, as every item did before.  The same values either
+ * way, so the same bits. */
 
 /* Computes one item (rows r = hh*nq + i), writing its output rows and lse (or its
  * rows of attention weights).  `scratch` holds fa_kernel.scratch_bytes(p, bl) bytes,
@@ -446,7 +445,7 @@ typedef struct fa_bf16_kernel {
     fa_bwd_scratch_fn bwd_scratch;
     fa_bwd_reduce_fn bwd_reduce;
     int64_t bwd_block_q; /* the backward's query rows a block (0: fa_backward.c's default) */
-    /* bytes of a whole key block packed for the call's blocks to share (fa_pk_slot), 0
+    /* bytes of a whole key block packed for the call's blocks to share (fa_share_slot), 0
      * where the call's block does not share them; NULL: never */
     int64_t (*share_bytes)(const fa_params *p, const fa_blocks *bl);
 } fa_bf16_kernel;

@@ -360,11 +360,11 @@ void fa_item_make(const fa_params *p, const fa_plan *pl, int64_t b, int64_t g, i
     it->Lk = Lk;
     it->qoff = p->cu_q ? p->cu_q[b] : 0;
     it->koff = p->cu_k ? p->cu_k[b] : 0;
-    it->vfin = NULL; /* (fa_forward.c attaches the call's V-tile flags and packed blocks) */
-    it->vfin_n = 0;
+    it->share_n = 0; /* (fa_forward.c attaches the call's V-tile flags and packed blocks) */
+    it->vfin = NULL;
     it->pkst = NULL;
     it->pkbuf = NULL;
-    it->pk_n = it->pk_bytes = 0;
+    it->pk_bytes = 0;
     /* keys visible to some row: row i sees a-left <= j <= a+right, a = i + diag */
     const int64_t diag = fa_diag0(p, Lq, Lk);
     const int64_t right = p->causal != FA_CAUSAL_NONE ? 0 : p->window_right; /* min(right, 0) */

@@ -14,7 +14,7 @@
  *   S = Q K^T      A = 16 query rows x 32 features (Q staged zero-padded to whole
  *                  32-feature rows, once per item), B = 32 features x 16 keys as pairs
  *                  (K packed once per key block, for all the items of the kv head
- *                  where the call shares its whole blocks: fa_pk_slot), C = 16 x 16
+ *                  where the call shares its whole blocks: fa_share_slot), C = 16 x 16
  *                  logits, stored row-major into sr (32 rows x the block's keys);
  *   the softmax    one pass over each row (vectors of 16 keys): y = s c - m2 with
  *                  c = scale log2 e folded into one FMA, p = 2^y (a degree-4
@@ -322,7 +322,7 @@ static inline int64_t fa_ra_keys_any(const int64_t *lo, const int64_t *hi, int64
 static inline int64_t fa_ra_kwords(int64_t nk, int64_t nch) { return (nk + 15) / 16 * nch * 256; }
 
 /* Bytes of a whole key block of the call, K and V packed as fa_qblock_rows packs them,
- * for the call's items to share (fa_pk_slot); 0 where the call takes the other block. */
+ * for the call's items to share (fa_share_slot); 0 where the call takes the other block. */
 static int64_t FA_NAME(fa_rows_share_bytes)(const fa_params *p, const fa_blocks *bl)
 {
     if (!FA_NAME(fa_rows_ok)(p, bl)) return 0;
@@ -401,10 +401,10 @@ static void FA_NAME(fa_qblock_rows)(const fa_params *p, const fa_blocks *bl, con
                 int64_t nkg = kg[step % 3] = g0 < nvl ? fa_ra_keys(&sc, g0, nr, j0, nk) : 0;
                 if (nkg > 0) {
                     if (!packed) {
-                        /* a whole block another item has packed (fa_pk_slot), or packed
+                        /* a whole block another item has packed (fa_share_slot), or packed
                          * here: into the call's block if this item claims it, else into
                          * the item's own scratch */
-                        const int64_t slot = fa_pk_slot(it, bc, j0, nk);
+                        const int64_t slot = fa_share_slot(it, it->pkst, bc, j0, nk);
                         int st = slot >= 0 ? __atomic_load_n(it->pkst + slot, __ATOMIC_ACQUIRE) : 0;
                         uint32_t *shk = slot >= 0 ? (uint32_t *)(void *)(it->pkbuf + slot * it->pk_bytes) : NULL;
                         vt = FA_NAME(fa_kv_tile)(p, it, j0, nk, 1, sc.vst, &v_sl);

@@ -292,14 +292,14 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
                 /* 16-bit V: the tile as float32 once, checked and multiplied by the float32
                  * functions (the same values, so the same decision and the same bits) */
                 const float *vf = FA_NAME(fa_tile_f32)(vt, v_sl, nk, Dv, sc.vf);
-                const int64_t vslot = fa_vfin_slot(it, bc, j0, nk);
+                const int64_t vslot = fa_share_slot(it, it->vfin, bc, j0, nk);
                 int vok = fa_vfin_read(it, vslot);
                 if (!vok) vok = fa_vfin_write(it, vslot, FA_F32(fa_v_finite)(vf, Dv, nk, Dv));
                 if (vok == 1)
                     FA_F32(fa_pv_tile)(sc.s, nr, nk, vf, Dv, Dv, sc.o, dvp, sc.alpha, brp);
 #else
-                /* checked once a call where another item has not (fa_vfin_slot) */
-                const int64_t vslot = fa_vfin_slot(it, bc, j0, nk);
+                /* checked once a call where another item has not (fa_vfin_read) */
+                const int64_t vslot = fa_share_slot(it, it->vfin, bc, j0, nk);
                 int vok = fa_vfin_read(it, vslot);
                 if (!vok) vok = fa_vfin_write(it, vslot, FA_NAME(fa_v_finite)(vt, v_sl, nk, Dv));
                 if (vok == 1) {

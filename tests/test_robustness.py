@@ -121,7 +121,7 @@ def test_nan_stays_in_its_rows(kernel, dtype):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_inf_in_v_tiles_shared_by_many_blocks(kernel, dtype):
     """A V tile is checked for inf/NaN once a call, by whichever item reaches it first
-    (fa_vfin_slot): many query blocks and grouped heads over the same tiles, an inf in a
+    (fa_vfin_read): many query blocks and grouped heads over the same tiles, an inf in a
     whole tile and a NaN in the keys' last partial one, hidden from some rows by a mask,
     the causal diagonal or a window.  The rows that see them, and only those, are not
     finite, as the oracle says, and every thread count gives the same bits."""
