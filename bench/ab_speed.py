@@ -40,6 +40,8 @@ CASES = {
     "prefill B1 H8 L4096 D64 causal bf16": dict(fn="fwd", B=1, H=8, Lq=4096, Lk=4096, D=64, causal=True,
                                                 kv="bfloat16", q16=True),
     "prefill B4 H16 L256 D64 bf16": dict(fn="fwd", B=4, H=16, Lq=256, Lk=256, D=64, kv="bfloat16", q16=True),
+    "prefill B1 H8 L4096 D64 f16": dict(fn="fwd", B=1, H=8, Lq=4096, Lk=4096, D=64, kv="float16", q16=True),
+    "prefill B4 H16 L256 D64 f16": dict(fn="fwd", B=4, H=16, Lq=256, Lk=256, D=64, kv="float16", q16=True),
     "backward B1 H8 L2048 D64 bf16": dict(fn="bwd", B=1, H=8, Lq=2048, Lk=2048, D=64, kv="bfloat16", q16=True),
     "backward B1 H8 L2048 D128 bf16": dict(fn="bwd", B=1, H=8, Lq=2048, Lk=2048, D=128, kv="bfloat16", q16=True),
     "backward B1 H8 L4096 D64 causal bf16": dict(fn="bwd", B=1, H=8, Lq=4096, Lk=4096, D=64, causal=True,

@@ -271,6 +271,22 @@ static inline void fa_kv16_pair_avx2(const char *kd, int64_t row, __m256i *v)
         v[2 * m + 1] = _mm256_unpackhi_epi64(a[m], a[4 + m]);
     }
 }
+/* n floats to float16, 8 at a time by F16C (round to nearest even, as
+ * fa_float_to_half: the same bits for every number); a group of 8 holding a NaN goes
+ * through fa_float_to_half, whose NaN (sign | 0x7e00) keeps no payload. */
+static inline void fa_row_to_half_avx2(uint16_t *d, const float *s, int64_t n)
+{
+    int64_t c = 0;
+    for (; c + 8 <= n; c += 8) {
+        const __m256 x = _mm256_loadu_ps(s + c);
+        if (_mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q))) {
+            for (int i = 0; i < 8; i++) d[c + i] = fa_float_to_half(s[c + i]);
+            continue;
+        }
+        _mm_storeu_si128((__m128i *)(void *)(d + c), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    for (; c < n; c++) d[c] = fa_float_to_half(s[c]);
+}
 /* The same float32 operations, K and V read as float16. */
 #include "kernels_kv16.h"
 /* the float32 instantiation's functions, which the 16-bit ones call on float32 copies
@@ -287,6 +303,7 @@ static inline void fa_kv16_pair_avx2(const char *kd, int64_t row, __m256i *v)
 #define FA_KV16_PAIR(kd, row, v) fa_kv16_pair_avx2((kd), (row), (v))
 #define FA_KV16_LO(x) _mm256_cvtph_ps(_mm256_castsi256_si128(x))
 #define FA_KV16_HI(x) _mm256_cvtph_ps(_mm256_extracti128_si256((x), 1))
+#define FA_ROW_TO_16(d, s, n) fa_row_to_half_avx2((d), (s), (n))
 #include "kernels_tmpl.h"
 
 /* ---------------- float32 with bfloat16 K/V: a bfloat16 is a float's high half ---------------- */

@@ -181,3 +181,26 @@ def test_every_float16_value_reads_exactly(kernel):
         want = np.broadcast_to(v.astype(np.float32), out.shape)
         same = (out == want) | (np.isnan(out) & np.isnan(want))
         assert same.all(), (kernel, np.flatnonzero(~same.ravel())[:5])
+
+
+@pytest.mark.parametrize("Lq", [1, 70])
+def test_float16_output_rounds_to_nearest_even(kernel, rng, Lq):
+    """A float16 q gives a float16 output: the float32 result (the same values passed
+    as float32 give it bit for bit) rounded to nearest even exactly as NumPy rounds it,
+    in every column: magnitudes from float16's subnormals to its largest values, a row
+    length that leaves a partial group of 8, and rows made NaN by a NaN in V (sign |
+    0x7e00, as NumPy writes that NaN).  The kernels with F16C convert 8 at a time."""
+    B, H, Lk, D, Dv = 2, 3, 90, 24, 45
+    q = rng.standard_normal((B, H, Lq, D)).astype(np.float16)
+    k = rng.standard_normal((B, H, Lk, D)).astype(np.float16)
+    expo = np.linspace(-26, 15.9, Dv)              # column c holds values near 2^expo[c]
+    v = (rng.uniform(0.5, 1.0, (B, H, Lk, Dv)) * rng.choice([-1, 1], (B, H, Lk, Dv))
+         * np.exp2(expo)).astype(np.float16)
+    v[1, 2, 7, 3] = np.nan                         # every row of (1, 2) sees key 7
+    out = fastattn.attention(q, k, v)
+    assert out.dtype == np.float16
+    out32 = fastattn.attention(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32))
+    want = out32.astype(np.float16)
+    assert np.isnan(out[1, 2, :, 3]).all() and np.isnan(want[1, 2, :, 3]).all()
+    assert (np.abs(want[..., :5]) < np.float16(2.0 ** -14)).any()  # subnormal outputs
+    np.testing.assert_array_equal(out.view(np.uint16), want.view(np.uint16))
