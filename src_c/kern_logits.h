@@ -42,11 +42,12 @@ static void FA_NAME(fa_pack_q)(const fa_params *p, const fa_item *it, int64_t nr
         const int q16 = fa_store16(p->q_store);
 #ifdef FA_KV_HALF
 #define FA_Q_LOADU(t, e) (q16 ? FA_KV_LOADU((const FA_KV *)rows[t] + (e)) : FA_VLOADU((const FA_T *)rows[t] + (e)))
+#define FA_Q16_VEC 1
 #else
 #define FA_Q_LOADU(t, e) FA_VLOADU((const FA_T *)rows[t] + (e))
-        if (!q16)
+#define FA_Q16_VEC 0
 #endif
-        if (n == FA_VL) {
+        if (n == FA_VL && (FA_Q16_VEC || !q16)) {
             const FA_V qs = FA_VSET1(qscale);
             for (; d + FA_VL <= D; d += FA_VL) {
                 FA_V x[FA_VL];
@@ -56,6 +57,7 @@ static void FA_NAME(fa_pack_q)(const fa_params *p, const fa_item *it, int64_t nr
             }
         }
 #undef FA_Q_LOADU
+#undef FA_Q16_VEC
 #endif
         for (int t = 0; t < n; t++) {
 #ifdef FA_KV_HALF
