@@ -315,6 +315,14 @@ typedef struct fa_item {
     int64_t pk_bytes;
 } fa_item;
 
+/* The slot of the whole key block [j0, j0 + nk) of bk keys from key 0 among the
+ * (sequence, kv head)'s shared ones, in `tab` (it->vfin, it->pkst), or -1: a partial
+ * block, or nothing shared (tab NULL). */
+static inline int64_t fa_share_slot(const fa_item *it, const void *tab, int64_t bk, int64_t j0, int64_t nk)
+{
+    if (!tab || nk != bk || j0 % bk) return -1;
+    return j0 / bk < it->share_n ? j0 / bk : -1;
+}
 /* The call's V-tile flags (fa_forward.c): for each (sequence, kv head), a byte per whole
  * tile of bk keys from key 0: 0 not checked yet, 1 every V value finite, 2 not.  The
  * query blocks of a head, and the heads of a group, read the same V tiles, and each
@@ -325,14 +333,6 @@ typedef struct fa_item {
  * atomics), so the decision, and every bit of the result, is the check's whichever
  * item makes it.  A partial tile (a causal block's last, the keys' end) has no flag and
  * is checked by each item, as before. */
-/* The slot of the whole key block [j0, j0 + nk) of bk keys from key 0 among the
- * (sequence, kv head)'s shared ones, in `tab` (it->vfin, it->pkst), or -1: a partial
- * block, or nothing shared (tab NULL). */
-static inline int64_t fa_share_slot(const fa_item *it, const void *tab, int64_t bk, int64_t j0, int64_t nk)
-{
-    if (!tab || nk != bk || j0 % bk) return -1;
-    return j0 / bk < it->share_n ? j0 / bk : -1;
-}
 /* The tile's flag: 1 finite, 2 not, 0 unknown (or no slot) */
 static inline int fa_vfin_read(const fa_item *it, int64_t slot)
 {

@@ -38,7 +38,7 @@ static void FA_NAME(fa_pack_q)(const fa_params *p, const fa_item *it, int64_t nr
          * stored as whole vectors (the same products as the scalar loop, which made
          * D strided stores a row: 10% of a B32 H8 L64 call, AMD EPYC Zen 3).  A 16-bit
          * q (16-bit K/V's type) is converted as it is loaded, as K/V's rows are (the
-         * scalar conversion was 6% of a float16 B4 H16 L256 call, the AMD EPYC above) */
+         * scalar conversion was 6% of a float16 B4 H16 L256 call, AMD EPYC with AVX2) */
         const int q16 = fa_store16(p->q_store);
 #ifdef FA_KV_HALF
 #define FA_Q_LOADU(t, e) (q16 ? FA_KV_LOADU((const FA_KV *)rows[t] + (e)) : FA_VLOADU((const FA_T *)rows[t] + (e)))
