@@ -17,6 +17,8 @@
 #define FA_ALWAYS_INLINE static inline
 #define FA_RESTRICT
 #endif
+#define FA_PRAGMA(x) _Pragma(#x)
+#define FA_PRAGMA_UNROLL(n) FA_PRAGMA(GCC unroll n) /* (the pragma of GCC; others ignore it) */
 
 /* IEEE half <-> float in portable C (round to nearest even), for float16 q and
  * outputs, which are converted once per row, and for the generic kernel's K/V; the

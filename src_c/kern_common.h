@@ -52,8 +52,6 @@ static inline int64_t FA_NAME(fa_round_up)(int64_t x, int64_t m) { return (x + m
 
 #ifndef FA_DOT_ROWS
 #define FA_DOT_ROWS 8 /* blocks of up to this many rows take fa_qk_keys for QK^T */
-#define FA_PRAGMA(x) _Pragma(#x)
-#define FA_PRAGMA_UNROLL(n) FA_PRAGMA(GCC unroll n)
 #define FA_PV_SEQ_ROWS 4 /* P.V of up to this many rows: keys outermost (fa_pv_rows_seq) */
 #endif
 

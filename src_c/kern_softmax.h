@@ -83,6 +83,20 @@ static void FA_NAME(fa_softmax_tile)(FA_T *FA_RESTRICT s, int64_t nk, int c0, in
         FA_V a = FA_VEXP(FA_VSUB(m_old, m_use));
         FA_V sum0 = FA_VZERO(), sum1 = FA_VZERO();
         int64_t j = 0;
+#ifdef FA_VEXP_LOGIT4
+        /* four keys at a time through the ISA's interleaved exp (the values of
+         * FA_VEXP_LOGIT one by one), the sums taking them in the pairs' order */
+        for (; j + 3 < nk; j += 4) {
+            FA_V e[4];
+            for (int k = 0; k < 4; k++) e[k] = FA_VSUB(FA_VLOAD(sc + (j + k) * brp), m_use);
+            FA_VEXP_LOGIT4(e);
+            for (int k = 0; k < 4; k++) FA_VSTORE(sc + (j + k) * brp, e[k]);
+            sum0 = FA_VADD(sum0, e[0]);
+            sum1 = FA_VADD(sum1, e[1]);
+            sum0 = FA_VADD(sum0, e[2]);
+            sum1 = FA_VADD(sum1, e[3]);
+        }
+#endif
         for (; j + 1 < nk; j += 2) {
             FA_V e0 = FA_VEXP_LOGIT(FA_VSUB(FA_VLOAD(sc + j * brp), m_use));
             FA_V e1 = FA_VEXP_LOGIT(FA_VSUB(FA_VLOAD(sc + (j + 1) * brp), m_use));

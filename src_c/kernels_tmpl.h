@@ -18,6 +18,7 @@
  *   FA_VEXP(x)           lane exp; exp(-inf) = +0 exactly, NaN stays NaN
  *   FA_VEXP_LOGIT(x)     optional: a cheaper lane exp for the softmax's logits x <= 0
  *                        (its error stated beside it; default FA_VEXP), e^0 = 1 exactly
+ *   FA_VEXP_LOGIT4(x)    optional: FA_VEXP_LOGIT of the 4 vectors x[0..3] in place, interleaved
  *   FA_VNEGINF_TO_ZERO(x) lanes equal to -inf become 0, others unchanged
  *   FA_VABS(x) FA_VDIV(a,b) FA_VCOPYSIGN(mag, sgn)
  *   FA_VIN_RANGE(x, j, lo, hi)  x where lo <= j <= hi (j a broadcast), else -inf

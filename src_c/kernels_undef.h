@@ -22,6 +22,7 @@
 #undef FA_VMAX
 #undef FA_VEXP
 #undef FA_VEXP_LOGIT
+#undef FA_VEXP_LOGIT4
 #undef FA_VNEGINF_TO_ZERO
 #undef FA_VABS
 #undef FA_VDIV
