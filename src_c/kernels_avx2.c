@@ -2,8 +2,13 @@
  * kernels_avx2.c -- the micro-kernels for AVX2 + FMA + F16C (compiled with -mavx2
  * -mfma -mf16c only; chosen at run time by cpu.c).
  *
- * Register tiles (16 ymm registers): QK^T 6 keys x 2 query vectors and P.V 6 query
- * rows x 2 value vectors: 12 accumulators, 2 loads, 1 broadcast.
+ * Register tiles (16 ymm registers): QK^T 4 keys x 3 query vectors (12 accumulators,
+ * 3 loads, 1 broadcast) and P.V 6 query rows x 2 value vectors (12 accumulators, 2
+ * loads, 1 broadcast).  QK^T's 4 x 3 replaced 6 x 2: 7 loads to 12 FMAs instead of 8,
+ * and a 64-key tile in whole groups of 4, where 6 x 2 ended each tile on a 4-key
+ * group of 8 accumulators (AMD EPYC with AVX2, 1 thread, perf samples: the QK^T
+ * function 4% fewer in float32 L4096 D64, ~7% fewer against P.V's in float64; the
+ * same products in the same order, so the same bits).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -273,8 +278,8 @@ static inline double fa_reduce_pd(__m256d x)
 #define FA_V __m256
 #define FA_VL 8
 #define FA_NAME(x) x##_f32_avx2
-#define FA_QK_R 6
-#define FA_QK_NV 2
+#define FA_QK_R 4
+#define FA_QK_NV 3
 #define FA_PV_R 6
 #define FA_PV_NC 2
 #define FA_VLOAD(p) _mm256_load_ps(p)
@@ -403,8 +408,8 @@ static inline __m256 fa_bf16_loadu_n(const uint16_t *p, int n)
 #define FA_V __m256d
 #define FA_VL 4
 #define FA_NAME(x) x##_f64_avx2
-#define FA_QK_R 6
-#define FA_QK_NV 2
+#define FA_QK_R 4
+#define FA_QK_NV 3
 #define FA_PV_R 6
 #define FA_PV_NC 2
 #define FA_VLOAD(p) _mm256_load_pd(p)
