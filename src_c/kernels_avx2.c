@@ -55,7 +55,7 @@ static inline __m256 fa_exp_f32_avx2(__m256 x)
  * the next: the exp is one chain of ~11 dependent instructions, and written one vector
  * after another the chains' waiting tails fill the FP scheduler, so fewer of them
  * overlap than the ports could run (measured on the AMD EPYC with AVX2, the softmax's
- * loop over a 64-key tile in L1, rdtsc: 6.60 cycles a vector one at a time, 5.84 four
+ * loop over a 64-key tile in L1: 6.60 rdtsc ticks a vector one at a time, 5.84 four
  * at a time; the same instructions, so the same bits). */
 FA_ALWAYS_INLINE void fa_exp_logit_n_f32_avx2(__m256 *x, const int nv)
 {
@@ -94,10 +94,10 @@ static inline __m256 fa_exp_logit_f32_avx2(__m256 x)
 
 /* The same for doubles (the float64 softmax's logits): the magic 1.5 * 2^52 + 1022,
  * and 2^f by the degree-11 fit of fa_exp.h (FA_EXP2_F64_FIT_DEG, doubled) instead of
- * fa_exp_f64_avx2's two Cody-Waite steps and degree-13 Taylor polynomial: 17
- * instructions, not 21; relative error at most u (2 + |x| / 4), u = 2^-53.  Four
- * vectors at a time, the float64 softmax's loop took 10.0 cycles a vector, against
- * 13.7 for fa_exp_f64_avx2 one at a time (rdtsc, as above). */
+ * fa_exp_f64_avx2's two Cody-Waite steps and degree-13 Taylor polynomial: 19
+ * instructions, not 22; relative error at most u (2 + |x| / 4), u = 2^-53.  Four
+ * vectors at a time, the float64 softmax's loop took 9.1-10.0 rdtsc ticks a vector,
+ * against 13.7 for fa_exp_f64_avx2 one at a time (as above). */
 FA_ALWAYS_INLINE void fa_exp_logit_n_f64_avx2(__m256d *x, const int nv)
 {
     const __m256d magic = _mm256_set1_pd(FA_EXP_F64_MAGIC), l2e = _mm256_set1_pd(FA_LOG2E);
