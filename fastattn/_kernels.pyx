@@ -89,6 +89,7 @@ cdef extern from "fastattn.h" nogil:
     unsigned fa_bf16_paths()
     unsigned fa_bf16_paths_built()
     long fa_amx_model_ops()
+    long fa_bf16_model_check(long count)
     int fa_set_bf16_path(int path)
     const char *fa_bf16_path_name(int path)
     int FA_BF16_COUNT, FA_BF16_EMULATED
@@ -165,6 +166,13 @@ def amx_model_ops():
     """The emulated test build: the tdpbf16ps its AMX model has run since import (all
     threads); -1 in every other build."""
     return fa_amx_model_ops()
+
+
+def bf16_model_check(long count):
+    """The emulated test build: of `count` pair products of edge and pseudo-random
+    bfloat16 operands, how many its 8-lane model of vdpbf16ps/tdpbf16ps gives other bits
+    for than the scalar model (a NaN counts as any NaN); -1 in every other build."""
+    return fa_bf16_model_check(count)
 
 
 def bf16_path():

@@ -107,6 +107,26 @@ static void fa_amx_dpbf16ps(int c, int a, int b)
         fa_amx_fault("tdpbf16ps shapes do not agree", c);
     const int M = s->rows[c], N = s->colsb[c] / 4, K = s->colsb[a] / 4;
     __atomic_add_fetch(&fa_amx_dp_count, 1, __ATOMIC_RELAXED);
+#if defined(__AVX2__) && defined(__FMA__)
+    /* a row of C at once, 16 lanes (the tile row's 64 bytes; lanes past N computed on
+     * whatever they hold and not stored), pair k of A's row m against B's row k, k in
+     * order: each C[m][n] sees the same operations as below */
+    for (int m = 0; m < M; m++) {
+        float acc[16];
+        memcpy(acc, fa_amx_tiles.data[c][m], sizeof acc);
+        __m256 lo = _mm256_loadu_ps(acc), hi = _mm256_loadu_ps(acc + 8);
+        for (int k = 0; k < K; k++) {
+            uint32_t x;
+            memcpy(&x, s->data[a][m] + 4 * k, sizeof x);
+            const __m256i xa = _mm256_set1_epi32((int)x);
+            lo = fa_model_pair_fma8(lo, xa, _mm256_loadu_si256((const __m256i *)(const void *)s->data[b][k]));
+            hi = fa_model_pair_fma8(hi, xa, _mm256_loadu_si256((const __m256i *)(const void *)(s->data[b][k] + 32)));
+        }
+        _mm256_storeu_ps(acc, lo);
+        _mm256_storeu_ps(acc + 8, hi);
+        memcpy(fa_amx_tiles.data[c][m], acc, 4 * (size_t)N);
+    }
+#else
     for (int m = 0; m < M; m++)
         for (int n = 0; n < N; n++) {
             float acc;
@@ -119,6 +139,7 @@ static void fa_amx_dpbf16ps(int c, int a, int b)
             }
             memcpy(fa_amx_tiles.data[c][m] + 4 * n, &acc, sizeof acc);
         }
+#endif
 }
 
 #endif /* FA_AMX_MODEL_H */

@@ -124,6 +124,7 @@ static const char *const fa_bf16_names[FA_BF16_COUNT] = {"float32", "avx512-bf16
 
 #ifndef FA_EMULATE_AMX
 long fa_amx_model_ops(void) { return -1; } /* (kernels_amx.c in the emulated build) */
+long fa_bf16_model_check(long count) { (void)count; return -1; }
 #endif
 
 unsigned fa_bf16_paths_built(void)

@@ -259,6 +259,10 @@ unsigned fa_bf16_paths_built(void);
 /* The emulated test build: how many tdpbf16ps the AMX model has run (all threads, since
  * import); -1 in every other build. */
 long fa_amx_model_ops(void);
+/* The emulated test build: of `count` pair products of edge and pseudo-random bfloat16
+ * operands, how many the 8-lane model its vdpbf16ps and tdpbf16ps run gives other bits
+ * than the scalar model (bf16_model.h) for (0: they agree); -1 in every other build. */
+long fa_bf16_model_check(long count);
 int fa_set_bf16_path(int path);
 const char *fa_bf16_path_name(int path);
 int fa_set_default_isa(int isa);

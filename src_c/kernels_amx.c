@@ -49,6 +49,7 @@
 
 #ifdef FA_EMULATE_AMX
 long fa_amx_model_ops(void) { return __atomic_load_n(&fa_amx_dp_count, __ATOMIC_RELAXED); }
+long fa_bf16_model_check(long count) { return fa_model_pair_check(count); }
 #endif
 
 /* 16 x 16 32-bit words transposed in registers (the float32 transpose moves bits) */

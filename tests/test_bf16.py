@@ -514,6 +514,16 @@ def test_bf16_path_names_and_errors():
 
 
 
+def test_vector_model_of_the_pair_products_is_the_scalar_one():
+    """The emulated build's vdpbf16ps and tdpbf16ps run an 8-lane model of a pair product
+    (src_c/bf16_model.h), for speed; over 2^20 products of edge bit patterns (zeros,
+    denormals, the smallest normals, infinities, NaNs, the largest finite values) and
+    pseudo-random ones it gives the scalar model's bits (a NaN: any NaN).  Every other
+    build has no model: -1."""
+    got = _kernels.bf16_model_check(1 << 20)
+    assert got == (0 if _kernels.bf16_emulated() else -1)
+
+
 @pytest.mark.skipif(not EMULATED_AMX, reason="the AMX model counts its operations only in the emulated "
                     "test build (FASTATTN_EMULATE_BF16=1), which CI's second build is")
 @pytest.mark.parametrize("kern", PAIR_KERNELS)
