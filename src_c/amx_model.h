@@ -107,10 +107,10 @@ static void fa_amx_dpbf16ps(int c, int a, int b)
         fa_amx_fault("tdpbf16ps shapes do not agree", c);
     const int M = s->rows[c], N = s->colsb[c] / 4, K = s->colsb[a] / 4;
     __atomic_add_fetch(&fa_amx_dp_count, 1, __ATOMIC_RELAXED);
-#if defined(__AVX2__) && defined(__FMA__)
     /* a row of C at once, 16 lanes (the tile row's 64 bytes; lanes past N computed on
      * whatever they hold and not stored), pair k of A's row m against B's row k, k in
-     * order: each C[m][n] sees the same operations as below */
+     * order: each C[m][n] sees the chain of fa_model_pair_fma over k, as the scalar
+     * model adds it (fa_model_pair_fma8's lanes are that function's operations) */
     for (int m = 0; m < M; m++) {
         float acc[16];
         memcpy(acc, fa_amx_tiles.data[c][m], sizeof acc);
@@ -126,20 +126,6 @@ static void fa_amx_dpbf16ps(int c, int a, int b)
         _mm256_storeu_ps(acc + 8, hi);
         memcpy(fa_amx_tiles.data[c][m], acc, 4 * (size_t)N);
     }
-#else
-    for (int m = 0; m < M; m++)
-        for (int n = 0; n < N; n++) {
-            float acc;
-            memcpy(&acc, fa_amx_tiles.data[c][m] + 4 * n, sizeof acc);
-            for (int k = 0; k < K; k++) {
-                uint32_t x, y;
-                memcpy(&x, s->data[a][m] + 4 * k, sizeof x);
-                memcpy(&y, s->data[b][k] + 4 * n, sizeof y);
-                acc = fa_model_pair_fma(acc, x, y);
-            }
-            memcpy(fa_amx_tiles.data[c][m] + 4 * n, &acc, sizeof acc);
-        }
-#endif
 }
 
 #endif /* FA_AMX_MODEL_H */

@@ -16,6 +16,11 @@
  */
 #ifndef FA_BF16_MODEL_H
 #define FA_BF16_MODEL_H
+/* (setup.py compiles the emulated files, the only ones that include this, with -mavx2
+ * -mfma: the model's vector form below needs them) */
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "bf16_model.h: the emulated build needs -mavx2 -mfma"
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -45,7 +50,6 @@ static inline float fa_model_pair_fma(float acc, uint32_t a, uint32_t b)
  * NaN's payload: fa_model_pair_check compares the two.  The emulated build's vdpbf16ps
  * and tdpbf16ps run this one (lane by lane, the AMX model took 43% of the samples of
  * test_bf16's slowest emulated test, and 86 s of CI's 12-minute sanitized pass). */
-#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 static inline __attribute__((always_inline)) __m256 fa_model_flush8(__m256 x)
 {
@@ -108,6 +112,5 @@ static inline long fa_model_pair_check(long count)
     }
     return bad;
 }
-#endif
 
 #endif /* FA_BF16_MODEL_H */

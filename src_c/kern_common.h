@@ -102,6 +102,7 @@ static inline int64_t FA_NAME(fa_bw_rpairs)(int64_t n)
  *                      logit step applies, bcp = bc rounded up to FA_VL)
  *   s2      bc x brp   the logits again, for a V tile with a NaN or inf in it
  *   o       brp x dvp  running unnormalized output, row-major
+ *   ot      dvp x brp  the running output transposed (fa_pvt_tile; FA_PV_T only)
  *   o2      rows x dvp the same rows before the last P.V, for blocks of at most
  *                      FA_DOT_ROWS rows (restored if that P.V met an inf or NaN)
  *   m l alpha          brp each: running max, running sum, last rescale factor
@@ -134,6 +135,7 @@ typedef struct FA_NAME(fa_scratch) {
                                    packs none */
     int64_t bcp;                /* bc rounded up to FA_VL */
     FA_T *o2;
+    FA_T *ot;
     uint8_t *mt;
     const uint8_t **mrow;
     const FA_T **brow;
@@ -226,6 +228,11 @@ static size_t FA_NAME(fa_layout)(const fa_params *p, const fa_blocks *bl, void *
     }
     sc->s2 = (FA_T *)FA_NAME(fa_carve)(&cur, bc * brp * t);
     sc->o = (FA_T *)FA_NAME(fa_carve)(&cur, brp * dvp * t);
+#ifdef FA_PV_T
+    sc->ot = (FA_T *)FA_NAME(fa_carve)(&cur, brp * dvp * t);
+#else
+    sc->ot = NULL;
+#endif
     sc->m = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
     sc->l = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);
     sc->alpha = (FA_T *)FA_NAME(fa_carve)(&cur, brp * t);

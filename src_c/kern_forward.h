@@ -60,22 +60,26 @@ static int FA_NAME(fa_all_finite)(const FA_T *FA_RESTRICT x, int64_t n)
 static void FA_NAME(fa_pv_tile_nonfinite)(const fa_params *p, const fa_item *it, int64_t nr, int nv,
                                           int64_t j0, int64_t nk, int64_t lo_max, int64_t hi_min,
                                           int64_t brp, FA_NAME(fa_scratch) *sc, const FA_KV *v,
-                                          int64_t v_sl, int64_t dvp)
+                                          int64_t v_sl, int64_t dvp, int pvt)
 {
+    /* the running output row-major (sc->o, rows dvp apart) or, pvt, transposed (sc->ot,
+     * fa_pvt_tile's layout: a row's channels brp apart) */
+    FA_T *const obase = pvt ? sc->ot : sc->o;
+    const int64_t ors = pvt ? 1 : dvp, ocs = pvt ? brp : 1;
     FA_T *prob = sc->s;
     const int64_t pk = sc->key_major ? 1 : brp, pr = sc->key_major ? sc->bcp : 1;
     sc->s = sc->s2;
     FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, sc, 1);
     sc->s = prob;
     for (int64_t r = 0; r < nr; r++) {
-        FA_T *o = sc->o + r * dvp;
+        FA_T *o = obase + r * ors;
         if (sc->alpha[r] != (FA_T)1)
-            for (int64_t c = 0; c < p->Dv; c++) o[c] *= sc->alpha[r];
+            for (int64_t c = 0; c < p->Dv; c++) o[c * ocs] *= sc->alpha[r];
         for (int64_t jj = 0; jj < nk; jj++) {
             if (sc->s2[jj * brp + r] == -(FA_T)INFINITY) continue;
             const FA_T pj = prob[jj * pk + r * pr];
             const FA_KV *vr = v + jj * v_sl;
-            for (int64_t c = 0; c < p->Dv; c++) o[c] += pj * (FA_T)FA_KV_SCALAR(vr[c]);
+            for (int64_t c = 0; c < p->Dv; c++) o[c * ocs] += pj * (FA_T)FA_KV_SCALAR(vr[c]);
         }
     }
 }
@@ -195,9 +199,24 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
      * same bits), without the merge's two passes over the rows. */
     const int single = it->kv1 > kv0 && kv0 / ck == (it->kv1 - 1) / ck && !sc.u &&
                        !p->weights;
+    /* pvt: this block's P.V runs with the output transposed (fa_pvt_tile, on the ISAs
+     * that define FA_PV_T: prefill blocks, not the pairs), into sc.ot, turned back into
+     * sc.o's rows at each chunk's end (fa_pvt_rows) */
+#ifdef FA_PV_T
+    int pvt = !FA_NAME(fa_few_rows)(nr, &sc) && !p->weights;
+#ifdef FA_BF16_DP
+    if (sc.dp) pvt = 0;
+#endif
+#else
+    const int pvt = 0;
+#endif
     for (int64_t c0 = kv0 / ck * ck; c0 < it->kv1; c0 += ck) {
         const int64_t lo = kv0 > c0 ? kv0 : c0, hi = it->kv1 - c0 < ck ? it->kv1 : c0 + ck;
-        for (int64_t i = 0; i < nr * dvp; i++) sc.o[i] = (FA_T)0;
+        if (pvt)
+            for (int64_t d = 0; d < dvp; d++)
+                for (int64_t i = 0; i < nvl; i++) sc.ot[d * brp + i] = (FA_T)0;
+        else
+            for (int64_t i = 0; i < nr * dvp; i++) sc.o[i] = (FA_T)0;
         for (int64_t i = 0; i < nvl; i++) {
             sc.m[i] = -(FA_T)INFINITY;
             sc.l[i] = (FA_T)0;
@@ -285,7 +304,7 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
                 if (!FA_NAME(fa_all_finite)(sc.o, nr * dvp)) {
                     memcpy(sc.o, sc.o2, (size_t)(nr * dvp) * sizeof(FA_T));
                     FA_NAME(fa_pv_tile_nonfinite)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, vt,
-                                                  v_sl, dvp);
+                                                  v_sl, dvp, 0);
                 }
             } else {
 #if defined(FA_KV_HALF) && defined(FA_F32)
@@ -295,6 +314,11 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
                 const int64_t vslot = fa_share_slot(it, it->vfin, bc, j0, nk);
                 int vok = fa_vfin_read(it, vslot);
                 if (!vok) vok = fa_vfin_write(it, vslot, FA_F32(fa_v_finite)(vf, Dv, nk, Dv));
+#ifdef FA_PV_T
+                if (vok == 1 && pvt)
+                    FA_F32(fa_pvt_tile)(sc.s, nv, nk, vf, Dv, Dv, sc.ot, brp, sc.alpha);
+                else
+#endif
                 if (vok == 1)
                     FA_F32(fa_pv_tile)(sc.s, nr, nk, vf, Dv, Dv, sc.o, dvp, sc.alpha, brp);
 #else
@@ -313,14 +337,22 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
 #endif
                     else
 #endif
+#ifdef FA_PV_T
+                    if (pvt)
+                        FA_NAME(fa_pvt_tile)(sc.s, nv, nk, vt, v_sl, Dv, sc.ot, brp, sc.alpha);
+                    else
+#endif
                         FA_NAME(fa_pv_tile)(sc.s, nr, nk, vt, v_sl, Dv, sc.o, dvp, sc.alpha, brp);
                 }
 #endif
                 else
                     FA_NAME(fa_pv_tile_nonfinite)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, vt, v_sl,
-                                                  dvp);
+                                                  dvp, pvt);
             }
         }
+#ifdef FA_PV_T
+        if (pvt) FA_NAME(fa_pvt_rows)(sc.ot, brp, nvl, dvp, sc.o);
+#endif
         if (!single) FA_NAME(fa_fold_chunk)(&sc, nr, Dv, dvp);
     }
 

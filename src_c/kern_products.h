@@ -510,3 +510,91 @@ static void FA_NAME(fa_pv_tile_rows)(const FA_T *FA_RESTRICT p, int64_t nq, int6
 {
     FA_NAME(fa_pv_tile_strided)(p, nq, nk, v, v_sl, Dv, o, dvp, alpha, 1, rs);
 }
+
+#ifdef FA_PV_T
+#ifndef FA_HAVE_TRANSPOSE
+#error "FA_PV_T needs FA_VTRANSPOSE"
+#endif
+/* The transposed running output ot (rows of nvl query lanes, brp apart; dvp rows)
+ * back into o's rows (nvl rows, dvp apart), FA_VL x FA_VL blocks transposed in
+ * registers. */
+static void FA_NAME(fa_pvt_rows)(const FA_T *FA_RESTRICT ot, int64_t brp, int64_t nvl, int64_t dvp,
+                                 FA_T *FA_RESTRICT o)
+{
+    for (int64_t d = 0; d < dvp; d += FA_VL) {
+        const FA_T *rows[FA_VL];
+        for (int i = 0; i < FA_VL; i++) rows[i] = ot + (d + i) * brp;
+        for (int64_t r = 0; r < nvl; r += FA_VL) FA_VTRANSPOSE(rows, r, o + r * dvp + d, dvp);
+    }
+}
+#endif
+
+#if defined(FA_PV_T) && !(defined(FA_KV_HALF) && defined(FA_F32))
+/* P.V with the output transposed, for prefill blocks on the ISAs that define FA_PV_T:
+ * ot[d][i] = alpha[i] * ot[d][i] + sum_j p[j][i] * v[j][d], ot's rows (value channels)
+ * brp apart, the query rows on the lanes.  The same operations per output element as
+ * fa_pv_micro (one rescale by alpha, then v * p + o key after key), so the same bits;
+ * but the register tile is fa_qk_micro's shape, FA_QK_R channels (broadcast from a V
+ * row) by FA_QK_NV query vectors (loaded from the P tile, already query-major): on
+ * AVX2 4 broadcasts and 3 loads per 12 FMAs, where fa_pv_micro's 6 x 2 tile needs 6
+ * and 2.  (With scale, the accumulators are first multiplied by alpha: skipped when
+ * every alpha of the tile's query vectors is 1, which changes no bit.) */
+FA_ALWAYS_INLINE void FA_NAME(fa_pvt_micro)(const int R, const int NV, int scale,
+                                            const FA_T *FA_RESTRICT p, const FA_KV *FA_RESTRICT v,
+                                            int64_t v_sl, int64_t nk, FA_T *FA_RESTRICT ot,
+                                            int64_t brp, const FA_T *FA_RESTRICT alpha)
+{
+    FA_V acc[FA_QK_R][FA_QK_NV];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NV; c++) acc[r][c] = FA_VLOAD(ot + r * brp + c * FA_VL);
+    if (scale)
+        for (int c = 0; c < NV; c++) {
+            const FA_V a = FA_VLOAD(alpha + c * FA_VL);
+            for (int r = 0; r < R; r++) acc[r][c] = FA_VMUL(acc[r][c], a);
+        }
+    for (int64_t j = 0; j < nk; j++) {
+        FA_V pv[FA_QK_NV];
+        for (int c = 0; c < NV; c++) pv[c] = FA_VLOAD(p + j * brp + c * FA_VL);
+        for (int r = 0; r < R; r++) {
+            const FA_V vb = FA_KV_BCAST(v + j * v_sl + r);
+            for (int c = 0; c < NV; c++) acc[r][c] = FA_VFMA(vb, pv[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NV; c++) FA_VSTORE(ot + r * brp + c * FA_VL, acc[r][c]);
+}
+
+#define FA_PVT_CASE(R, NV)                                                                  \
+    case (R) * 8 + (NV):                                                                    \
+        if ((R) <= FA_QK_R && (NV) <= FA_QK_NV)                                             \
+            FA_NAME(fa_pvt_micro)(R, NV, scale, p + cv * FA_VL, v + d, v_sl, nk,            \
+                                  ot + d * brp + cv * FA_VL, brp, alpha + cv * FA_VL);      \
+        break;
+
+/* The tile's P.V into the transposed output ot (Dv rows of nv query vectors, brp
+ * apart; see fa_pvt_micro).  Query-vector groups outer, as in fa_qk_tile: their
+ * slice of the P tile (nk x FA_QK_NV vectors) stays in L1 while V streams past. */
+static void FA_NAME(fa_pvt_tile)(const FA_T *FA_RESTRICT p, int nv, int64_t nk,
+                                 const FA_KV *FA_RESTRICT v, int64_t v_sl, int64_t Dv,
+                                 FA_T *FA_RESTRICT ot, int64_t brp, const FA_T *FA_RESTRICT alpha)
+{
+    for (int cv = 0, ncv; cv < nv; cv += ncv) {
+        /* groups of FA_QK_NV vectors; a remainder of one vector is taken with the
+         * group before it as two of two (a single vector leaves FA_QK_R chains, too
+         * few to cover the FMA latency) */
+        ncv = nv - cv < FA_QK_NV ? nv - cv : FA_QK_NV;
+        if (FA_QK_NV >= 3 && nv - cv == FA_QK_NV + 1) ncv = (FA_QK_NV + 1) / 2;
+        int scale = 0;
+        for (int64_t i = (int64_t)cv * FA_VL; i < (int64_t)(cv + ncv) * FA_VL; i++)
+            scale |= alpha[i] != (FA_T)1;
+        for (int64_t d = 0; d < Dv; d += FA_QK_R) {
+            const int r = (int)(Dv - d < FA_QK_R ? Dv - d : FA_QK_R);
+            switch (r * 8 + ncv) {
+                FA_TILE_ROWS(FA_PVT_CASE)
+                default: break;
+            }
+        }
+    }
+}
+#undef FA_PVT_CASE
+#endif

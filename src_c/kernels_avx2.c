@@ -8,7 +8,8 @@
  * and a 64-key tile in whole groups of 4, where 6 x 2 ended each tile on a 4-key
  * group of 8 accumulators (AMD EPYC with AVX2, 1 thread, perf samples: the QK^T
  * function 4% fewer in float32 L4096 D64, ~7% fewer against P.V's in float64; the
- * same products in the same order, so the same bits).
+ * same products in the same order, so the same bits).  float64's prefill P.V runs in
+ * QK^T's shape with the output transposed (FA_PV_T below, fa_pvt_tile).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -412,6 +413,12 @@ static inline __m256 fa_bf16_loadu_n(const uint16_t *p, int n)
 #define FA_QK_NV 3
 #define FA_PV_R 6
 #define FA_PV_NC 2
+/* prefill P.V with the output transposed, in QK^T's 4 x 3 tile (fa_pvt_tile): float64
+ * only.  AMD EPYC (Zen 4 part, AVX2), 2 threads, bench/ab_speed.py, B/A median time
+ * against the 6 x 2 tile of fa_pv_tile, two runs of 7 and 9 rounds: float64 B1 H8 L2048
+ * D64 0.95 / 0.97, D128 0.95 / 0.92; float32 level (L4096 D64 1.03 / 1.02, L2048 D128
+ * 1.00 / 0.99, causal 0.93 / 1.01), so float32 keeps fa_pv_tile. */
+#define FA_PV_T 1
 #define FA_VLOAD(p) _mm256_load_pd(p)
 #define FA_VSTORE(p, x) _mm256_store_pd((p), (x))
 #define FA_VLOADU(p) _mm256_loadu_pd(p)

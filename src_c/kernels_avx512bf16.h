@@ -31,7 +31,7 @@ static inline void fa_dp_zip(const uint16_t *a, const uint16_t *b, int n, __m512
 
 #ifdef FA_EMULATE_BF16
 #include "bf16_model.h"
-/* vdpbf16ps lane by lane (bf16_model.h, 8 lanes at a time where the build has AVX2;
+/* vdpbf16ps lane by lane (bf16_model.h, 8 lanes at a time;
  * not SIMDe's, whose loop under OpenMP's simd pragma adds a pair's two products in an
  * order of the compiler's choosing) */
 static inline __m512 fa_dp_fma(__m512 acc, __m512i a, __m512i b)
@@ -41,11 +41,7 @@ static inline __m512 fa_dp_fma(__m512 acc, __m512i a, __m512i b)
     memcpy(s, &acc, sizeof s);
     memcpy(x, &a, sizeof x);
     memcpy(y, &b, sizeof y);
-#if defined(__AVX2__) && defined(__FMA__)
     fa_model_pair_fma_n(s, x, y, 16);
-#else
-    for (int i = 0; i < 16; i++) s[i] = fa_model_pair_fma(s[i], x[i], y[i]);
-#endif
     return _mm512_loadu_ps(s);
 }
 #define FA_DP_FMA(acc, a, b) fa_dp_fma((acc), (a), (b))

@@ -51,11 +51,14 @@ def sub_kw(kw, b=slice(None), h=slice(None)):
     return out
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("name,dtype", [(n, F32) for n in VARIANTS] +
+                         [(n, np.float64) for n in ("plain", "causal", "softcap")])
 @pytest.mark.parametrize("nth", [1, 2, 3])
-def test_rows_do_not_depend_on_the_call(kernel, rng, name, nth):
+def test_rows_do_not_depend_on_the_call(kernel, rng, name, dtype, nth):
+    """(float64 too: on AVX2 its prefill blocks run P.V with the output transposed,
+    fa_pvt_tile, and its decode rows the row-major product: the same bits)"""
     B, H, Hkv, L, D = 3, 4, 2, 1100, 32  # keys past two 512-key chunks
-    q, k, v = big(rng, B, H, Hkv, L, D)
+    q, k, v = big(rng, B, H, Hkv, L, D, dtype)
     kw = kw_for(name, B, H)
     full, lse = fastattn.attention(q, k, v, return_lse=True, num_threads=nth, **kw)
     causal = kw.get("causal", False)
