@@ -4,10 +4,15 @@ call by call (30 ms apart, so neither build's OpenMP threads spin into the other
 turn), medians and the per-round ratio B/A reported.
 
     python bench/ab_speed.py OLD_TREE NEW_TREE [--rounds 15] [--threads 2] [--only decode]
+                             [--pairs 2]
 
 A tree is a source checkout with its extension built in place (``python setup.py
 build_ext --inplace``).  With the same code in both trees, the ratios show the
-noise of the machine.
+noise of the machine.  A worker process can run a case up to 5% apart from another
+worker of the same build, whatever it loads (its arrays land elsewhere in memory), so
+the rounds take turns over --pairs pairs of workers (each pair for two rounds, one in
+each order); the last column is the B/A median of each pair, whose spread is that
+per-worker offset.
 """
 import argparse
 import json
@@ -94,9 +99,9 @@ for line in sys.stdin:
 """
 
 
-def start(tree, threads):
+def start(tree, threads, cases):
     env = dict(os.environ, PYTHONPATH=tree)
-    p = subprocess.Popen([sys.executable, "-c", WORKER, json.dumps(CASES), str(threads)], env=env,
+    p = subprocess.Popen([sys.executable, "-c", WORKER, json.dumps(cases), str(threads)], env=env,
                          cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     ready = p.stdout.readline().strip()
     if not ready.startswith("ready"):
@@ -117,14 +122,30 @@ def main(argv):
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", default="", help="run the cases whose name contains this")
+    ap.add_argument("--pairs", type=int, default=2, help="pairs of worker processes to take turns")
     args = ap.parse_args(argv)
-    a, fa = start(os.path.abspath(args.old), args.threads)
-    b, fb = start(os.path.abspath(args.new), args.threads)
-    print(f"A: {fa}\nB: {fb}\n{args.rounds} rounds, {args.threads} threads, alternating A/B (B/A per round)")
-    print(f"{'case':34s} {'A median ms':>12s} {'B median ms':>12s} {'B/A median':>11s} {'B/A IQR':>16s}")
-    for name in (n for n in CASES if args.only in n):
+    cases = {n: c for n, c in CASES.items() if args.only in n}
+    if not cases:
+        ap.error(f"no case name contains {args.only!r}")
+    pairs = []
+    for i in range(max(1, args.pairs)):  # every other pair started B first
+        if i % 2 == 0:
+            a, fa = start(os.path.abspath(args.old), args.threads, cases)
+            b, fb = start(os.path.abspath(args.new), args.threads, cases)
+        else:
+            b, fb = start(os.path.abspath(args.new), args.threads, cases)
+            a, fa = start(os.path.abspath(args.old), args.threads, cases)
+        pairs.append((a, b))
+    print(f"A: {fa}\nB: {fb}\n{args.rounds} rounds, {args.threads} threads, alternating A/B "
+          f"(B/A per round), {len(pairs)} pair(s) of workers taking turns")
+    print(f"{'case':34s} {'A median ms':>12s} {'B median ms':>12s} {'B/A median':>11s} {'B/A IQR':>16s}"
+          f"  B/A by pair")
+    for name in cases:
         ta, tb, ratio = [], [], []
+        by_pair = [[] for _ in pairs]
         for r in range(args.rounds):
+            i = (r // 2) % len(pairs)
+            a, b = pairs[i]
             order = (a, b) if r % 2 == 0 else (b, a)
             got = {}
             for w in order:
@@ -133,13 +154,16 @@ def main(argv):
             ta.append(got[True])
             tb.append(got[False])
             ratio.append(got[False] / got[True])
+            by_pair[i].append(ratio[-1])
         ta.sort(), tb.sort(), ratio.sort()
         n = len(ratio)
+        pair_medians = " ".join(f"{sorted(x)[len(x) // 2]:.3f}" for x in by_pair if x)
         print(f"{name:34s} {1e3 * ta[n // 2]:12.2f} {1e3 * tb[n // 2]:12.2f} {ratio[n // 2]:11.3f} "
-              f"{ratio[n // 4]:7.3f}-{ratio[3 * n // 4]:.3f}")
-    for w in (a, b):
-        w.stdin.close()
-        w.wait()
+              f"{ratio[n // 4]:7.3f}-{ratio[3 * n // 4]:.3f}  {pair_medians}")
+    for pair in pairs:
+        for w in pair:
+            w.stdin.close()
+            w.wait()
     return 0
 
 
