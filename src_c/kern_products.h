@@ -560,8 +560,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pvt_micro)(const int R, const int NV, int scale
             for (int c = 0; c < NV; c++) acc[r][c] = FA_VFMA(vb, pv[c], acc[r][c]);
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < NV; c++) FA_VSTORE(ot + r * brp + c * FA_VL, acc[r][c]);
+    FA_NAME(fa_qk_store)(R, NV, acc, ot, brp, NULL);
 }
 
 #define FA_PVT_CASE(R, NV)                                                                  \
