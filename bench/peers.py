@@ -25,7 +25,11 @@ def make_onnxruntime(B, Hq, Hkv, Lq, Lk, D, threads, causal=None):
         vi.append(helper.make_tensor_value_info("M", TensorProto.BOOL, [Lq, Lk]))
     graph = helper.make_graph([node], "decode", vi,
                               [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+    # the lowest IR version that carries opset 23, not onnx's own newest: an ONNX Runtime
+    # older than the onnx package refuses a model of a newer IR (seen: onnx 1.23 writes
+    # IR 14, ONNX Runtime 1.30 reads up to 13)
+    opsets = [helper.make_opsetid("", 23)]
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=helper.find_min_ir_version_for(opsets))
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
