@@ -333,13 +333,13 @@ def _bf16_summary(terminalreporter, benchmarks):
     w("")
     w(f"bfloat16 and seqlens_k, interleaved (threads={rows[0][0]['threads']}, "
       f"kernel={rows[0][0]['kernel']}, bfloat16 path="
-      f"{next((i['bf16_path'] for i, _ in rows if i.get('bf16_path')), 'float32')}): "
+      f"{next((i['bf16_path'] for i, _ in rows if i.get('bf16_path') not in (None, 'float32')), 'float32')}): "
       "baseline time / fastattn time (best / median rounds)")
     for info, st in rows:
         extra = ""
         if info.get("gflops"):
             extra = f"   {info['gflops']:.1f} GFLOP/s"
-            if peak:
+            if peak and info.get("pair_peak_gflops"):
                 extra += f", {100 * info['gflops'] / peak:.0f}% of the {info['bf16_path']} peak {peak:.0f}"
         if info.get("gbps"):
             extra = (f"   {info['gbps']:.1f} GB/s, {100 * info['gbps'] / info['read_bandwidth_gbps']:.0f}% "
