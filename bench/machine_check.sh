@@ -1,16 +1,24 @@
 #!/usr/bin/env bash
 # One prepared run for a machine met once (more cores, or instructions the usual one
 # lacks: AVX-512, AVX512-BF16, AMX): what the CPU is, an in-place build, the FMA and
-# bf16 peaks, the test suite under every kernel the CPU runs (pytest-xdist), then the
-# bf16 bench, the thread scaling, the prefill and backward benches, each on a deadline
-# so the run ends inside its budget with every finished phase's log written.
+# bf16 peaks, then the phases asked for, each on a deadline so the run ends inside its
+# budget with every finished phase's log written:
+#   tests     the suite under every kernel the CPU runs (pytest-xdist)
+#   bf16      bench/test_bf16.py (the default bfloat16 path; float16 too)
+#   pairs     its prefill cases with AMX turned off (the AVX512-BF16 pair path)
+#   scaling   bench/test_scaling.py (1 thread to all)
+#   prefill   bench/test_prefill.py's interleaved cases (PyTorch, ONNX Runtime, OpenVINO)
+#   avx2      the same on the avx2 kernel (AVX-512 turned off)
+#   backward  bench/test_backward.py's interleaved cases
+#   sanitize  a build under ASan + UBSan and .ci/sanitize-short.txt's tests under it,
+#             natively (the CI machine may lack AVX-512 and AMX)
 #
-#     bash bench/machine_check.sh [OUTDIR]        # or OUT=dir; BUDGET_S (default 540)
+#     bash bench/machine_check.sh [OUTDIR]     # or OUT=dir; BUDGET_S (default 540);
+#                                              # PHASES (default "tests bf16 scaling prefill backward")
 #
-# Logs (at most 8 files): machine.txt, build.log, tests.log, bf16.log, scaling.log,
-# prefill.log, backward.log.  Run from the repository root.  Tests that need the
-# network or another package's exact version (the newcomer's pip install, the README's
-# mypy, transformers, JAX, Dask) are left to CI.
+# Logs (at most 8 files): machine.txt, build.log and one NAME.log a phase.  Run from the
+# repository root.  Tests that need the network or another package's exact version
+# (the newcomer's pip install, the README's mypy, transformers, JAX, Dask) are left to CI.
 set -u
 cd "$(dirname "$0")/.."
 O=${OUT:-${1:-/tmp/fastattn-machine-check}}
@@ -69,17 +77,49 @@ phase() {
     stamp "$name: rc $?"
 }
 
-phase tests 60 200 env OMP_NUM_THREADS=2 $PY -m pytest -q -rf -n $((NCPU > 4 ? NCPU - 2 : 2)) \
-    -p no:cacheprovider tests/ --ignore=tests/test_newcomer.py --ignore=tests/test_readme.py \
-    --ignore=tests/test_transformers.py --ignore=tests/test_jax.py --ignore=tests/test_dask.py
-tail -3 "$O/tests.log"
-export OMP_PROC_BIND=true
+NX=$((NCPU > 4 ? NCPU - 2 : 2))   # xdist workers
 B="$PY -m pytest -q -s -p no:cacheprovider"
-phase bf16 60 130 $B bench/test_bf16.py --bench-threads 2
-phase scaling 30 80 $B bench/test_scaling.py
-phase prefill 60 130 $B bench/test_prefill.py -k interleaved --bench-threads 2
-phase backward 40 90 $B bench/test_backward.py -k interleaved --bench-threads 2
-for f in bf16 scaling prefill backward; do
-    [ -f "$O/$f.log" ] && sed -n '/^\(bfloat16\|thread scaling\|prefill, inter\|gradients vs\)/,$p' "$O/$f.log" | head -40
+sanitize() {   # (run by phase, under its timeout)
+    local src=/tmp/fastattn-sanitized san="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g"
+    rm -rf "$src" && mkdir -p "$src/logs"
+    tar --exclude=./build --exclude=./.git --exclude='./fastattn/_kernels*.so' --exclude=./fastattn/_kernels.c \
+        -cf - . | tar -C "$src" -xf -
+    (cd "$src" && CFLAGS="$san" LDFLAGS="$san" FASTATTN_JAX_FFI=0 $PY setup.py build_ext --inplace > build.log 2>&1) ||
+        { echo "sanitized build failed"; tail -30 "$src/build.log"; return 1; }
+    echo "sanitized build done at $(($(date +%s) - T0)) s"
+    mapfile -t tests < <(grep -v '^#' .ci/sanitize-short.txt | grep .)
+    (cd "$src" && LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so.6)" \
+        ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:verify_asan_link_order=0:log_path=$src/logs/asan" \
+        UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$src/logs/ubsan" \
+        FASTATTN_SANITIZE=1 FASTATTN_GUARD_CASES=1500 OMP_NUM_THREADS=2 PYTHONPATH="$src" \
+        $PY -m pytest -q -rf -n $NX -p no:cacheprovider "${tests[@]}")
+    local rc=$? n
+    n=$(ls "$src/logs" | wc -l)
+    echo "sanitizer reports: $n"
+    for f in "$src"/logs/*; do [ -f "$f" ] && { echo "--- $f"; head -60 "$f"; }; done
+    [ "$n" = 0 ] && return $rc || return 1
+}
+export -f sanitize
+export PY T0 NX
+for ph in ${PHASES:-tests bf16 scaling prefill backward}; do
+    case $ph in
+    tests) phase tests 60 200 env OMP_NUM_THREADS=2 $PY -m pytest -q -rf -n $NX -p no:cacheprovider tests/ \
+        --ignore=tests/test_newcomer.py --ignore=tests/test_readme.py --ignore=tests/test_transformers.py \
+        --ignore=tests/test_jax.py --ignore=tests/test_dask.py ;;
+    bf16) phase bf16 60 150 env OMP_PROC_BIND=true $B bench/test_bf16.py --bench-threads 2 ;;
+    pairs) phase pairs 40 90 env OMP_PROC_BIND=true FASTATTN_DISABLE_CPU_FEATURES=AMX \
+        $B bench/test_bf16.py -k prefill --bench-threads 2 ;;
+    scaling) phase scaling 30 80 env OMP_PROC_BIND=true $B bench/test_scaling.py ;;
+    prefill) phase prefill 60 130 env OMP_PROC_BIND=true $B bench/test_prefill.py -k interleaved --bench-threads 2 ;;
+    avx2) phase avx2 40 100 env OMP_PROC_BIND=true FASTATTN_DISABLE_CPU_FEATURES=AVX512F \
+        $B bench/test_prefill.py -k "interleaved and not openvino" --bench-threads 2 ;;
+    backward) phase backward 40 90 env OMP_PROC_BIND=true $B bench/test_backward.py -k interleaved --bench-threads 2 ;;
+    sanitize) phase sanitize 150 240 bash -c sanitize ;;
+    *) echo "unknown phase $ph" ;;
+    esac
+    case $ph in
+    tests | sanitize) tail -4 "$O/$ph.log" ;;
+    *) sed -n '/^\(bfloat16\|thread scaling\|prefill, inter\|gradients vs\)/,/^$/p' "$O/$ph.log" ;;
+    esac
 done
 stamp "done"
