@@ -117,6 +117,7 @@ for ph in ${PHASES:-tests bf16 scaling prefill backward}; do
     sanitize) phase sanitize 150 240 bash -c sanitize ;;
     *) echo "unknown phase $ph" ;;
     esac
+    [ -f "$O/$ph.log" ] || continue   # (skipped, or unknown)
     case $ph in
     tests | sanitize) tail -4 "$O/$ph.log" ;;
     *) sed -n '/^\(bfloat16\|thread scaling\|prefill, inter\|gradients vs\)/,/^$/p' "$O/$ph.log" ;;
