@@ -80,19 +80,17 @@ phase() {
 NX=$((NCPU > 4 ? NCPU - 2 : 2))   # xdist workers
 B="$PY -m pytest -q -s -p no:cacheprovider"
 sanitize() {   # (run by phase, under its timeout)
-    local src=/tmp/fastattn-sanitized san="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g"
+    local src=/tmp/fastattn-sanitized
+    . .ci/sanitizer-env.sh   # FA_SAN_FLAGS, fa_sanitizer_env (as .ci/sanitize)
     rm -rf "$src" && mkdir -p "$src/logs"
     tar --exclude=./build --exclude=./.git --exclude='./fastattn/_kernels*.so' --exclude=./fastattn/_kernels.c \
         -cf - . | tar -C "$src" -xf -
-    (cd "$src" && CFLAGS="$san" LDFLAGS="$san" FASTATTN_JAX_FFI=0 $PY setup.py build_ext --inplace > build.log 2>&1) ||
+    (cd "$src" && CFLAGS="$FA_SAN_FLAGS" LDFLAGS="$FA_SAN_FLAGS" FASTATTN_JAX_FFI=0 $PY setup.py build_ext --inplace > build.log 2>&1) ||
         { echo "sanitized build failed"; tail -30 "$src/build.log"; return 1; }
     echo "sanitized build done at $(($(date +%s) - T0)) s"
     mapfile -t tests < <(grep -v '^#' .ci/sanitize-short.txt | grep .)
-    (cd "$src" && LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so.6)" \
-        ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:verify_asan_link_order=0:log_path=$src/logs/asan" \
-        UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$src/logs/ubsan" \
-        FASTATTN_SANITIZE=1 FASTATTN_GUARD_CASES=1500 OMP_NUM_THREADS=2 PYTHONPATH="$src" \
-        $PY -m pytest -q -rf -n $NX -p no:cacheprovider "${tests[@]}")
+    (cd "$src" && fa_sanitizer_env "$src/logs" &&
+        FASTATTN_GUARD_CASES=1500 OMP_NUM_THREADS=2 PYTHONPATH="$src" $PY -m pytest -q -rf -n $NX -p no:cacheprovider "${tests[@]}")
     local rc=$? n
     n=$(ls "$src/logs" | wc -l)
     echo "sanitizer reports: $n"

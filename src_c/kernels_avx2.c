@@ -419,7 +419,7 @@ static inline __m256 fa_bf16_loadu_n(const uint16_t *p, int n)
  * D64 0.95 / 0.97, D128 0.95 / 0.92; float32 level (L4096 D64 1.03 / 1.02, L2048 D128
  * 1.00 / 0.99, causal 0.93 / 1.01), so float32 keeps fa_pv_tile.  (Defined for float32
  * too, its 16-bit instantiations would take FA_F32(fa_pvt_tile) on their converted tiles:
- * so built once this session, 304 outputs, float16 and bfloat16 among them, had the same
+ * built that way once (2026-12-04), 304 outputs, float16 and bfloat16 among them, had the same
  * bits.) */
 #define FA_PV_T 1
 #define FA_VLOAD(p) _mm256_load_pd(p)
