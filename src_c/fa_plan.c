@@ -66,7 +66,8 @@
  * (their tiles are half the bytes of float32's: the same L1 holds twice the keys).
  * So: 192 x 128 for the pairs, causal too; otherwise, on AMD's AVX-512, 192 x 128;
  * otherwise 192 x 64 for AVX-512 and for AVX2 (64 x 64 causal or windowed on AVX-512, 96 x
- * 64 on AVX2: a window is a diagonal band too);
+ * 64 on AVX2: a window is a diagonal band too), AVX2's 384 x 64 where that fits 3/4 of
+ * the L2 (measured in fa_default_blocks);
  * the generic kernel (not tuned: the portable fallback) 64 x 128.  Then two
  * adjustments:
  *  - the query rows are split into equal blocks (Lq = 256 runs as 2 x 128, not
@@ -133,6 +134,18 @@ static fa_blocks fa_default_blocks(const fa_kernel *kern, const fa_params *p)
         const int banded = p->causal || p->window_left >= 0 || p->window_right >= 0;
         bl.q = banded ? 96 : 192;
         bl.k = 64;
+        /* 384 x 64 where that block's working set fits 3/4 of the L2: the K and V
+         * tiles serve twice the rows.  AMD EPYC (family 25 model 17, AVX-512 hidden,
+         * 1 MiB L2), 2 threads, medians of 21, time against 192 x 64 (all with the
+         * padded rows of fa_make_plan): float32 B1 H8 L4096 D64 0.98-1.00, L2048
+         * D128 0.95-0.98 (there 384 x 64 passes L2 / 2, whose loop below would make it
+         * 384 x 32), B4 H16 L256 (one block of 256 rows) 0.91-0.96; float64 D64 level
+         * (655 KiB), D128 (1.1 MiB: not taken) 0.96-1.00 */
+        const int64_t ws384 = item * (384 * (p->D + p->Dv) + 64 * (p->D + p->Dv + 384));
+        if (!banded && !fa_bf16_pairs(kern, p) && ws384 <= fa_cpu_l2_bytes() / 4 * 3) {
+            bl.q = 384;
+            return bl;
+        }
     }
     /* causal too: see above.  AMX's row-major block (kern_amx_rows.h) 768 x 256; its
      * key-major one, for the other calls, keeps the pairs' 192 x 128 and with them their
@@ -326,6 +339,21 @@ int fa_make_plan(const fa_kernel *kern, const fa_params *p, int nth, fa_plan *pl
         }
     }
     pl->bl.q = (pl->nh * pl->nqp + vl - 1) / vl * vl;
+    /* bl.q is also the row stride of the block's Q^T, logit and transposed-output
+     * tiles (D, bc and Dv rows of it).  A stride that is a multiple of 128 bytes puts
+     * those rows in a fraction of the L1's 64 sets (128 rows of a float32 block: 512
+     * bytes, 8 sets; float64 256 rows: 2 KiB, 2 sets), where a tile's column of
+     * vectors evicts itself; one vector more makes it an odd number of half lines
+     * (32-byte vectors) or lines (64-byte), which reaches all sets.  The padded lanes
+     * are never read as rows (the items' rows are bl.rows).  AMD EPYC with AVX2, 2
+     * threads, medians of 21, time against the unpadded stride: float32 B4 H16 L256
+     * 0.94-0.95, float64 0.90-0.94, float32 B1 H8 L2048 D128 0.97-0.98, L4096 D64
+     * 0.98-1.01, float64 L2048 0.99-1.03.  (The pairs lay their blocks out
+     * themselves: kern_bf16dp.h, kern_amx_rows.h.) */
+    if (!fa_bf16_pairs(kern, p)) {
+        const int64_t item = p->dtype == FA_F64 ? 8 : 4;
+        while ((pl->bl.q * item) % 128 == 0) pl->bl.q += vl;
+    }
     pl->bl.rows = pl->nh * (pl->nqp < lmax ? pl->nqp : lmax); /* (nqp is rounded up to a vector) */
     const int64_t per_qb = p->Hkv * pl->nhc;
     if (p->cu_q) {

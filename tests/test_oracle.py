@@ -41,6 +41,24 @@ def test_sizes_all_causal_modes(kernel, rng, dtype, D, Lq, Lk):
         _check(q, k, v, causal=causal)
 
 
+# The planner's largest query blocks and its padded row strides (fa_make_plan): 768
+# rows are two blocks of 384 on AVX2 (a 1536-byte float32 stride, padded by a vector),
+# 769 three of 257, 256 one block whose float32 stride (1 KiB) is padded, 128 float64
+# rows likewise; the rows of a block are read only up to its own count, never into the
+# padding, and a row's bits do not depend on the rows beside it.
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("D", [17, 64])
+@pytest.mark.parametrize("Lq,Lk", [(768, 768), (769, 700), (256, 256), (128, 300)])
+def test_large_and_padded_blocks(kernel, rng, dtype, D, Lq, Lk):
+    q, k, v = _inputs(rng, (1, 2, Lq, D), (1, 2, Lk, D), D, dtype)
+    for causal in (False, True):
+        out, lse = _check(q, k, v, causal=causal)
+        for thr in (1, 2):
+            part = fastattn.attention(q[:, :, 100:137], k, v, num_threads=thr)
+            if not causal:
+                assert np.array_equal(part, out[:, :, 100:137])
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("scale", [0.0, -0.7, 0.01, 3.0])
 def test_scale_override(kernel, rng, dtype, scale):
