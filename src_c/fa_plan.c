@@ -65,9 +65,9 @@
  *   avx512-bf16 D=64  L=256 (B=4 H=16): q=128 k=128 418 | q=96 k=128 411 | q=192 k=64 404 | q=192 k=128 402
  * (their tiles are half the bytes of float32's: the same L1 holds twice the keys).
  * So: 192 x 128 for the pairs, causal too; otherwise, on AMD's AVX-512, 192 x 128;
- * otherwise 192 x 64 for AVX-512 and for AVX2 (64 x 64 causal or windowed on AVX-512, 96 x
- * 64 on AVX2: a window is a diagonal band too), AVX2's 384 x 64 where that fits 3/4 of
- * the L2 (measured in fa_default_blocks);
+ * otherwise 192 x 64 for AVX-512 and for AVX2 (64 x 64 causal or windowed on AVX-512: a
+ * window is a diagonal band too), AVX2's 384 x 64 where that fits 3/4 of the L2, not
+ * causal or windowed (measured in fa_default_blocks);
  * the generic kernel (not tuned: the portable fallback) 64 x 128.  Then two
  * adjustments:
  *  - the query rows are split into equal blocks (Lq = 256 runs as 2 x 128, not
@@ -131,8 +131,12 @@ static fa_blocks fa_default_blocks(const fa_kernel *kern, const fa_params *p)
         bl.q = p->causal || p->window_left >= 0 || p->window_right >= 0 ? 64 : 192;
         bl.k = 64;
     } else if (kern == fa_kernel_for_isa(FA_ISA_AVX2)) {
+        /* causal or windowed: 192 rows since the tiles skip the query vectors that see
+         * none of their keys (fa_qblock; 96 before: 2 threads, medians of 11, time
+         * against 96 x 64: float32 B1 H8 L4096 D64 1.00, L2048 D128 1.00, float64 D64
+         * 0.98, D128 0.95; 384 rows made B1 H8 L1024 1.07: too few unequal items) */
         const int banded = p->causal || p->window_left >= 0 || p->window_right >= 0;
-        bl.q = banded ? 96 : 192;
+        bl.q = 192;
         bl.k = 64;
         /* 384 x 64 where that block's working set fits 3/4 of the L2: the K and V
          * tiles serve twice the rows.  AMD EPYC (family 25 model 17, AVX-512 hidden,

@@ -131,6 +131,10 @@ typedef struct FA_NAME(fa_scratch) {
     int cmx_valid;              /* cmx holds the tile's row maxima (fa_scores) */
     FA_T *cmx;
     int query_major;            /* never key-major (the backward's tiles) */
+    /* the query vectors of the current key tile that see one of its keys (fa_qblock's
+     * prefill tiles; the others 0 and nv): the products, the logit steps and the
+     * softmax run on vectors vc0 .. vc1-1 only, the other rows' S, alpha untouched */
+    int vc0, vc1, vlive;
     int q_own;                  /* the block lays Q out itself (AMX rows): fa_setup_rows
                                    packs none */
     int64_t bcp;                /* bc rounded up to FA_VL */
@@ -222,6 +226,7 @@ static size_t FA_NAME(fa_layout)(const fa_params *p, const fa_blocks *bl, void *
     sc->bcp = FA_NAME(fa_round_up)((int64_t)bc, FA_VL);
     sc->query_major = 0;
     sc->q_own = 0;
+    sc->vlive = 0;
     {
         const size_t km = (size_t)FA_DOT_ROWS * (size_t)sc->bcp; /* key-major use */
         sc->s = (FA_T *)FA_NAME(fa_carve)(&cur, (bc * brp > km ? bc * brp : km) * t);

@@ -71,7 +71,10 @@ static void FA_NAME(fa_pv_tile_nonfinite)(const fa_params *p, const fa_item *it,
     sc->s = sc->s2;
     FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, sc, 1);
     sc->s = prob;
-    for (int64_t r = 0; r < nr; r++) {
+    /* the tile's live rows (fa_qblock): the others' logits and alpha are not this tile's */
+    const int64_t r0 = sc->vlive ? (int64_t)sc->vc0 * FA_VL : 0;
+    const int64_t r1 = sc->vlive && (int64_t)sc->vc1 * FA_VL < nr ? (int64_t)sc->vc1 * FA_VL : nr;
+    for (int64_t r = r0; r < r1; r++) {
         FA_T *o = obase + r * ors;
         if (sc->alpha[r] != (FA_T)1)
             for (int64_t c = 0; c < p->Dv; c++) o[c * ocs] *= sc->alpha[r];
@@ -210,6 +213,12 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
 #else
     const int pvt = 0;
 #endif
+    /* the live query vectors of each tile (below): prefill tiles of the float32 and
+     * float64 products, not the pairs, and not the weights' pass, which reads them all */
+    int live_rows = !FA_NAME(fa_few_rows)(nr, &sc) && !p->weights;
+#ifdef FA_BF16_DP
+    if (sc.dp) live_rows = 0;
+#endif
     for (int64_t c0 = kv0 / ck * ck; c0 < it->kv1; c0 += ck) {
         const int64_t lo = kv0 > c0 ? kv0 : c0, hi = it->kv1 - c0 < ck ? it->kv1 : c0 + ck;
         if (pvt)
@@ -246,15 +255,35 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
                         for (int64_t c = 0; c < Dv * esz; c += 64) __builtin_prefetch(vr + j * p->v_sl * esz + c);
                 }
             }
+            /* A prefill tile where some rows see none of its keys (the diagonal of a
+             * causal block, a window's edges): the products and the softmax run on the
+             * query vectors from the first to the last that see one (vc0 .. vc1-1).  A
+             * row outside them would have had p = 0 for every key and alpha = 1: its m,
+             * l and output stay as they are. */
+            sc.vlive = 0;
+            if (live_rows && (lo_max > j0 || hi_min < j0 + nk - 1)) {
+                int64_t first = -1, last = -1;
+                for (int64_t r = 0; r < nr; r++)
+                    if (sc.lo[r] <= sc.hi[r] && sc.lo[r] < j0 + nk && sc.hi[r] >= j0) {
+                        if (first < 0) first = r;
+                        last = r;
+                    }
+                if (first < 0) continue; /* no row sees the tile */
+                sc.vc0 = (int)(first / FA_VL);
+                sc.vc1 = (int)(last / FA_VL + 1);
+                sc.vlive = sc.vc0 > 0 || sc.vc1 < nv;
+            }
+            const int vc0 = sc.vlive ? sc.vc0 : 0, vc1 = sc.vlive ? sc.vc1 : nv;
+            const int64_t lr0 = (int64_t)vc0 * FA_VL, lnr = ((int64_t)vc1 * FA_VL < nr ? (int64_t)vc1 * FA_VL : nr) - lr0;
             if (!FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, 0)) continue;
             if (sc.key_major)
                 for (int64_t r = 0; r < nr; r++)
                     FA_NAME(fa_softmax_row)(sc.s + r * sc.bcp, nk, sc.m + r, sc.l + r, sc.alpha + r);
             else if (!FA_NAME(fa_has_logit_steps)(p, &sc))
-                FA_NAME(fa_softmax_tile)(sc.s, nk, 0, nv, sc.m, sc.l, sc.alpha, brp,
-                                         sc.cmx_valid ? (const FA_V *)(const void *)sc.cmx : NULL, sc.u);
+                FA_NAME(fa_softmax_tile)(sc.s, nk, vc0, vc1, sc.m, sc.l, sc.alpha, brp,
+                                         sc.cmx_valid ? (const FA_V *)(const void *)(sc.cmx + lr0) : NULL, sc.u);
             else /* column by column, each column's logits in L1 for its softmax */
-                for (int c = 0; c < nv; c++) {
+                for (int c = vc0; c < vc1; c++) {
                     FA_V colmax;
                     const int known = FA_NAME(fa_logit_tile)(p, sc.s, nk, c, c + 1, nr, j0, brp, &sc, &colmax);
                     FA_NAME(fa_softmax_tile)(sc.s, nk, c, c + 1, sc.m, sc.l, sc.alpha, brp,
@@ -316,11 +345,11 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
                 if (!vok) vok = fa_vfin_write(it, vslot, FA_F32(fa_v_finite)(vf, Dv, nk, Dv));
 #ifdef FA_PV_T
                 if (vok == 1 && pvt)
-                    FA_F32(fa_pvt_tile)(sc.s, nv, nk, vf, Dv, Dv, sc.ot, brp, sc.alpha);
+                    FA_F32(fa_pvt_tile)(sc.s + lr0, vc1 - vc0, nk, vf, Dv, Dv, sc.ot + lr0, brp, sc.alpha + lr0);
                 else
 #endif
                 if (vok == 1)
-                    FA_F32(fa_pv_tile)(sc.s, nr, nk, vf, Dv, Dv, sc.o, dvp, sc.alpha, brp);
+                    FA_F32(fa_pv_tile)(sc.s + lr0, lnr, nk, vf, Dv, Dv, sc.o + lr0 * dvp, dvp, sc.alpha + lr0, brp);
 #else
                 /* checked once a call where another item has not (fa_vfin_read) */
                 const int64_t vslot = fa_share_slot(it, it->vfin, bc, j0, nk);
@@ -339,10 +368,12 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
 #endif
 #ifdef FA_PV_T
                     if (pvt)
-                        FA_NAME(fa_pvt_tile)(sc.s, nv, nk, vt, v_sl, Dv, sc.ot, brp, sc.alpha);
+                        FA_NAME(fa_pvt_tile)(sc.s + lr0, vc1 - vc0, nk, vt, v_sl, Dv, sc.ot + lr0, brp,
+                                             sc.alpha + lr0);
                     else
 #endif
-                        FA_NAME(fa_pv_tile)(sc.s, nr, nk, vt, v_sl, Dv, sc.o, dvp, sc.alpha, brp);
+                        FA_NAME(fa_pv_tile)(sc.s + lr0, lnr, nk, vt, v_sl, Dv, sc.o + lr0 * dvp, dvp,
+                                            sc.alpha + lr0, brp);
                 }
 #endif
                 else

@@ -317,6 +317,10 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
             sc->cmx_valid = !logits && !sc->query_major && !FA_NAME(fa_has_logit_steps)(p, sc);
             if (sc->cmx_valid)
                 for (int64_t i = 0; i < (int64_t)nv * FA_VL; i++) sc->cmx[i] = -(FA_T)INFINITY;
+            /* only the query vectors that see a key of the tile (sc->vlive: fa_qblock's
+             * float32 and float64 tiles; the pairs and the backward take all) */
+            const int64_t lv0 = sc->vlive ? (int64_t)sc->vc0 * FA_VL : 0;
+            const int lnv = sc->vlive ? sc->vc1 - sc->vc0 : nv;
 #ifdef FA_BF16_BWD
             if (sc->bw) { /* the backward on pairs: the K tile as bfloat16 rows, then pairs */
                 /* with no logit step the scale waits for P's exponent (one pass less) */
@@ -352,10 +356,11 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
 #endif
 #if defined(FA_KV_HALF) && defined(FA_F32)
                 /* 16-bit K: the tile as float32 once, for the float32 product */
-                FA_F32(fa_qk_tile)(sc->qt, nv, FA_NAME(fa_tile_f32)(k, k_sl, nk, p->D, sc->kf), p->D, nk, p->D,
-                                   sc->s, brp, sc->cmx_valid ? sc->cmx : NULL);
+                FA_F32(fa_qk_tile)(sc->qt + lv0, lnv, FA_NAME(fa_tile_f32)(k, k_sl, nk, p->D, sc->kf), p->D, nk,
+                                   p->D, sc->s + lv0, brp, sc->cmx_valid ? sc->cmx + lv0 : NULL);
 #else
-                FA_NAME(fa_qk_tile)(sc->qt, nv, k, k_sl, nk, p->D, sc->s, brp, sc->cmx_valid ? sc->cmx : NULL);
+                FA_NAME(fa_qk_tile)(sc->qt + lv0, lnv, k, k_sl, nk, p->D, sc->s + lv0, brp,
+                                    sc->cmx_valid ? sc->cmx + lv0 : NULL);
 #endif
         }
     }
@@ -367,6 +372,8 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
             sc->rhi[r] = (FA_T)(z < -1 ? -1 : z > nk ? nk : z);
         }
     }
-    if (logits) FA_NAME(fa_logit_tile)(p, sc->s, nk, 0, nv, nr, j0, brp, sc, NULL);
+    if (logits)
+        FA_NAME(fa_logit_tile)(p, sc->s, nk, sc->vlive ? sc->vc0 : 0, sc->vlive ? sc->vc1 : nv, nr, j0, brp, sc,
+                               NULL);
     return 1;
 }
