@@ -26,6 +26,8 @@ CASES = {
     "prefill B1 H8 L4096 D64 causal": dict(fn="fwd", B=1, H=8, Lq=4096, Lk=4096, D=64, causal=True),
     "prefill B1 H8 L2048 D128": dict(fn="fwd", B=1, H=8, Lq=2048, Lk=2048, D=128),
     "prefill B4 H16 L256 D64": dict(fn="fwd", B=4, H=16, Lq=256, Lk=256, D=64),
+    "prefill B8 H32 L128 D64": dict(fn="fwd", B=8, H=32, Lq=128, Lk=128, D=64),
+    "prefill B32 H8 L64 D64": dict(fn="fwd", B=32, H=8, Lq=64, Lk=64, D=64),
     "prefill B1 H8 L2048 D64 float64": dict(fn="fwd", B=1, H=8, Lq=2048, Lk=2048, D=64, dtype="float64"),
     "prefill B1 H8 L2048 D128 float64": dict(fn="fwd", B=1, H=8, Lq=2048, Lk=2048, D=128, dtype="float64"),
     "decode B1 H32 Lk8192 D128": dict(fn="fwd", B=1, H=32, Lq=1, Lk=8192, D=128),

@@ -10,6 +10,7 @@
 #   prefill   bench/test_prefill.py's interleaved cases (PyTorch, ONNX Runtime, OpenVINO)
 #   avx2      the same on the avx2 kernel (AVX-512 turned off)
 #   backward  bench/test_backward.py's interleaved cases
+#   blocks    bench/test_blocks.py (query blocks of 64, 192, 384 rows against the planner's)
 #   sanitize  a build under ASan + UBSan and .ci/sanitize-short.txt's tests under it,
 #             natively (the CI machine may lack AVX-512 and AMX)
 #
@@ -112,13 +113,14 @@ for ph in ${PHASES:-tests bf16 scaling prefill backward}; do
     avx2) phase avx2 40 100 env OMP_PROC_BIND=true FASTATTN_DISABLE_CPU_FEATURES=AVX512F \
         $B bench/test_prefill.py -k "interleaved and not openvino" --bench-threads 2 ;;
     backward) phase backward 40 90 env OMP_PROC_BIND=true $B bench/test_backward.py -k interleaved --bench-threads 2 ;;
+    blocks) phase blocks 30 70 env OMP_PROC_BIND=true $B bench/test_blocks.py --bench-threads 2 ;;
     sanitize) phase sanitize 150 240 bash -c sanitize ;;
     *) echo "unknown phase $ph" ;;
     esac
     [ -f "$O/$ph.log" ] || continue   # (skipped, or unknown)
     case $ph in
     tests | sanitize) tail -4 "$O/$ph.log" ;;
-    *) sed -n '/^\(bfloat16\|thread scaling\|prefill, inter\|gradients vs\)/,/^$/p' "$O/$ph.log" ;;
+    *) sed -n '/^\(bfloat16\|thread scaling\|prefill, inter\|gradients vs\|query blocks\)/,/^$/p' "$O/$ph.log" ;;
     esac
 done
 stamp "done"
