@@ -66,8 +66,9 @@
  * (their tiles are half the bytes of float32's: the same L1 holds twice the keys).
  * So: 192 x 128 for the pairs, causal too; otherwise, on AMD's AVX-512, 192 x 128;
  * otherwise 192 x 64 for AVX-512 and for AVX2 (64 x 64 causal or windowed on AVX-512: a
- * window is a diagonal band too), AVX2's 384 x 64 where that block's working set is
- * at most 5/4 of the L2, not causal or windowed (measured in fa_default_blocks);
+ * window is a diagonal band too); AVX2 64-key tiles (32 for large heads) and 384 query
+ * rows (192 causal or windowed), halved while the block passes 5/4 of the L2 (measured
+ * in fa_default_blocks);
  * the generic kernel (not tuned: the portable fallback) 64 x 128.  Then two
  * adjustments:
  *  - the query rows are split into equal blocks (Lq = 256 runs as 2 x 128, not
@@ -130,28 +131,31 @@ static fa_blocks fa_default_blocks(const fa_kernel *kern, const fa_params *p)
     } else if (kern == fa_kernel_for_isa(FA_ISA_AVX512)) {
         bl.q = p->causal || p->window_left >= 0 || p->window_right >= 0 ? 64 : 192;
         bl.k = 64;
-    } else if (kern == fa_kernel_for_isa(FA_ISA_AVX2)) {
-        /* causal or windowed: 192 rows since the tiles skip the query vectors that see
-         * none of their keys (fa_qblock; 96 before: 2 threads, medians of 11, time
-         * against 96 x 64: float32 B1 H8 L4096 D64 1.00, L2048 D128 1.00, float64 D64
-         * 0.98, D128 0.95; 384 rows made B1 H8 L1024 1.07: too few unequal items) */
+    } else if (kern == fa_kernel_for_isa(FA_ISA_AVX2) && !fa_bf16_pairs(kern, p)) {
+        /* The key tile from the head sizes alone (64 keys unless K's and V's 64-key
+         * tiles pass L2 / 4), so a causal or windowed call and the others, a decoding
+         * row and the prefill it continues, reduce a row's keys in the same tiles: the
+         * same bits.  Then 384 query rows (192 causal or windowed), halved while the
+         * block's working set passes 5/4 of the L2.
+         * 384 rows: the K and V tiles serve twice the rows, and Q^T and the output
+         * tile, read once a key tile, stream from L2 and L3 fast enough (~1 byte a
+         * cycle).  AMD EPYC (family 25 model 17, AVX-512 hidden, 1 MiB L2), 2 threads,
+         * medians of 9-21, time against 192 x 64 (all with the padded rows of
+         * fa_make_plan): float32 B1 H8 L4096 D64 0.98-1.00 (327 KiB), L2048 D128
+         * 0.95-0.98 (557 KiB), B4 H16 L256 (one block of 256 rows) 0.91-0.96; float64
+         * D64 level (655 KiB); against the 192 x 32 that the L2 / 2 loop below had
+         * made of them, float64 D128 (1.1 MiB) 0.95-0.97, float32 D256 (1.0 MiB) 0.92.
+         * Causal or windowed: 192 rows since the tiles skip the query vectors that see
+         * none of their keys (fa_qblock; 96 before: time against 96 x 64, float32 B1 H8
+         * L4096 D64 1.00, L2048 D128 1.00, float64 D64 0.98, D128 0.95; 384 rows made B1
+         * H8 L1024 1.07: too few unequal items on 2 threads). */
         const int banded = p->causal || p->window_left >= 0 || p->window_right >= 0;
-        bl.q = 192;
-        bl.k = 64;
-        /* 384 x 64 where that block's working set is at most 5/4 of the L2 (the loop
-         * below keeps the others within L2 / 2): the K and V tiles serve twice the
-         * rows, and Q^T and the output tile, read once a key tile, stream from L2 and
-         * L3 fast enough (~1 byte a cycle).  AMD EPYC (family 25 model 17, AVX-512
-         * hidden, 1 MiB L2), 2 threads, medians of 9-21, time against 192 x 64 (all with
-         * the padded rows of fa_make_plan): float32 B1 H8 L4096 D64 0.98-1.00 (327 KiB),
-         * L2048 D128 0.95-0.98 (557 KiB), B4 H16 L256 (one block of 256 rows) 0.91-0.96;
-         * float64 D64 level (655 KiB); against the 192 x 32 that L2 / 2 made of them,
-         * float64 D128 (1.1 MiB) 0.95-0.97, float32 D256 (1.0 MiB) 0.97 */
-        const int64_t ws384 = item * (384 * (p->D + p->Dv) + 64 * (p->D + p->Dv + 384));
-        if (!banded && !fa_bf16_pairs(kern, p) && ws384 <= fa_cpu_l2_bytes() / 4 * 5) {
-            bl.q = 384;
-            return bl;
-        }
+        const int64_t cap = fa_cpu_l2_bytes() / 4 * 5;
+        bl.k = item * 64 * (p->D + p->Dv) <= fa_cpu_l2_bytes() / 4 ? 64 : 32;
+        bl.q = banded ? 192 : 384;
+        while (bl.q > 2 * vl && item * (bl.q * (p->D + p->Dv) + bl.k * (p->D + p->Dv + bl.q)) > cap)
+            bl.q = (bl.q / 2 + vl - 1) / vl * vl;
+        return bl;
     }
     /* causal too: see above.  AMX's row-major block (kern_amx_rows.h) 768 x 256; its
      * key-major one, for the other calls, keeps the pairs' 192 x 128 and with them their

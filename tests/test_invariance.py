@@ -82,6 +82,21 @@ def test_rows_do_not_depend_on_the_call(kernel, rng, name, dtype, nth):
     same_bits(o, full[:, 2:4])
 
 
+@pytest.mark.parametrize("dtype,D", [(F32, 64), (F32, 128), (F32, 256), (np.float64, 64),
+                                     (np.float64, 128)])
+def test_decoded_rows_without_causal_are_the_causal_prefill_rows(kernel, rng, dtype, D):
+    """A row decoded with causal=False (one query against the keys up to its position,
+    as transformers passes a decoding step) has the bits of the same row in the causal
+    prefill: the kernel's key tiles do not depend on the causal flag (fa_default_blocks;
+    on AVX2 float64 D128 and float32 D256 they once did through the L2 budget)."""
+    q, k, v = big(rng, 1, 2, 2, 900, D, dtype)
+    full, lse = fastattn.attention(q, k, v, causal=True, return_lse=True)
+    for i in (0, 63, 64, 500, 899):
+        o, l = fastattn.attention(q[:, :, i:i + 1], k[:, :, :i + 1], v[:, :, :i + 1], return_lse=True)
+        same_bits(o, full[:, :, i:i + 1])
+        same_bits(l, lse[:, :, i:i + 1])
+
+
 def test_layouts_strides_and_varlen(rng):
     B, H, L, D = 2, 2, 700, 16
     q, k, v = big(rng, B, H, H, L, D)
