@@ -53,6 +53,17 @@ static int FA_NAME(fa_all_finite)(const FA_T *FA_RESTRICT x, int64_t n)
     return FA_VREDUCE(FA_VADD(acc0, acc1)) == (FA_T)0;
 }
 
+/* a * b + c as the kernel's P.V computes it (FA_VFMA: fused where the ISA file's is), so
+ * that a row has the same bits through the careful path below as through the tile's,
+ * whatever the compiler does with a scalar `c += a * b` (a sanitizer build left it unfused,
+ * and rows whose tile was cut short of a NaN by a smaller block then differed by 1 ulp) */
+static inline FA_T FA_NAME(fa_fma1)(FA_T a, FA_T b, FA_T c)
+{
+    FA_T t[FA_VL];
+    FA_VSTOREU(t, FA_VFMA(FA_VSET1(a), FA_VSET1(b), FA_VSET1(c)));
+    return t[0];
+}
+
 /* P.V for a tile whose V holds an inf or NaN.  A hidden key has p = 0, and 0 * inf
  * would put a NaN into rows that never see that value; so here only the visible
  * (row, key) pairs are added, visibility read from the tile's logits recomputed
@@ -82,7 +93,8 @@ static void FA_NAME(fa_pv_tile_nonfinite)(const fa_params *p, const fa_item *it,
             if (sc->s2[jj * brp + r] == -(FA_T)INFINITY) continue;
             const FA_T pj = prob[jj * pk + r * pr];
             const FA_KV *vr = v + jj * v_sl;
-            for (int64_t c = 0; c < p->Dv; c++) o[c * ocs] += pj * (FA_T)FA_KV_SCALAR(vr[c]);
+            for (int64_t c = 0; c < p->Dv; c++)
+                o[c * ocs] = FA_NAME(fa_fma1)(pj, (FA_T)FA_KV_SCALAR(vr[c]), o[c * ocs]);
         }
     }
 }
