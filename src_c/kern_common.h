@@ -192,6 +192,19 @@ typedef struct FA_NAME(fa_scratch) {
 #endif
 } FA_NAME(fa_scratch);
 
+/* The current key tile's live query vectors [*v0, *v1) of nv (sc->vc0 .. vc1-1 where
+ * fa_qblock set sc->vlive, else all) and their rows [*r0, *r1) of nr, the last vector's
+ * rows cut at nr: the one reading of the live range for the products, the logit steps,
+ * the softmax and the careful P.V. */
+static inline void FA_NAME(fa_live_range)(const FA_NAME(fa_scratch) *sc, int nv, int64_t nr, int *v0, int *v1,
+                                          int64_t *r0, int64_t *r1)
+{
+    *v0 = sc->vlive ? sc->vc0 : 0;
+    *v1 = sc->vlive ? sc->vc1 : nv;
+    *r0 = (int64_t)*v0 * FA_VL;
+    *r1 = (int64_t)*v1 * FA_VL < nr ? (int64_t)*v1 * FA_VL : nr;
+}
+
 static inline void *FA_NAME(fa_carve)(char **cur, size_t bytes)
 {
     void *piece = *cur;

@@ -83,8 +83,9 @@ static void FA_NAME(fa_pv_tile_nonfinite)(const fa_params *p, const fa_item *it,
     FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, sc, 1);
     sc->s = prob;
     /* the tile's live rows (fa_qblock): the others' logits and alpha are not this tile's */
-    const int64_t r0 = sc->vlive ? (int64_t)sc->vc0 * FA_VL : 0;
-    const int64_t r1 = sc->vlive && (int64_t)sc->vc1 * FA_VL < nr ? (int64_t)sc->vc1 * FA_VL : nr;
+    int v0, v1;
+    int64_t r0, r1;
+    FA_NAME(fa_live_range)(sc, nv, nr, &v0, &v1, &r0, &r1);
     for (int64_t r = r0; r < r1; r++) {
         FA_T *o = obase + r * ors;
         if (sc->alpha[r] != (FA_T)1)
@@ -285,8 +286,10 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
                 sc.vc1 = (int)(last / FA_VL + 1);
                 sc.vlive = sc.vc0 > 0 || sc.vc1 < nv;
             }
-            const int vc0 = sc.vlive ? sc.vc0 : 0, vc1 = sc.vlive ? sc.vc1 : nv;
-            const int64_t lr0 = (int64_t)vc0 * FA_VL, lnr = ((int64_t)vc1 * FA_VL < nr ? (int64_t)vc1 * FA_VL : nr) - lr0;
+            int vc0, vc1;
+            int64_t lr0, lr1;
+            FA_NAME(fa_live_range)(&sc, nv, nr, &vc0, &vc1, &lr0, &lr1);
+            const int64_t lnr = lr1 - lr0;
             if (!FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, 0)) continue;
             if (sc.key_major)
                 for (int64_t r = 0; r < nr; r++)

@@ -319,8 +319,10 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
                 for (int64_t i = 0; i < (int64_t)nv * FA_VL; i++) sc->cmx[i] = -(FA_T)INFINITY;
             /* only the query vectors that see a key of the tile (sc->vlive: fa_qblock's
              * float32 and float64 tiles; the pairs and the backward take all) */
-            const int64_t lv0 = sc->vlive ? (int64_t)sc->vc0 * FA_VL : 0;
-            const int lnv = sc->vlive ? sc->vc1 - sc->vc0 : nv;
+            int lc0, lc1;
+            int64_t lv0, lv1;
+            FA_NAME(fa_live_range)(sc, nv, nr, &lc0, &lc1, &lv0, &lv1);
+            const int lnv = lc1 - lc0;
 #ifdef FA_BF16_BWD
             if (sc->bw) { /* the backward on pairs: the K tile as bfloat16 rows, then pairs */
                 /* with no logit step the scale waits for P's exponent (one pass less) */
@@ -372,8 +374,11 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
             sc->rhi[r] = (FA_T)(z < -1 ? -1 : z > nk ? nk : z);
         }
     }
-    if (logits)
-        FA_NAME(fa_logit_tile)(p, sc->s, nk, sc->vlive ? sc->vc0 : 0, sc->vlive ? sc->vc1 : nv, nr, j0, brp, sc,
-                               NULL);
+    if (logits) {
+        int lc0, lc1;
+        int64_t lr0, lr1;
+        FA_NAME(fa_live_range)(sc, nv, nr, &lc0, &lc1, &lr0, &lr1);
+        FA_NAME(fa_logit_tile)(p, sc->s, nk, lc0, lc1, nr, j0, brp, sc, NULL);
+    }
     return 1;
 }
