@@ -2,9 +2,10 @@
  * fa_plan.c -- planning and scheduling: the checks of a call's params, the block
  * sizes (from measurements, below), how a call is cut into work items (batch, kv
  * head, head chunk, query block) and each item's visible key range, the item order
- * (heavy causal blocks first), and the head-major order with per-thread K/V copies
- * for strided K/V.  Pure functions of the params: which thread runs an item never
- * changes its result, and block sizes never depend on the thread count.
+ * (head-major; causal calls by query block, heavy blocks first), and the head-major
+ * order with per-thread K/V copies for strided K/V.  Pure functions of the params:
+ * which thread runs an item never changes its result, and block sizes never depend on
+ * the thread count.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -428,26 +429,6 @@ static int64_t fa_seq_of_item(const fa_plan *pl, int64_t B, int64_t t)
     return lo;
 }
 
-/* Item t of the plan.  Within a sequence, query blocks run last first: with causal
- * masking the last blocks see the most keys, so the most expensive items start
- * first and dynamic scheduling balances the rest across threads. */
-void fa_item_of(const fa_params *p, const fa_plan *pl, int64_t t, fa_item *it)
-{
-    const int64_t per_qb = p->Hkv * pl->nhc;
-    int64_t b, u;
-    if (pl->start) {
-        b = fa_seq_of_item(pl, p->B, t);
-        u = t - pl->start[b];
-    } else {
-        const int64_t nbk = p->B * per_qb; /* items per query block index */
-        b = (t % nbk) / per_qb;
-        u = (t / nbk) * per_qb + t % per_qb;
-    }
-    const int64_t nqb = fa_qblocks(p, pl, b);
-    const int64_t qb = p->causal ? nqb - 1 - u / per_qb : u / per_qb;
-    fa_item_make(p, pl, b, (u % per_qb) / pl->nhc, u % pl->nhc, qb, it);
-}
-
 /*
  * K and V whose rows are strided (layout "bshd", slices of a fused projection) and
  * that several query blocks read: read in place, rows a power-of-two apart fall into
@@ -474,6 +455,43 @@ int fa_use_head_tasks(const fa_params *p, const fa_plan *pl)
     /* staged K/V (int8, paged) are read a tile at a time, never copied whole */
     if ((p->k_sl == p->D && p->v_sl == p->Dv) || p->weights || fa_kv_staged(p)) return 0;
     return pl->items >= 2 * p->B * p->Hkv * pl->nhc; /* some head has 2 or more blocks */
+}
+
+/* Item t of a causal call: query block by query block (the last first), the heads of a
+ * block index together.  With causal masking the last blocks see the most keys, so the
+ * most expensive items of every head start first and dynamic scheduling balances the
+ * rest across threads (the bench shapes at 64 and 128 threads: plan_balance >= 0.9,
+ * where head-major order, each head's heavy blocks first, gave 0.62-0.90 for B1 H16
+ * L512). */
+static void fa_qb_item(const fa_params *p, const fa_plan *pl, int64_t t, fa_item *it)
+{
+    const int64_t per_qb = p->Hkv * pl->nhc;
+    int64_t b, u;
+    if (pl->start) {
+        b = fa_seq_of_item(pl, p->B, t);
+        u = t - pl->start[b];
+    } else {
+        const int64_t nbk = p->B * per_qb; /* items per query block index */
+        b = (t % nbk) / per_qb;
+        u = (t / nbk) * per_qb + t % per_qb;
+    }
+    const int64_t nqb = fa_qblocks(p, pl, b);
+    fa_item_make(p, pl, b, (u % per_qb) / pl->nhc, u % pl->nhc, nqb - 1 - u / per_qb, it);
+}
+
+/* Item t of the plan: causal, fa_qb_item; otherwise, where the items of a sequence cost
+ * the same, head-major (fa_head_item), so the items that follow each other, on one
+ * thread or on several, read the same kv head's K and V.  (Query block by query block,
+ * consecutive items read another head's K and V each time, 16 MiB of them for B1 H8
+ * L2048 D128, from memory rather than L3.  Head-major, interleaved in one process, AMD
+ * EPYC Zen 4 with AVX-512, medians of 9, time against that order: 2 threads B1 H8 L2048
+ * D128 0.96, L4096 D64 0.98, B4 H16 L256 1.01; 1 thread 0.95, 0.97, 0.98.  Causal calls
+ * head-major: L4096 D64 0.98, L2048 D128 0.97, but B1 H16 L512 1.03 and the balance
+ * above.)  Which thread runs an item, and when, never changes its result. */
+void fa_item_of(const fa_params *p, const fa_plan *pl, int64_t t, fa_item *it)
+{
+    if (p->causal) fa_qb_item(p, pl, t, it);
+    else fa_head_item(p, pl, t, it);
 }
 
 /* Item u in head-major order: sequence b, kv head g, head chunk hc, and its query
