@@ -37,6 +37,7 @@ typedef struct fa_plan {
     int64_t per_seq;  /* fixed lengths: items per sequence                   */
     int64_t *start;   /* varlen: first item of each sequence (B+1), or NULL  */
     int64_t items;
+    int head_major;   /* items in fa_head_item's order (fa_item_of)          */
 } fa_plan;
 
 int fa_check(const fa_params *p); /* FA_OK, or FA_ERR_ARG for params no kernel accepts */

@@ -320,6 +320,8 @@ static int64_t fa_count_items(const fa_params *p, const fa_plan *pl)
  * threads the heaviest bound the call at 0.53 of the mean (measured with plan_balance
  * on the AMD EPYC Zen 5), and 32-row blocks pair a heavy and a light one per thread */
 #define FA_MIN_BLOCK_ROWS 32
+/* a causal call's items run head-major (fa_item_of) from this many items a thread */
+#define FA_HEAD_MAJOR_ITEMS 16
 
 int fa_make_plan(const fa_kernel *kern, const fa_params *p, int nth, fa_plan *pl)
 {
@@ -381,6 +383,8 @@ int fa_make_plan(const fa_kernel *kern, const fa_params *p, int nth, fa_plan *pl
         pl->per_seq = (p->Lq + pl->nqp - 1) / pl->nqp * per_qb;
         pl->items = p->B * pl->per_seq;
     }
+    /* fa_item_of's order: head-major, but a causal call's only with many items a thread */
+    pl->head_major = !p->causal || (nth > 0 && pl->items >= FA_HEAD_MAJOR_ITEMS * (int64_t)nth);
     return FA_OK;
 }
 
@@ -457,12 +461,12 @@ int fa_use_head_tasks(const fa_params *p, const fa_plan *pl)
     return pl->items >= 2 * p->B * p->Hkv * pl->nhc; /* some head has 2 or more blocks */
 }
 
-/* Item t of a causal call: query block by query block (the last first), the heads of a
- * block index together.  With causal masking the last blocks see the most keys, so the
- * most expensive items of every head start first and dynamic scheduling balances the
- * rest across threads (the bench shapes at 64 and 128 threads: plan_balance >= 0.9,
- * where head-major order, each head's heavy blocks first, gave 0.62-0.90 for B1 H16
- * L512). */
+/* Item t in block-major order: query block by query block (the last first when causal),
+ * the heads of a block index together.  With causal masking the last blocks see the
+ * most keys, so every head's most expensive items start first and dynamic scheduling
+ * balances the rest across threads: a causal call with few items a thread keeps this
+ * order (the bench shapes at 64 and 128 threads: plan_balance >= 0.9, where head-major
+ * order gave 0.62-0.90 for B1 H16 L512). */
 static void fa_qb_item(const fa_params *p, const fa_plan *pl, int64_t t, fa_item *it)
 {
     const int64_t per_qb = p->Hkv * pl->nhc;
@@ -476,22 +480,24 @@ static void fa_qb_item(const fa_params *p, const fa_plan *pl, int64_t t, fa_item
         u = (t / nbk) * per_qb + t % per_qb;
     }
     const int64_t nqb = fa_qblocks(p, pl, b);
-    fa_item_make(p, pl, b, (u % per_qb) / pl->nhc, u % pl->nhc, nqb - 1 - u / per_qb, it);
+    const int64_t qb = p->causal ? nqb - 1 - u / per_qb : u / per_qb;
+    fa_item_make(p, pl, b, (u % per_qb) / pl->nhc, u % pl->nhc, qb, it);
 }
 
-/* Item t of the plan: causal, fa_qb_item; otherwise, where the items of a sequence cost
- * the same, head-major (fa_head_item), so the items that follow each other, on one
- * thread or on several, read the same kv head's K and V.  (Query block by query block,
- * consecutive items read another head's K and V each time, 16 MiB of them for B1 H8
- * L2048 D128, from memory rather than L3.  Head-major, interleaved in one process, AMD
- * EPYC Zen 4 with AVX-512, medians of 9, time against that order: 2 threads B1 H8 L2048
- * D128 0.96, L4096 D64 0.98, B4 H16 L256 1.01; 1 thread 0.95, 0.97, 0.98.  Causal calls
- * head-major: L4096 D64 0.98, L2048 D128 0.97, but B1 H16 L512 1.03 and the balance
- * above.)  Which thread runs an item, and when, never changes its result. */
+/* Item t of the plan, in the order pl->head_major picks (fa_make_plan): head-major
+ * (fa_head_item) unless the call is causal with fewer than FA_HEAD_MAJOR_ITEMS items a
+ * thread, so the items that follow each other, on one thread or on several, read the
+ * same kv head's K and V.  (Block-major, consecutive items read another head's K and V
+ * each time, 16 MiB of them for B1 H8 L2048 D128, from memory rather than L3.
+ * Head-major, interleaved in one process, AMD EPYC Zen 4 with AVX-512, 2 threads,
+ * medians of 7-9, time against block-major: B1 H8 L2048 D128 0.96-0.97, L4096 D64
+ * 0.98, B8 H32 L128 0.98, float64 L2048 D64 and D128 0.95, causal L4096 D64 0.98-0.99,
+ * L2048 D128 0.97; 1 thread 0.95-0.98.)  Which thread runs an item, and when, never
+ * changes its result. */
 void fa_item_of(const fa_params *p, const fa_plan *pl, int64_t t, fa_item *it)
 {
-    if (p->causal) fa_qb_item(p, pl, t, it);
-    else fa_head_item(p, pl, t, it);
+    if (pl->head_major) fa_head_item(p, pl, t, it);
+    else fa_qb_item(p, pl, t, it);
 }
 
 /* Item u in head-major order: sequence b, kv head g, head chunk hc, and its query
