@@ -160,13 +160,16 @@ static inline void fa_dropout_row(uint64_t seed, uint32_t thresh, int64_t b, int
  */
 #include <math.h>
 #define FA_MERGE_FNS(SUF, T, EXP, LOG, FMA)                                                      \
-    static inline void fa_merge_step_##SUF(T *M, T *tot, T *dst, T x, const T *src, int64_t dv)    \
+    /* the part's output is src * inv (inv = 1: src itself; a kernel's chunk passes its \
+     * unnormalized rows and 1 / l, the normalization fused into this one pass) */       \
+    static inline void fa_merge_step_scaled_##SUF(T *M, T *tot, T *dst, T x, const T *src,   \
+                                                  T inv, int64_t dv)                          \
     {                                                                                           \
         if (x == -(T)INFINITY) return;                                                          \
         if (*M == -(T)INFINITY) {                                                               \
             *M = x;                                                                             \
             *tot = (T)1;                                                                        \
-            for (int64_t c = 0; c < dv; c++) dst[c] = src[c];                                   \
+            for (int64_t c = 0; c < dv; c++) dst[c] = src[c] * inv;                             \
             return;                                                                             \
         }                                                                                       \
         /* (one of the two differences is 0 unless a NaN is about: exp(0) is 1 exactly, so   \
@@ -174,8 +177,12 @@ static inline void fa_dropout_row(uint64_t seed, uint32_t thresh, int64_t b, int
         const T m = (x > *M || x != x) ? x : *M, da = *M - m, db = x - m;                       \
         const T a = da == (T)0 ? (T)1 : EXP(da), b = db == (T)0 ? (T)1 : EXP(db);               \
         *tot = FMA(*tot, a, b);                                                                 \
-        for (int64_t c = 0; c < dv; c++) dst[c] = FMA(dst[c], a, b * src[c]);                   \
+        for (int64_t c = 0; c < dv; c++) dst[c] = FMA(dst[c], a, b * (src[c] * inv));          \
         *M = m;                                                                                 \
+    }                                                                                           \
+    static inline void fa_merge_step_##SUF(T *M, T *tot, T *dst, T x, const T *src, int64_t dv)    \
+    {                                                                                           \
+        fa_merge_step_scaled_##SUF(M, tot, dst, x, src, (T)1, dv); /* (x * 1 = x exactly) */   \
     }                                                                                           \
     /* dst /= tot and the merged lse (0 and -inf when no part had a visible key) */            \
     static inline T fa_merge_finish_##SUF(T M, T tot, T *dst, int64_t dv)                       \
@@ -206,6 +213,8 @@ FA_MERGE_FNS(f32, float, expf, logf, fmaf)
 FA_MERGE_FNS(f64, double, exp, log, fma)
 #define fa_merge_step(M, tot, dst, x, src, dv)                                                  \
     _Generic((dst), float *: fa_merge_step_f32, double *: fa_merge_step_f64)(M, tot, dst, x, src, dv)
+#define fa_merge_step_scaled(M, tot, dst, x, src, inv, dv)                                      \
+    _Generic((dst), float *: fa_merge_step_scaled_f32, double *: fa_merge_step_scaled_f64)(M, tot, dst, x, src, inv, dv)
 #define fa_merge_finish(M, tot, dst, dv)                                                        \
     _Generic((dst), float *: fa_merge_finish_f32, double *: fa_merge_finish_f64)(M, tot, dst, dv)
 #define fa_sink_fold(lse, sink, dst, dv)                                                        \

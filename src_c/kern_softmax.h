@@ -167,13 +167,15 @@ static inline FA_T FA_NAME(fa_chunk_row)(FA_T *o, FA_T m, FA_T l, int64_t Dv)
     return m + (FA_T)log((double)l);
 }
 
-static void FA_NAME(fa_fold_chunk)(FA_NAME(fa_scratch) *sc, int64_t nr, int64_t Dv, int64_t dvp)
+__attribute__((noinline)) static void FA_NAME(fa_fold_chunk)(FA_NAME(fa_scratch) *sc, int64_t nr, int64_t Dv, int64_t dvp)
 {
     for (int64_t r = 0; r < nr; r++) {
         const FA_T l = sc->l[r];
         FA_T *o = sc->o + r * dvp;
         if (l == (FA_T)0) continue; /* no visible key in this chunk: lse_c = -inf, skipped */
-        const FA_T x = FA_NAME(fa_chunk_row)(o, sc->m[r], l, Dv);
+        /* lse_c = m + log l and the rows o / l, as fa_chunk_row gives them, the division
+         * fused into the merge's pass over the row */
+        const FA_T x = sc->m[r] + (FA_T)log((double)l), inv = (FA_T)1 / l;
         if (sc->u) {
             const FA_T hc = (FA_T)(log((double)l) - (double)sc->u[r] / (double)l);
             if (sc->mM[r] == -(FA_T)INFINITY) {
@@ -186,6 +188,6 @@ static void FA_NAME(fa_fold_chunk)(FA_NAME(fa_scratch) *sc, int64_t nr, int64_t 
                 if (sc->m[r] > sc->mX[r]) sc->mX[r] = sc->m[r];
             }
         }
-        fa_merge_step(&sc->mM[r], &sc->mtot[r], sc->mo + r * dvp, x, o, Dv);
+        fa_merge_step_scaled(&sc->mM[r], &sc->mtot[r], sc->mo + r * dvp, x, o, inv, Dv);
     }
 }
