@@ -11,7 +11,7 @@ from typing import Any, Literal, NamedTuple, Tuple, Union, overload
 import numpy as np
 
 from . import _kernels
-from ._args import BF16, F32, Problem, as_array, fresh, in_place, parse_flag, parse_threads
+from ._args import F32, Problem, bf16, is_bf16, as_array, fresh, in_place, parse_flag, parse_threads
 from ._cache import Source, kv_source
 from ._checks import backward_flags, check_out, grad_inputs
 from ._typing import Array, ArrayLike, Causal, FloatArray, Layout, Window
@@ -280,7 +280,7 @@ def cache_attention(src, q, scale, causal, window, mask, bias, alibi_slopes, sof
     a 16-bit type with an int8 cache is computed in float32 and the output converted."""
     qa = as_array(q, "q")
     int8 = src.k.dtype.itemsize == 1
-    if int8 and not (qa.dtype == F32 or qa.dtype == np.float16 or (BF16 is not None and qa.dtype == BF16)):
+    if int8 and not (qa.dtype == F32 or qa.dtype == np.float16 or is_bf16(qa.dtype)):
         raise TypeError(f"fastattn.attention: with an int8 cache (QuantizedKV k and v) q must be "
                         f"float32, float16 or bfloat16, got dtype {qa.dtype}")
     if int8 and qa.dtype != F32:
@@ -507,6 +507,7 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
               seqlens_k=seqlens_k, q_offset=q_offset, k_offset=k_offset, layout=layout,
               return_dbias=return_dbias, num_threads=num_threads, sinks=sinks,
               return_dsinks=return_dsinks)
+    BF16 = bf16()
     if BF16 is not None and BF16 in (qa_.dtype, ka_.dtype, va_.dtype):
         # bfloat16: the float32 backward on float32 copies (exact), each gradient rounded
         # to its input's dtype; with q, k and v all bfloat16, its products take bfloat16

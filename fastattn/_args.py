@@ -16,7 +16,8 @@ the adapters import nothing else from here, and from fastattn._api only
   :func:`parse_threads`, :func:`parse_dropout`, :func:`parse_window`,
   :func:`parse_softcap`, :func:`parse_offsets`: one scalar argument each (two for
   the offsets), as the kernel takes it (defined in fastattn._scalars);
-- ``BF16``: ml_dtypes' bfloat16 dtype, or None where ml_dtypes is missing.
+- :func:`bf16` / :func:`is_bf16`: ml_dtypes' bfloat16 dtype, once ml_dtypes is imported
+  (``BF16``, the attribute, imports it: for readers that want the dtype itself).
 
 fastattn._api and fastattn._checks (the checks of one public function each) also use
 ``F16``, ``F32``, ``F64``, ``LAYOUTS``, :meth:`Problem.options` (the options every
@@ -29,6 +30,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import sys
+
 import numpy as np
 
 from . import _kernels
@@ -36,16 +39,47 @@ from ._scalars import (parse_causal, parse_dropout, parse_flag, parse_offsets,
                        parse_scale, parse_softcap, parse_threads, parse_window)
 
 __all__ = ["as_array", "Problem", "parse_flag", "parse_causal", "parse_scale", "parse_threads",
-           "parse_dropout", "parse_window", "parse_softcap", "parse_offsets", "BF16"]
+           "parse_dropout", "parse_window", "parse_softcap", "parse_offsets", "bf16", "is_bf16"]
 
 F16 = np.dtype(np.float16)
 F32 = np.dtype(np.float32)
-try:  # bfloat16 arrays come from ml_dtypes (the dtype JAX and others use)
-    import ml_dtypes as _ml_dtypes
-    BF16: np.dtype | None = np.dtype(_ml_dtypes.bfloat16)
-    _kernels.set_bf16_dtype(BF16)  # (for the compiled fast path's decode-cache check)
-except ImportError:  # then no array can have that dtype
-    BF16 = None
+_BF16: np.dtype | None = None
+
+
+def bf16(load: bool = False) -> np.dtype | None:
+    """ml_dtypes' bfloat16 dtype (the one JAX and others use), or None.  Found once
+    ml_dtypes is imported, by the caller or, with load, here; not imported to recognize
+    an array: no array can have that dtype before ml_dtypes is imported, and importing
+    it costs ~0.5 s (ml_dtypes 0.5, measured on an AMD EPYC: 0.57 of `import fastattn`'s
+    0.66 s).  The first time it is found, the extension is told its type number (for the
+    compiled fast path's decode-cache check)."""
+    global _BF16
+    if _BF16 is None:
+        mod = sys.modules.get("ml_dtypes")
+        if mod is None and load:
+            try:
+                import ml_dtypes as mod
+            except ImportError:
+                return None
+        bt = getattr(mod, "bfloat16", None) if mod is not None else None  # (None mid-import)
+        if bt is not None:
+            _BF16 = np.dtype(bt)
+            _kernels.set_bf16_dtype(_BF16)
+    return _BF16
+
+
+def is_bf16(dt) -> bool:
+    """Is dt ml_dtypes' bfloat16?"""
+    b = bf16()
+    return b is not None and dt == b
+
+
+def __getattr__(name):
+    if name == "BF16":  # the dtype itself, ml_dtypes imported for it (None without ml_dtypes)
+        return bf16(load=True)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 F64 = np.dtype(np.float64)
 LAYOUTS = ("bhsd", "bshd")
 # bfloat16 arrays of at least this many values are copied to float32 on every thread
@@ -109,7 +143,7 @@ def as_array(x, name, fn="attention"):
 
 def is_float(dt):
     """A float dtype fastattn reads: NumPy's, or ml_dtypes' bfloat16."""
-    return dt.kind == "f" or (BF16 is not None and dt == BF16)
+    return dt.kind == "f" or is_bf16(dt)
 
 
 def _dtypes(fn, **arrays):
@@ -121,10 +155,11 @@ def _dtypes(fn, **arrays):
     dq, dkv = q.dtype, {a.dtype for n, a in arrays.items() if n != "q"}
     if dkv == {dq} and (dq == F32 or dq == F64):
         return dq, dq, dq
+    BF16 = bf16()
     for half in (F16, BF16):
         if half is not None and dkv == {half} and (dq == F32 or dq == half):
             return F32, dq, F32
-    if dq not in (F32, F64, F16, BF16):
+    if dq not in (F32, F64, F16) and not is_bf16(dq):
         raise TypeError(f"fastattn.{fn}: q has dtype {dq}; supported dtypes are float32, float64 "
                         "and, for k and v (with float32 q or q of their dtype), float16 or "
                         "bfloat16 (ml_dtypes.bfloat16), native byte order")
@@ -142,7 +177,7 @@ def fresh(a, dtype=None, threads=1):
     than 1 (a call's thread count as parse_threads gives it; 0: OpenMP's default) a large
     contiguous, aligned array (BF16_THREADED values and up) by the extension's shift on
     that many threads."""
-    if BF16 is not None and dtype is not None and a.dtype == BF16 and np.dtype(dtype) == F32:
+    if dtype is not None and is_bf16(a.dtype) and np.dtype(dtype) == F32:
         out = np.empty(a.shape, np.uint32)
         if threads != 1 and a.size >= BF16_THREADED and a.flags.c_contiguous and a.flags.aligned:
             _kernels.bf16_to_f32(a.view(np.uint16), out, threads)

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
-from ._args import BF16, F16, F32, F64, as_array, fresh, in_place
+from ._args import F16, F32, F64, as_array, fresh, in_place, is_bf16
 
 __all__ = ["QuantizedKV", "quantize_kv", "dequantize_kv"]
 
@@ -79,7 +79,7 @@ def quantize_kv(x, *, group_size: int = 32, out: Optional[QuantizedKV] = None) -
     """
     fn = "quantize_kv"
     a = as_array(x, "x", fn)
-    if not (a.dtype in (F32, F64, F16) or (BF16 is not None and a.dtype == BF16)):
+    if not (a.dtype in (F32, F64, F16) or is_bf16(a.dtype)):
         raise TypeError(f"fastattn.{fn}: x must be float32, float64, float16 or bfloat16, got "
                         f"dtype {a.dtype}")
     if a.ndim < 1:

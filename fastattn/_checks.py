@@ -9,8 +9,8 @@ from typing import Any, Tuple
 
 import numpy as np
 
-from ._args import (BF16, F16, F32, F64, LAYOUTS, Problem, abbreviated, as_array, fresh,
-                    in_place, is_float, parse_flag)
+from ._args import (F16, F32, F64, LAYOUTS, Problem, abbreviated, as_array, fresh,
+                    in_place, is_bf16, is_float, parse_flag)
 
 
 def backward_flags(pr, return_dbias, bias):
@@ -90,7 +90,7 @@ def merge_inputs(outs, lses, layout):
     outs_a = [as_array(o, f"outs[{i}]", fn) for i, o in enumerate(outs)]
     lses_a = [as_array(x, f"lses[{i}]", fn) for i, x in enumerate(lses)]
     dt = np.result_type(*outs_a, *lses_a)
-    if BF16 is not None and dt == BF16:  # bfloat16 parts: merged in float32
+    if is_bf16(dt):  # bfloat16 parts: merged in float32
         dt = F32
     if dt != F32 and dt != F64:
         raise TypeError(f"fastattn.merge: outs and lses must be float32 or float64, got "

@@ -53,7 +53,7 @@ _NATIVE = (torch.float32, torch.float64)
 _HALF = (torch.float16, torch.bfloat16)
 # ml_dtypes.bfloat16 where fastattn reads bfloat16 arrays (else bfloat16 is computed on
 # float32 copies); float16 runs natively in inference, in float32 with gradients
-_BF16_NP = _args.BF16
+_BF16_NP = _args.bf16(load=True)
 _GRAIN = 1 << 19  # multiply-adds (B·Hq·Lq·Lk·2D) below which a call runs on one thread
 
 
