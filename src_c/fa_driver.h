@@ -15,6 +15,10 @@ int fa_thread_num(void); /* omp_get_thread_num(), or 0 without OpenMP */
  * region adds one); fa_last_num_threads reads it. */
 extern _Thread_local int fa_last_threads;
 void *fa_scratch_alloc(size_t bytes); /* FA_ALIGN-aligned; free() it */
+/* The buffer of a call's shared blocks: the one kept between calls where it is free and
+ * large enough (*kept 1), else a new one; fa_shared_give returns or frees it. */
+void *fa_shared_take(size_t bytes, int *kept);
+void fa_shared_give(void *buf, int kept);
 /* One merged row: parts in index order, part q's row at out + q*ostride, its lse at
  * lse[q*lstride] (fa_merge_step of fa_internal.h). */
 void fa_merge_row_f32(int64_t parts, int64_t dv, const float *out, int64_t ostride,

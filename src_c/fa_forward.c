@@ -268,27 +268,33 @@ int fa_attention_forward(const fa_params *p)
         vfin = (uint8_t *)calloc((size_t)(p->B * p->Hkv * share_n) + 1, 1);
     }
     /* The packed key blocks the items share (fa_share_slot), where the call's block packs
-     * K and V (a bfloat16 kernel's share_bytes) and they fit in FA_PK_MAX_BYTES; without
-     * the memory each item packs its own, as before (the same values). */
+     * K and V (a bfloat16 kernel's share_bytes), or where float32 products read 16-bit K/V
+     * (float16, or bfloat16 off the pair paths: the whole blocks as float32, converted once
+     * a call for every query block of a head, fa_f32_shared, not once a block), and they
+     * fit in FA_PK_MAX_BYTES; without the memory each item packs its own, as before (the
+     * same values). */
     fa_share sh = {NULL, share_n, NULL, NULL, 0};
     sh.vfin = vfin;
-#ifdef FA_HAVE_BF16_KERNELS
+    int64_t per = 0;
+    int pk_kept = 0;
     if (vfin && fa_bf16_pairs(kern, p)) {
+#ifdef FA_HAVE_BF16_KERNELS
         const fa_bf16_kernel *bk = fa_bf16_kernel_for_path(fa_bf16_path());
-        const int64_t per = bk && bk->share_bytes ? bk->share_bytes(p, &pl.bl) : 0;
-        if (per > 0 && (double)(p->B * p->Hkv * share_n) * (double)per <= FA_PK_MAX_BYTES) {
-            sh.pkst = (uint8_t *)calloc((size_t)(p->B * p->Hkv * share_n) + 1, 1);
-            sh.pkbuf = (char *)fa_scratch_alloc((size_t)(p->B * p->Hkv * share_n * per));
-            sh.pk_bytes = per;
-            if (!sh.pkst || !sh.pkbuf) {
-                free(sh.pkst);
-                free(sh.pkbuf);
-                sh.pkst = NULL;
-                sh.pkbuf = NULL;
-            }
+        per = bk && bk->share_bytes ? bk->share_bytes(p, &pl.bl) : 0;
+#endif
+    } else if (vfin && p->dtype == FA_F32 && fa_store16(p->kv_store))
+        per = pl.bl.k * (p->D + p->Dv) * (int64_t)sizeof(float);
+    if (per > 0 && (double)(p->B * p->Hkv * share_n) * (double)per <= FA_PK_MAX_BYTES) {
+        sh.pkst = (uint8_t *)calloc((size_t)(p->B * p->Hkv * share_n) + 1, 1);
+        sh.pkbuf = (char *)fa_shared_take((size_t)(p->B * p->Hkv * share_n * per), &pk_kept);
+        sh.pk_bytes = per;
+        if (!sh.pkst || !sh.pkbuf) {
+            free(sh.pkst);
+            if (sh.pkbuf) fa_shared_give(sh.pkbuf, pk_kept);
+            sh.pkst = NULL;
+            sh.pkbuf = NULL;
         }
     }
-#endif
     if (nth == 1) {
         /* One thread: no parallel region at all (short calls stay cheap). */
         fa_last_threads = 1;
@@ -322,7 +328,7 @@ int fa_attention_forward(const fa_params *p)
     }
     free(vfin);
     free(sh.pkst);
-    free(sh.pkbuf);
+    if (sh.pkbuf) fa_shared_give(sh.pkbuf, pk_kept);
     free(pl.start);
     return failed ? FA_ERR_NOMEM : FA_OK;
 }

@@ -118,7 +118,8 @@ static inline int64_t FA_NAME(fa_bw_rpairs)(int64_t n)
  *                      fa_kv_tile; vst not for attention_weights), else NULL
  *   ones    brp        ones: no rescale (with kst)
  *   kf vf   bc x D, bc x Dv  float32: a 16-bit prefill tile converted once (16-bit
- *                      K/V instantiations, FA_F32) */
+ *                      K/V instantiations, FA_F32), where the call's shared block
+ *                      (fa_f32_shared) is not there to read */
 typedef struct FA_NAME(fa_scratch) {
     FA_T *qt, *kt, *s, *s2, *o, *m, *l, *alpha, *rlo, *rhi, *slope, *apos, *bt;
     FA_T *u; /* return_stats: sum_j p_j (s_j - m), rescaled with l; NULL otherwise */
@@ -149,7 +150,12 @@ typedef struct FA_NAME(fa_scratch) {
 #if defined(FA_KV_HALF) && defined(FA_F32)
     /* a prefill tile's 16-bit K and V rows as float32 (bc x D, bc x Dv; fa_tile_f32) */
     float *kf, *vf;
+    /* the current tile's V as float32 in the call's shared block (fa_f32_shared), and
+     * its flag (1 every value finite, 2 not); NULL: none */
+    const float *vf_shared;
+    int vf_flag;
 #endif
+    int64_t bc; /* the call's key block */
 #ifdef FA_BF16_DP
     /* bfloat16 pairs (kern_bf16dp.h), one uint32 each: Q (D/2 rounded up) x brp, P
      * (bc/2 rounded up) x brp, V (bc/2 rounded up) x dvp; dp: the call's products
@@ -237,6 +243,7 @@ static size_t FA_NAME(fa_layout)(const fa_params *p, const fa_blocks *bl, void *
     sc->qt = (FA_T *)FA_NAME(fa_carve)(&cur, (size_t)p->D * brp * t);
     sc->kt = (FA_T *)FA_NAME(fa_carve)(&cur, (size_t)FA_NAME(fa_round_up)(p->D, FA_VL) * FA_VL * t);
     sc->bcp = FA_NAME(fa_round_up)((int64_t)bc, FA_VL);
+    sc->bc = (int64_t)bc;
     sc->query_major = 0;
     sc->q_own = 0;
     sc->vlive = 0;

@@ -354,9 +354,9 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
 #if defined(FA_KV_HALF) && defined(FA_F32)
                 /* 16-bit V: the tile as float32 once, checked and multiplied by the float32
                  * functions (the same values, so the same decision and the same bits) */
-                const float *vf = FA_NAME(fa_tile_f32)(vt, v_sl, nk, Dv, sc.vf);
+                const float *vf = sc.vf_shared ? sc.vf_shared : FA_NAME(fa_tile_f32)(vt, v_sl, nk, Dv, sc.vf);
                 const int64_t vslot = fa_share_slot(it, it->vfin, bc, j0, nk);
-                int vok = fa_vfin_read(it, vslot);
+                int vok = sc.vf_shared ? sc.vf_flag : fa_vfin_read(it, vslot);
                 if (!vok) vok = fa_vfin_write(it, vslot, FA_F32(fa_v_finite)(vf, Dv, nk, Dv));
 #ifdef FA_PV_T
                 if (vok == 1 && pvt)

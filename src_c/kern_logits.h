@@ -272,6 +272,9 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
                               int64_t brp, FA_NAME(fa_scratch) *sc, int logits)
 {
     sc->cmx_valid = 0;
+#if defined(FA_KV_HALF) && defined(FA_F32)
+    sc->vf_shared = NULL;
+#endif
     sc->mask_state = p->mask ? FA_NAME(fa_mask_tile)(p, nr, j0, nk, brp, sc) : 2;
     if (sc->mask_state == 0) return 0;
     sc->need_range = lo_max > j0 || hi_min < j0 + nk - 1;
@@ -357,9 +360,14 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
             else
 #endif
 #if defined(FA_KV_HALF) && defined(FA_F32)
-                /* 16-bit K: the tile as float32 once, for the float32 product */
-                FA_F32(fa_qk_tile)(sc->qt + lv0, lnv, FA_NAME(fa_tile_f32)(k, k_sl, nk, p->D, sc->kf), p->D, nk,
-                                   p->D, sc->s + lv0, brp, sc->cmx_valid ? sc->cmx + lv0 : NULL);
+            {
+                /* 16-bit K: the tile as float32 once, for the float32 product; a whole
+                 * block from the call's shared ones (with V) where it has them */
+                const float *kf = logits ? NULL : FA_NAME(fa_f32_shared)(p, it, j0, nk, k, k_sl, sc, &sc->vf_flag);
+                if (kf) sc->vf_shared = kf + nk * p->D;
+                FA_F32(fa_qk_tile)(sc->qt + lv0, lnv, kf ? kf : FA_NAME(fa_tile_f32)(k, k_sl, nk, p->D, sc->kf),
+                                   p->D, nk, p->D, sc->s + lv0, brp, sc->cmx_valid ? sc->cmx + lv0 : NULL);
+            }
 #else
                 FA_NAME(fa_qk_tile)(sc->qt + lv0, lnv, k, k_sl, nk, p->D, sc->s + lv0, brp,
                                     sc->cmx_valid ? sc->cmx + lv0 : NULL);

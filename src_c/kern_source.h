@@ -135,4 +135,37 @@ static const float *FA_NAME(fa_tile_f32)(const FA_KV *FA_RESTRICT t, int64_t sl,
     }
     return buf;
 }
+
+/* The whole key block [j0, j0 + nk) of the item's (sequence, kv head) as float32, for the
+ * call's prefill items to share (fa_share_slot: it->pkst, it->pkbuf; K's nk x D floats,
+ * then V's nk x Dv): converted once a call, by the first item to claim it (state 0 -> 1,
+ * then 2 with every V value finite or 3 with an inf or NaN, published with release),
+ * not by every query block of the head (2.8% of a float16 B1 H8 L4096 D64 forward, AMD
+ * EPYC Zen 4).  Returns the block's K (its V follows; *vflag 1 finite, 2 not), or NULL:
+ * a partial block, nothing shared, or another item converting it now (the caller then
+ * converts its own tile, as before: the same values, so the same bits). */
+static const float *FA_NAME(fa_f32_shared)(const fa_params *p, const fa_item *it, int64_t j0, int64_t nk,
+                                           const FA_KV *k, int64_t k_sl, FA_NAME(fa_scratch) *sc,
+                                           int *vflag)
+{
+    const int64_t slot = fa_share_slot(it, it->pkst, sc->bc, j0, nk);
+    /* (the call's blocks are float32 ones: not a bfloat16 path's packed pairs) */
+    if (slot < 0 || it->pk_bytes != sc->bc * (p->D + p->Dv) * (int64_t)sizeof(float)) return NULL;
+    float *buf = (float *)(void *)(it->pkbuf + slot * it->pk_bytes);
+    int st = __atomic_load_n(it->pkst + slot, __ATOMIC_ACQUIRE);
+    if (st < 2) {
+        uint8_t zero = 0;
+        if (st != 0 || !__atomic_compare_exchange_n(it->pkst + slot, &zero, 1, 0, __ATOMIC_ACQUIRE,
+                                                    __ATOMIC_RELAXED))
+            return NULL;
+        int64_t v_sl;
+        const FA_KV *v = FA_NAME(fa_kv_tile)(p, it, j0, nk, 1, sc->vst, &v_sl);
+        FA_NAME(fa_tile_f32)(k, k_sl, nk, p->D, buf);
+        FA_NAME(fa_tile_f32)(v, v_sl, nk, p->Dv, buf + nk * p->D);
+        st = FA_F32(fa_v_finite)(buf + nk * p->D, p->Dv, nk, p->Dv) ? 2 : 3;
+        __atomic_store_n(it->pkst + slot, (uint8_t)st, __ATOMIC_RELEASE);
+    }
+    *vflag = st - 1;
+    return buf;
+}
 #endif

@@ -15,7 +15,7 @@ import pytest
 import fastattn
 from fastattn import reference
 
-from conftest import assert_lse_close, rel_err
+from conftest import CACHES16, assert_lse_close, rel_err
 
 F32_TOL = 3e-5  # float32 output: relative to max |ref|, as for float32 inputs
 
@@ -204,3 +204,26 @@ def test_float16_output_rounds_to_nearest_even(kernel, rng, Lq):
     assert np.isnan(out[1, 2, :, 3]).all() and np.isnan(want[1, 2, :, 3]).all()
     assert (np.abs(want[..., :5]) < np.float16(2.0 ** -14)).any()  # subnormal outputs
     np.testing.assert_array_equal(out.view(np.uint16), want.view(np.uint16))
+
+
+@pytest.mark.parametrize("kv_dtype", CACHES16)
+def test_f16_kv_blocks_shared_across_query_blocks(kernel, rng, kv_dtype):
+    """A prefill whose heads have several query blocks converts each whole 16-bit key
+    block to float32 once a call, for all of them (fa_f32_shared; the first item to reach
+    a block converts it, the others read it, or convert their own while it is being
+    converted): the output has the bits of the same values passed as float32 K/V, on 1-3
+    threads, causal or not, GQA, with an inf and a NaN in V (a whole shared block's and
+    the last, partial block's), and the rows a chunked prefill computes have them too."""
+    q = rng.standard_normal((1, 4, 700, 40)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 700, 40)).astype(kv_dtype)
+    v = rng.standard_normal((1, 2, 700, 24)).astype(kv_dtype)
+    v[0, 1, 300, 5] = np.inf
+    v[0, 0, 650, 0] = np.nan
+    k32, v32 = k.astype(np.float32), v.astype(np.float32)
+    for causal in (False, True):
+        want = fastattn.attention(q, k32, v32, causal=causal, num_threads=1)
+        assert np.isnan(want).any() and np.isinf(want).any()
+        for n in (1, 2, 3):
+            np.testing.assert_array_equal(fastattn.attention(q, k, v, causal=causal, num_threads=n), want)
+    part = fastattn.attention(q[:, :, 250:], k, v, causal=True, q_offset=250, num_threads=2)
+    np.testing.assert_array_equal(part, want[:, :, 250:])
