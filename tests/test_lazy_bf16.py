@@ -2,6 +2,7 @@
 fastattn's 0.66 s): a bfloat16 array cannot exist before ml_dtypes is imported, so
 fastattn recognizes one from the first call after it, whoever imported it."""
 import importlib.util
+import os
 import subprocess
 import sys
 
@@ -10,8 +11,13 @@ import pytest
 HAVE_ML_DTYPES = importlib.util.find_spec("ml_dtypes") is not None
 
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
 def _run(code):
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    # (from tests/, as the other subprocess tests: in the clone's root `-c` would find the
+    # source folder before the installed package)
+    r = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     return r.stdout.split()
 
