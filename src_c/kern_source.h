@@ -148,7 +148,8 @@ static const float *FA_NAME(fa_f32_shared)(const fa_params *p, const fa_item *it
                                            const FA_KV *k, int64_t k_sl, FA_NAME(fa_scratch) *sc,
                                            int *vflag)
 {
-    const int64_t slot = fa_share_slot(it, it->pkst, sc->bc, j0, nk);
+    /* (not for attention_weights, which reads no V: its V staging buffer is not there) */
+    const int64_t slot = p->weights ? -1 : fa_share_slot(it, it->pkst, sc->bc, j0, nk);
     /* (the call's blocks are float32 ones: not a bfloat16 path's packed pairs) */
     if (slot < 0 || it->pk_bytes != sc->bc * (p->D + p->Dv) * (int64_t)sizeof(float)) return NULL;
     float *buf = (float *)(void *)(it->pkbuf + slot * it->pk_bytes);
