@@ -50,9 +50,9 @@ def bf16(load: bool = False) -> np.dtype | None:
     """ml_dtypes' bfloat16 dtype (the one JAX and others use), or None.  Found once
     ml_dtypes is imported, by the caller or, with load, here; not imported to recognize
     an array: no array can have that dtype before ml_dtypes is imported, and importing
-    it costs ~0.5 s (ml_dtypes 0.5, measured on an AMD EPYC: 0.57 of `import fastattn`'s
-    0.66 s).  The first time it is found, the extension is told its type number (for the
-    compiled fast path's decode-cache check)."""
+    it took 0.57 of `import fastattn`'s 0.66 s (AMD EPYC Zen 4).  The first time it is
+    found, the extension is told its type number (for the compiled fast path's
+    decode-cache check)."""
     global _BF16
     if _BF16 is None:
         mod = sys.modules.get("ml_dtypes")
