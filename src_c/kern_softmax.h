@@ -161,10 +161,16 @@ static inline void FA_NAME(fa_chunk_norm)(FA_T *o, FA_T l, int64_t Dv)
     const FA_T inv = (FA_T)1 / l;
     for (int64_t c = 0; c < Dv; c++) o[c] *= inv;
 }
+/* A chunk's lse_c = m + log l: one expression for every path that ends a chunk (its
+ * bits are what the merge of the chunks, prefill or split-KV, adds by) */
+static inline FA_T FA_NAME(fa_chunk_lse)(FA_T m, FA_T l)
+{
+    return m + (FA_T)log((double)l);
+}
 static inline FA_T FA_NAME(fa_chunk_row)(FA_T *o, FA_T m, FA_T l, int64_t Dv)
 {
     FA_NAME(fa_chunk_norm)(o, l, Dv);
-    return m + (FA_T)log((double)l);
+    return FA_NAME(fa_chunk_lse)(m, l);
 }
 
 __attribute__((noinline)) static void FA_NAME(fa_fold_chunk)(FA_NAME(fa_scratch) *sc, int64_t nr, int64_t Dv, int64_t dvp)
@@ -175,7 +181,7 @@ __attribute__((noinline)) static void FA_NAME(fa_fold_chunk)(FA_NAME(fa_scratch)
         if (l == (FA_T)0) continue; /* no visible key in this chunk: lse_c = -inf, skipped */
         /* lse_c = m + log l and the rows o / l, as fa_chunk_row gives them, the division
          * fused into the merge's pass over the row */
-        const FA_T x = sc->m[r] + (FA_T)log((double)l), inv = (FA_T)1 / l;
+        const FA_T x = FA_NAME(fa_chunk_lse)(sc->m[r], l), inv = (FA_T)1 / l;
         if (sc->u) {
             const FA_T hc = (FA_T)(log((double)l) - (double)sc->u[r] / (double)l);
             if (sc->mM[r] == -(FA_T)INFINITY) {
