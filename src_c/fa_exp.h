@@ -85,9 +85,7 @@ static const double fa_exp_f64_coef[FA_EXP_F64_DEG + 1] = {
  * kernels):
  * 2^f for |f| <= 1/2 by the AVX2 polynomial above in powers of f (M_k ln2^k, rounded to
  * float32; the fit's 2.0e-9 is unchanged, r = f ln2 being the same interval), and in
- * float64 by the Taylor coefficients ln2^k / k! (correctly rounded, from mpmath at 50
- * digits; AVX-512) or the shorter fit below (AVX2).  Below y = FLUSH the result is +0
- * (2^n stays normal). */
+ * float64 by the fit below.  Below y = FLUSH the result is +0 (2^n stays normal). */
 #define FA_EXP2_F32_FLUSH (-125.0f)
 #define FA_EXP2_F64_FLUSH (-1021.0)
 #define FA_EXP2_F32_P1 6.931471825e-01f
@@ -96,28 +94,12 @@ static const double fa_exp_f64_coef[FA_EXP_F64_DEG + 1] = {
 #define FA_EXP2_F32_P4 9.618436918e-03f
 #define FA_EXP2_F32_P5 1.339887502e-03f
 #define FA_EXP2_F32_P6 1.535335614e-04f
-static const double fa_exp2_f64_coef[FA_EXP_F64_DEG + 1] = {
-    1.0,
-    0.69314718055994529,
-    0.24022650695910072,
-    0.055504108664821583,
-    0.0096181291076284769,
-    0.0013333558146428443,
-    0.00015403530393381609,
-    1.5252733804059841e-05,
-    1.321548679014431e-06,
-    1.01780860092397e-07,
-    7.0549116208011234e-09,
-    4.4455382718708116e-10,
-    2.5678435993488206e-11,
-    1.3691488853904128e-12,
-};
-
-/* 2^f for |f| <= 1/2 in float64 with two terms fewer (the AVX2 kernel's logits): the
+/* 2^f for |f| <= 1/2 in float64 (the AVX-512 and AVX2 kernels' logits): the
  * degree-11 polynomial 1 + f g(f), g the degree-10 Chebyshev fit of (2^f - 1) / f
  * (mpmath.chebyfit at 60 digits; c0 = 1, so e^0 = 1 exactly), coefficients rounded to
  * float64: truncation 2.0e-17 relative (0.18 u) over the interval, against 6e-18 for
- * the degree-13 Taylor polynomial above, which costs two more dependent FMAs. */
+ * the degree-13 Taylor polynomial of ln2^k / k!, which costs two more dependent FMAs
+ * (the AVX-512 kernel's until it measured them: kernels_avx512.h). */
 #define FA_EXP2_F64_FIT_DEG 11
 static const double fa_exp2_f64_fit[FA_EXP2_F64_FIT_DEG + 1] = {
     1.0,
