@@ -67,6 +67,7 @@ int64_t fa_qblocks(const fa_params *p, const fa_plan *pl, int64_t b);
 void fa_item_of(const fa_params *p, const fa_plan *pl, int64_t t, fa_item *it); /* item t */
 size_t fa_kv_item(const fa_params *p); /* bytes per element of K and V */
 int fa_use_head_tasks(const fa_params *p, const fa_plan *pl);
+int fa_use_lookahead(const fa_params *p, const fa_plan *pl, int nth);
 void fa_head_item(const fa_params *p, const fa_plan *pl, int64_t u, fa_item *it);
 void fa_copy_head(const fa_params *p, int64_t b, int64_t g, char *kvbuf, fa_params *local);
 void fa_head_query_items(const fa_params *p, const fa_plan *pl, int64_t b, int64_t g,

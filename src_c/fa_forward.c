@@ -213,6 +213,42 @@ static int fa_decode_split(const fa_params *p, const fa_plan *pl, fa_qblock_fn q
     return failed ? FA_ERR_NOMEM : FA_OK;
 }
 
+/* Ask for item it's Q rows and its visible K and V rows, into L2 (prefetcht1), while
+ * the item before it runs (fa_use_lookahead).  In-place arrays only; a prefetch never
+ * faults, and the rows it asks for are the ones the item reads. */
+static void fa_prefetch_item(const fa_params *p, const fa_item *it)
+{
+    const size_t qsz = fa_store16(p->q_store) ? 2 : p->dtype == FA_F64 ? 8 : 4, ksz = fa_kv_item(p);
+    const size_t qb = (size_t)p->D * qsz, kb = (size_t)p->D * ksz, vb = (size_t)p->Dv * ksz;
+    for (int64_t r = 0; r < it->nh * it->nq; r++) {
+        const int64_t h = it->h0 + r / it->nq, row = it->qoff + it->q0 + r % it->nq;
+        const char *a = (const char *)p->q + (it->b * p->q_sb + h * p->q_sh + row * p->q_sl) * (int64_t)qsz;
+        for (size_t o = 0; o < qb; o += 64) __builtin_prefetch(a + o, 0, 2);
+    }
+    for (int64_t j = it->kv0; j < it->kv1; j++) {
+        const int64_t kr = it->koff + j;
+        const char *a = (const char *)p->k + (it->b * p->k_sb + it->g * p->k_sh + kr * p->k_sl) * (int64_t)ksz;
+        for (size_t o = 0; o < kb; o += 64) __builtin_prefetch(a + o, 0, 2);
+        a = (const char *)p->v + (it->b * p->v_sb + it->g * p->v_sh + kr * p->v_sl) * (int64_t)ksz;
+        for (size_t o = 0; o < vb; o += 64) __builtin_prefetch(a + o, 0, 2);
+    }
+}
+
+/* Item t of the plan, with the call's shared blocks; with nxt >= 0, item nxt's rows
+ * asked for first (the thread runs it next: fa_use_lookahead). */
+static void fa_run_item(const fa_params *p, const fa_plan *pl, const fa_share *sh, fa_qblock_fn qblock,
+                        void *scratch, int64_t t, int64_t nxt)
+{
+    fa_item it;
+    if (nxt >= 0 && nxt < pl->items) {
+        fa_item_of(p, pl, nxt, &it);
+        fa_prefetch_item(p, &it);
+    }
+    fa_item_of(p, pl, t, &it);
+    fa_share_attach(&it, sh, p->Hkv);
+    qblock(p, &pl->bl, &it, scratch);
+}
+
 int fa_attention_forward(const fa_params *p)
 {
     fa_last_threads = 0;
@@ -295,18 +331,34 @@ int fa_attention_forward(const fa_params *p)
             sh.pkbuf = NULL;
         }
     }
+    const int ahead = fa_use_lookahead(p, &pl, nth);
     if (nth == 1) {
         /* One thread: no parallel region at all (short calls stay cheap). */
         fa_last_threads = 1;
         void *scratch = fa_scratch_alloc(scratch_bytes);
         if (!scratch) failed = 1;
-        for (int64_t t = 0; t < items && scratch; t++) {
-            fa_item it;
-            fa_item_of(p, &pl, t, &it);
-            fa_share_attach(&it, &sh, p->Hkv);
-            qblock(p, &pl.bl, &it, scratch);
-        }
+        for (int64_t t = 0; t < items && scratch; t++)
+            fa_run_item(p, &pl, &sh, qblock, scratch, t, ahead ? t + 1 : -1);
         free(scratch);
+    } else if (ahead) {
+        /* short items: dynamic scheduling with each thread's next item claimed as it
+         * starts one, so that its rows arrive while this one runs (fa_use_lookahead) */
+        int64_t next = 0;
+        int ran = 0;
+#pragma omp parallel num_threads(nth) reduction(| : failed) reduction(+ : ran)
+        {
+            ran += 1;
+            void *scratch = fa_scratch_alloc(scratch_bytes);
+            if (!scratch) failed = 1; /* (the other threads take every item) */
+            int64_t t = scratch ? __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED) : items;
+            while (t < items) {
+                const int64_t nxt = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED);
+                fa_run_item(p, &pl, &sh, qblock, scratch, t, nxt);
+                t = nxt;
+            }
+            free(scratch);
+        }
+        fa_last_threads = ran;
     } else {
         int ran = 0;
 #pragma omp parallel num_threads(nth) reduction(| : failed) reduction(+ : ran)
@@ -315,13 +367,8 @@ int fa_attention_forward(const fa_params *p)
             void *scratch = fa_scratch_alloc(scratch_bytes);
             if (!scratch) failed = 1;
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t t = 0; t < items; t++) {
-                if (!scratch) continue;
-                fa_item it;
-                fa_item_of(p, &pl, t, &it);
-                fa_share_attach(&it, &sh, p->Hkv);
-                qblock(p, &pl.bl, &it, scratch);
-            }
+            for (int64_t t = 0; t < items; t++)
+                if (scratch) fa_run_item(p, &pl, &sh, qblock, scratch, t, -1);
             free(scratch);
         }
         fa_last_threads = ran;
@@ -361,10 +408,21 @@ static int fa_first_free(const double *work, int nth)
     return t;
 }
 
+/* The thread that claims next under look-ahead: the one whose work before its last
+ * claimed item is the least (the lowest index on a tie). */
+static int fa_first_claim(const double *work, const double *last, int nth)
+{
+    int t = 0;
+    for (int u = 1; u < nth; u++)
+        if (work[u] - last[u] < work[t] - last[t]) t = u;
+    return t;
+}
+
 /*
  * work[t] (nthreads entries): the work thread t would run in fa_attention_forward
  * on nthreads threads, item costs from fa_item_work, each item taken by the thread
- * that is free first, as dynamic scheduling does; the head-major segments and their
+ * that is free first, as dynamic scheduling does (or, with look-ahead, claimed as
+ * fa_first_claim says); the head-major segments and their
  * stealing for strided K/V (fa_run_head_items) and split-KV decoding as they run.
  * Threads beyond the items get 0.  *nitems: the items of the schedule.
  */
@@ -414,11 +472,24 @@ int fa_plan_balance(const fa_params *p, int nthreads, double *work, int64_t *nit
             }
             free(seg);
         } else {
+            /* with look-ahead a thread claims its next item when it starts one: when the
+             * work before its last claimed item is done (the lowest such time first; at
+             * the start, every thread claims two) */
+            const int ahead = fa_use_lookahead(p, &pl, nth);
+            double *last = ahead ? (double *)calloc((size_t)nth, sizeof(double)) : NULL;
+            if (ahead && !last) {
+                free(pl.start);
+                return FA_ERR_NOMEM;
+            }
             for (int64_t t = 0; t < items; t++) {
                 fa_item it;
                 fa_item_of(p, &pl, t, &it);
-                work[fa_first_free(work, nth)] += fa_item_work(p, &it, it.kv0, it.kv1);
+                const double w = fa_item_work(p, &it, it.kv0, it.kv1);
+                const int u = ahead ? fa_first_claim(work, last, nth) : fa_first_free(work, nth);
+                work[u] += w;
+                if (last) last[u] = w;
             }
+            free(last);
         }
         *nitems = items;
     }

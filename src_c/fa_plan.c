@@ -467,6 +467,30 @@ int fa_use_head_tasks(const fa_params *p, const fa_plan *pl)
     return pl->items >= 2 * p->B * p->Hkv * pl->nhc; /* some head has 2 or more blocks */
 }
 
+/*
+ * Short items (a few query rows against a few hundred keys: B32 H8 L64, B8 H32 L128):
+ * an item reads its Q rows, K and V once, from L3 or memory, at the start of its
+ * products (Q's packing was 14.5% of a B32 H8 L64 call, 1 thread, its loads waiting
+ * on L3).  So each thread claims its next item as it starts one and asks for that
+ * item's rows (fa_prefetch_item): they arrive while this one runs.  Only where an
+ * item's rows fit in a quarter of L2 beside the running one's, where the arrays are
+ * read in place (not int8 or paged), and where there are at least 4 items a thread
+ * (a claimed item waits for its thread: at most one item of imbalance at the end, as
+ * with dynamic scheduling).  Measured on an AMD EPYC (Zen 4), 1 thread, medians of
+ * 60-300 calls, time with against without, K/V from L3 | from memory: B32 H8 L64 D64
+ * 0.89 | 0.89, B8 H32 L128 0.99 | 0.95, B4 H16 L256 0.97 | 0.96.
+ */
+int fa_use_lookahead(const fa_params *p, const fa_plan *pl, int nth)
+{
+    if (fa_kv_staged(p) || p->weights || pl->items < 4 * (int64_t)nth) return 0;
+    const int64_t qsz = fa_store16(p->q_store) ? 2 : p->dtype == FA_F64 ? 8 : 4, ksz = (int64_t)fa_kv_item(p);
+    const int64_t lq = fa_max_seq_len(p->cu_q, p->B, p->Lq), rows = pl->nh * (pl->nqp < lq ? pl->nqp : lq);
+    int64_t lk = 0;
+    for (int64_t b = 0; b < p->B; b++)
+        if (fa_key_len(p, b) > lk) lk = fa_key_len(p, b);
+    return rows * p->D * qsz + lk * (p->D + p->Dv) * ksz <= fa_cpu_l2_bytes() / 4;
+}
+
 /* Item t in block-major order: query block by query block (the last first when causal),
  * the heads of a block index together.  With causal masking the last blocks see the
  * most keys, so every head's most expensive items start first and dynamic scheduling
