@@ -155,11 +155,12 @@ static void FA_NAME(fa_softmax_row)(FA_T *FA_RESTRICT s, int64_t nk, FA_T *FA_RE
  * lse_c = m + log l, exactly what a split-KV decode item writes for that chunk), is
  * merged into the row's running merge; with return_stats the entropy too, by the
  * chain rule H = sum_c pi_c (h_c - log pi_c), kept relative to the running M. */
-/* A chunk's row normalized in place (o / l, l > 0), and with its lse_c = m + log l. */
-static inline void FA_NAME(fa_chunk_norm)(FA_T *o, FA_T l, int64_t Dv)
+/* A chunk's row normalized (dst = o / l, l > 0; dst may be o), and with its lse_c =
+ * m + log l. */
+static inline void FA_NAME(fa_chunk_norm)(FA_T *dst, const FA_T *o, FA_T l, int64_t Dv)
 {
     const FA_T inv = (FA_T)1 / l;
-    for (int64_t c = 0; c < Dv; c++) o[c] *= inv;
+    for (int64_t c = 0; c < Dv; c++) dst[c] = o[c] * inv;
 }
 /* A chunk's lse_c = m + log l: one expression for every path that ends a chunk (its
  * bits are what the merge of the chunks, prefill or split-KV, adds by) */
@@ -169,7 +170,7 @@ static inline FA_T FA_NAME(fa_chunk_lse)(FA_T m, FA_T l)
 }
 static inline FA_T FA_NAME(fa_chunk_row)(FA_T *o, FA_T m, FA_T l, int64_t Dv)
 {
-    FA_NAME(fa_chunk_norm)(o, l, Dv);
+    FA_NAME(fa_chunk_norm)(o, o, l, Dv);
     return FA_NAME(fa_chunk_lse)(m, l);
 }
 
