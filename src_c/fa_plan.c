@@ -476,9 +476,10 @@ int fa_use_head_tasks(const fa_params *p, const fa_plan *pl)
  * item's rows fit in a quarter of L2 beside the running one's, where the arrays are
  * read in place (not int8 or paged), and where there are at least 4 items a thread
  * (a claimed item waits for its thread: at most one item of imbalance at the end, as
- * with dynamic scheduling).  Measured on an AMD EPYC (Zen 4), 1 thread, medians of
- * 60-300 calls, time with against without, K/V from L3 | from memory: B32 H8 L64 D64
- * 0.89 | 0.89, B8 H32 L128 0.99 | 0.95, B4 H16 L256 0.97 | 0.96.
+ * with dynamic scheduling).  Measured on an AMD EPYC (Zen 4), in one process,
+ * interleaved, the data evicted from the caches before each call, medians of 50-60,
+ * the time without against with, 1 / 2 threads: B32 H8 L64 D64 1.128x / 1.125x, B8 H32
+ * L128 1.046x / 1.037x, B4 H16 L256 1.024x / 1.014x.
  */
 int fa_use_lookahead(const fa_params *p, const fa_plan *pl, int nth)
 {
