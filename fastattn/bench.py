@@ -189,8 +189,9 @@ def plan_balance(q_shape, k_shape, *, causal=False, num_threads=None, v_shape=No
     item goes to the thread that is free first, as the forward's dynamic scheduling
     does (for short items, which a thread claims one ahead, to the thread that starts
     its last claimed item first; and its head-major segments for strided K/V, its split
-    over key chunks for decoding).  The threads' actual speeds (caches, memory) are not modelled: this is
-    the balance of the schedule, the upper bound of the scaling it allows.
+    over key chunks for decoding).  The threads' actual speeds (caches, memory) are not
+    modelled: this is the balance of the schedule, the upper bound of the scaling it
+    allows.
 
     q_shape, k_shape (and v_shape, default k's): 4-D shapes in `layout` ("bhsd":
     (B, H, L, D); "bshd": (B, L, H, D)), or 3-D without the batch.  causal, window,
