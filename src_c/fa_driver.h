@@ -47,6 +47,7 @@ typedef struct fa_plan {
 int fa_check(const fa_params *p); /* FA_OK, or FA_ERR_ARG for params no kernel accepts */
 int64_t fa_seq_len(const int64_t *cu, int64_t b, int64_t fixed);
 int64_t fa_key_len(const fa_params *p, int64_t b); /* the keys sequence b sees */
+int64_t fa_max_key_len(const fa_params *p);       /* the most any sequence sees */
 int64_t fa_max_seq_len(const int64_t *cu, int64_t B, int64_t fixed);
 /* The plan of a call (pl->start, when set, is the caller's to free).  nth > 1: the
  * forward's thread count, for which the query blocks may be cut smaller (never the
@@ -65,6 +66,7 @@ void fa_item_make(const fa_params *p, const fa_plan *pl, int64_t b, int64_t g, i
                   int64_t qb, fa_item *it);
 int64_t fa_qblocks(const fa_params *p, const fa_plan *pl, int64_t b);
 void fa_item_of(const fa_params *p, const fa_plan *pl, int64_t t, fa_item *it); /* item t */
+size_t fa_store_item(const fa_params *p, int store); /* bytes per element stored as store */
 size_t fa_kv_item(const fa_params *p); /* bytes per element of K and V */
 int fa_use_head_tasks(const fa_params *p, const fa_plan *pl);
 int fa_use_lookahead(const fa_params *p, const fa_plan *pl, int nth);

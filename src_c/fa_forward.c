@@ -223,8 +223,7 @@ static int fa_decode_split(const fa_params *p, const fa_plan *pl, fa_qblock_fn q
  * which fa_use_lookahead leaves out: their out is a stand-in). */
 static void fa_prefetch_item(const fa_params *p, const fa_item *it, int64_t kmax)
 {
-    const size_t qsz = fa_store16(p->q_store) ? 2 : p->dtype == FA_F64 ? 8 : 4, ksz = fa_kv_item(p);
-    const size_t osz = fa_store16(p->out_store) ? 2 : p->dtype == FA_F64 ? 8 : 4;
+    const size_t qsz = fa_store_item(p, p->q_store), ksz = fa_kv_item(p), osz = fa_store_item(p, p->out_store);
     const size_t qb = (size_t)p->D * qsz, kb = (size_t)p->D * ksz, vb = (size_t)p->Dv * ksz, ob = (size_t)p->Dv * osz;
     for (int64_t r = 0; r < it->nh * it->nq; r++) {
         const int64_t h = it->h0 + r / it->nq, row = it->qoff + it->q0 + r % it->nq;
@@ -310,10 +309,7 @@ int fa_attention_forward(const fa_params *p)
     int64_t share_n = 0;
     uint8_t *vfin = NULL;
     if (items > p->B * p->Hkv && pl.bl.k > 0) {
-        int64_t lk = 0;
-        for (int64_t b = 0; b < p->B; b++)
-            if (fa_key_len(p, b) > lk) lk = fa_key_len(p, b);
-        share_n = (lk + pl.bl.k - 1) / pl.bl.k;
+        share_n = (fa_max_key_len(p) + pl.bl.k - 1) / pl.bl.k;
         vfin = (uint8_t *)calloc((size_t)(p->B * p->Hkv * share_n) + 1, 1);
     }
     /* The packed key blocks the items share (fa_share_slot), where the call's block packs

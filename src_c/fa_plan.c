@@ -284,6 +284,14 @@ int64_t fa_key_len(const fa_params *p, int64_t b)
     return p->cu_k ? p->cu_k[b + 1] - p->cu_k[b] : p->seqlens_k ? p->seqlens_k[b] : p->Lk;
 }
 
+int64_t fa_max_key_len(const fa_params *p)
+{
+    int64_t m = 0;
+    for (int64_t b = 0; b < p->B; b++)
+        if (fa_key_len(p, b) > m) m = fa_key_len(p, b);
+    return m;
+}
+
 int64_t fa_max_seq_len(const int64_t *cu, int64_t B, int64_t fixed)
 {
     int64_t m = cu ? 0 : fixed;
@@ -454,11 +462,13 @@ static int64_t fa_seq_of_item(const fa_plan *pl, int64_t B, int64_t t)
  * on 2 threads one late head left a thread idle (1.10-1.15x "bhsd" against 1.03x on
  * one thread).  Which thread runs an item never changes its result.
  */
-/* Bytes per element of K and V. */
-size_t fa_kv_item(const fa_params *p)
+/* Bytes per element of an array stored as `store` (enum fa_storage), and of K and V. */
+size_t fa_store_item(const fa_params *p, int store)
 {
-    return p->kv_store == FA_STORE_I8 ? 1 : fa_store16(p->kv_store) ? 2 : p->dtype == FA_F64 ? 8 : 4;
+    return store == FA_STORE_I8 ? 1 : fa_store16(store) ? 2 : p->dtype == FA_F64 ? 8 : 4;
 }
+
+size_t fa_kv_item(const fa_params *p) { return fa_store_item(p, p->kv_store); }
 
 int fa_use_head_tasks(const fa_params *p, const fa_plan *pl)
 {
@@ -484,12 +494,9 @@ int fa_use_head_tasks(const fa_params *p, const fa_plan *pl)
 int fa_use_lookahead(const fa_params *p, const fa_plan *pl, int nth)
 {
     if (fa_kv_staged(p) || p->weights || pl->items < 4 * (int64_t)nth) return 0;
-    const int64_t qsz = fa_store16(p->q_store) ? 2 : p->dtype == FA_F64 ? 8 : 4, ksz = (int64_t)fa_kv_item(p);
+    const int64_t qsz = (int64_t)fa_store_item(p, p->q_store), ksz = (int64_t)fa_kv_item(p);
     const int64_t lq = fa_max_seq_len(p->cu_q, p->B, p->Lq), rows = pl->nh * (pl->nqp < lq ? pl->nqp : lq);
-    int64_t lk = 0;
-    for (int64_t b = 0; b < p->B; b++)
-        if (fa_key_len(p, b) > lk) lk = fa_key_len(p, b);
-    return rows * p->D * qsz + lk * (p->D + p->Dv) * ksz <= fa_cpu_l2_bytes() / 4;
+    return rows * p->D * qsz + fa_max_key_len(p) * (p->D + p->Dv) * ksz <= fa_cpu_l2_bytes() / 4;
 }
 
 /* Item t in block-major order: query block by query block (the last first when causal),
