@@ -484,16 +484,21 @@ int fa_use_head_tasks(const fa_params *p, const fa_plan *pl)
  * on L3).  So each thread claims its next item as it starts one and asks for that
  * item's rows (fa_prefetch_item): they arrive while this one runs.  Only where an
  * item's rows fit in a quarter of L2 beside the running one's, where the arrays are
- * read in place (not int8 or paged), and where there are at least 4 items a thread
- * (a claimed item waits for its thread: at most one item of imbalance at the end, as
- * with dynamic scheduling).  Measured on an AMD EPYC (Zen 4), in one process,
+ * read in place (not int8 or paged), and where there are at least 4 items a thread,
+ * 8 where they are unequal (causal or windowed) (a claimed item waits for its thread:
+ * at most one item of imbalance at the end, as with dynamic scheduling).  Measured on an AMD EPYC (Zen 4), in one process,
  * interleaved, the data evicted from the caches before each call, medians of 50-60,
  * the time without against with, 1 / 2 threads: B32 H8 L64 D64 1.128x / 1.125x, B8 H32
  * L128 1.046x / 1.037x, B4 H16 L256 1.024x / 1.014x.
  */
 int fa_use_lookahead(const fa_params *p, const fa_plan *pl, int nth)
 {
-    if (fa_kv_staged(p) || p->weights || pl->items < 4 * (int64_t)nth) return 0;
+    /* unequal items (causal or windowed: heavy first) need more of them a thread: at 4, the
+     * generic kernel's B1 H16 L512 causal at 128 threads (16-row blocks, 512 items) kept
+     * its threads busy to 0.896 of the call, below the 0.9 of tests/test_plan_balance.py,
+     * on a 2 MiB L2 (Emerald Rapids), where those rows fit L2 / 4 */
+    const int banded = p->causal || p->window_left >= 0 || p->window_right >= 0;
+    if (fa_kv_staged(p) || p->weights || pl->items < (banded ? 8 : 4) * (int64_t)nth) return 0;
     const int64_t qsz = (int64_t)fa_store_item(p, p->q_store), ksz = (int64_t)fa_kv_item(p);
     const int64_t lq = fa_max_seq_len(p->cu_q, p->B, p->Lq), rows = pl->nh * (pl->nqp < lq ? pl->nqp : lq);
     return rows * p->D * qsz + fa_max_key_len(p) * (p->D + p->Dv) * ksz <= fa_cpu_l2_bytes() / 4;
