@@ -439,6 +439,40 @@ extern const fa_kernel fa_kernel_avx512;
 /* Is this an AMD (or Hygon) CPU?  (cpu.c; the block sizes differ by vendor) */
 int fa_cpu_amd(void);
 
+/* The next item's rows, asked for a few lines at a time while this item's products run
+ * (fa_forward.c, fa_pf_item on Intel): up to FA_PF_RANGES runs of rows, each `rows`
+ * rows of `bytes` bytes, `stride` bytes apart; fa_pf_step, called once for each
+ * register tile row group of the products (kern_products.h), asks for the next `per`
+ * cache lines of them.  fa_pf_now is the running thread's stream, NULL outside such an
+ * item (every other call of the products: decoding, the backward, ...). */
+#define FA_PF_RANGES 8
+typedef struct fa_pf_stream {
+    const char *base[FA_PF_RANGES];
+    int64_t stride[FA_PF_RANGES], bytes[FA_PF_RANGES], rows[FA_PF_RANGES];
+    int n, i;           /* runs, the current run */
+    int64_t row, off;   /* the current run's next row and byte */
+    int64_t per;        /* lines a step */
+} fa_pf_stream;
+extern __thread fa_pf_stream *fa_pf_now;
+static inline void fa_pf_step(void)
+{
+    fa_pf_stream *s = fa_pf_now;
+    if (!s) return;
+    for (int64_t lines = s->per; lines > 0 && s->i < s->n; lines--) {
+        const int i = s->i;
+        __builtin_prefetch(s->base[i] + s->row * s->stride[i] + s->off, 0, 2);
+        s->off += 64;
+        if (s->off >= s->bytes[i]) {
+            s->off = 0;
+            if (++s->row >= s->rows[i]) {
+                s->row = 0;
+                s->i++;
+            }
+        }
+    }
+    if (s->i >= s->n) fa_pf_now = NULL;
+}
+
 /* A bfloat16 path: the forward of q, k and v all bfloat16 with the products on
  * bfloat16 hardware (kernels_avx512bf16.c), in place of the avx512 kernel's
  * qblock[FA_KVB16] (which converts to float32) when fa_bf16_path() selects it

@@ -72,6 +72,7 @@ static void FA_NAME(fa_qk_tile)(const FA_T *FA_RESTRICT qt, int nv, const FA_KV 
     for (int cv = 0; cv < nv; cv += FA_QK_NV) {
         int ncv = nv - cv < FA_QK_NV ? nv - cv : FA_QK_NV;
         for (int64_t j = 0; j < nk; j += FA_QK_R) {
+            fa_pf_step(); /* the next item's rows, a few lines (fa_pf_now) */
             int r = (int)(nk - j < FA_QK_R ? nk - j : FA_QK_R);
             const FA_KV *kj = k + j * k_sl;
             FA_T *sj = s + j * brp + cv * FA_VL;
@@ -480,6 +481,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_tile_strided)(const FA_T *FA_RESTRICT p, int
         int tail = (int)(w % FA_VL);
         const FA_KV *vc = v + c0;
         for (int64_t i = 0; i < nq; i += FA_PV_R) {
+            fa_pf_step();
             int r = (int)(nq - i < FA_PV_R ? nq - i : FA_PV_R);
             switch (r * 16 + nc) {
                 FA_TILE_ROWS(FA_PV_CASE)
