@@ -79,6 +79,18 @@
  *    kept within half the L2 the CPU reports, shrinking k then q, so large head
  *    sizes on CPUs with small L2 caches do not spill.
  * Block sizes depend on the CPU and the shapes only, never on the thread count.
+ *
+ * What the blocks' loops allow, by a port model: bench/mca_model.py runs llvm-mca (LLVM
+ * 19) on the compiled inner loops (the 6 x 4 QK^T and P.V tiles, the softmax) and
+ * predicts a float32 avx512 block with every operand in L1 at 89% (192 x 64, D64) / 94%
+ * (D128) of the FMA peak on an Intel Xeon and 93% / 96% on Zen 4; checked against the C
+ * probe of the block (bench/probes/tiles_avx512.c): Zen 4 90% / 94%, Emerald Rapids 83% /
+ * 79%, where the operands' feed binds, not the ports (bench/README.md, "A port model of
+ * the hot loops").  The Emerald Rapids sweep (lscpu family 6 model 207, 2 MiB L2, 1
+ * thread, interleaved, % of the FMA peak) kept the Xeon's 192 x 64:
+ *   avx512 f32 D=64  L=4096: q=384 k=64 78.1 | q=192 k=128 77.1 | q=192 k=64 77.0 | q=96 k=64 75.5
+ *   avx512 f32 D=128 L=2048: q=384 k=64 80.8 | q=192 k=64 79.7 | q=96 k=64 78.1 | q=192 k=128 74.0
+ * and 96- and 72-key blocks (192 x 96, 288 x 96, 192 x 72) behind 192 x 64 in a second run.
  */
 /* Is a bfloat16 path on for calls on `kern`: one selected (not FA_BF16_FLOAT32) and
  * the kernel the pairs run from, avx512 (the emulated test build's avx2 too)? */

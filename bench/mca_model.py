@@ -1,0 +1,217 @@
+"""A port model of the forward's hot loops, as compiled, for CPUs we may not have.
+
+    python bench/mca_model.py                       # the table, for the built extension
+    python bench/mca_model.py --blocks 192x64 --D 64 --measured 0.77
+    python bench/mca_model.py --show fa_qk_tile_f32_avx512   # a loop's body, as fed to llvm-mca
+
+It disassembles the installed extension (``objdump``), finds each hot function's
+innermost loops (a backward branch with no other backward branch inside), picks the
+loop the kernel spends its time in (the products: the loop with the most FMAs, the
+6 x 4 register tile's 24; the softmax: the loop with the most ``vscalefps``; AMX: the
+loop with the most ``tdpbf16ps``) and runs ``llvm-mca`` (LLVM 19: Debian's llvm-19)
+on it for each CPU model.
+
+Two corrections make the model usable, both measured rather than assumed:
+
+* LLVM 19's ``sapphirerapids`` and ``icelake-server`` models put every 512-bit FMA,
+  max and add on one port (p0 or p5), so they predict half the FMA rate this project
+  measures on those Xeons (``fastattn.bench.fma_peak``: 64 float32 flops a cycle a
+  core, two 512-bit FMA ports).  The Intel rows therefore use the
+  ``skylake-avx512`` model, whose 512-bit port map (FMA, add, max on p0 and p5;
+  shuffles, compares into masks on p5; loads on p2/p3) is the one Sapphire and
+  Emerald Rapids kept for 512-bit work.  The LLVM ``sapphirerapids`` figure is
+  printed beside it, to show the difference.
+* LLVM 19's ``znver4`` model charges a broadcast from memory (``vbroadcastss m32,
+  zmm``) one cycle of the FP1 pipe, which the FMAs need: it predicts the 6 x 4
+  products at 80% of the peak, where the kernel measured them at 97-98% on a Zen 4
+  (bench/README.md, "where a block's time goes").  The Zen 4 rows model a memory
+  broadcast as the plain load it costs there (the loop fed to llvm-mca has
+  ``vmovups`` in its place; the loads' count and ports are unchanged).
+* Each CPU's FMA peak is the model's own: the cycles of a loop of 24 independent
+  FMAs (``llvm-mca`` on it, the same way), so a predicted fraction is "the FMA work
+  of the loop at the model's peak over the loop's modelled cycles".
+
+The forward's prediction for a query block x key block (``--blocks``, ``--D``):
+QK^T and P.V each do bq*bk*D/16 vector FMAs in the 24-FMA loop, and the softmax
+bq*bk/16 vectors in its loop; predicted fraction of the peak = FMA cycles at the
+peak / (QK^T + softmax + P.V modelled cycles).  What the model leaves out: the
+tiles' prologues and epilogues (accumulator loads, stores, the column max, alpha),
+folds, Q packing, and memory (everything is assumed in L1).  ``--measured`` (a
+fraction of the measured FMA peak) prints the unmodelled remainder.
+"""
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+MCA_CANDIDATES = ("llvm-mca-19", "/usr/lib/llvm-19/bin/llvm-mca")
+# (label, model passed to -mcpu, note)
+CPUS = (("Intel SPR/EMR (skx ports)", "skylake-avx512"),
+        ("LLVM sapphirerapids", "sapphirerapids"),
+        ("AMD Zen 4", "znver4"))
+# per model: memory broadcasts fed to llvm-mca as plain loads (see above)
+BCAST_AS_LOAD = {"znver4"}
+BCAST = re.compile(r"^vbroadcastss\s+(\S*\(.*\)),(%zmm\d+)$")
+LOOPS = (("QK^T 6x4 micro-kernel", "fa_qk_tile_f32_avx512", "vfmadd"),
+         ("P.V 6x4 micro-kernel", "fa_pv_tile_f32_avx512", "vfmadd"),
+         ("softmax (exp, sums, P store)", "fa_softmax_tile_f32_avx512", "vscalefps"),
+         ("AMX row block: tile products", "fa_qblock_rows_amx", "tdpbf16ps"),
+         ("AMX row block: softmax", "fa_qblock_rows_amx", "vscalefps"))
+PEAK_LOOP = "".join(f"vfmadd231ps %zmm30, %zmm31, %zmm{i}\n" for i in range(24))
+
+INSN = re.compile(r"^\s*([0-9a-f]+):\s+(.*?)\s*$")
+BRANCH = re.compile(r"^(j[a-z]+)\s+([0-9a-f]+)\b")
+
+
+def find_mca():
+    for c in MCA_CANDIDATES:
+        if shutil.which(c) or os.path.exists(c):
+            return shutil.which(c) or c
+    sys.exit("llvm-mca from LLVM 19 not found: apt-get install llvm-19")
+
+
+def disassemble(so, symbol):
+    """[(address, text)] of one function (AT&T syntax, no raw bytes)."""
+    out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", f"--disassemble={symbol}", so],
+                         check=True, capture_output=True, text=True).stdout
+    insns = []
+    for line in out.splitlines():
+        m = INSN.match(line)
+        if m and m.group(2) and not m.group(2).startswith("("):
+            insns.append((int(m.group(1), 16), re.sub(r"\s*<[^>]*>", "", m.group(2)).split("#")[0].strip()))
+    return insns
+
+
+def innermost_loops(insns):
+    """Each innermost loop as a list of instruction texts, its back branch last."""
+    spans = []
+    for i, (addr, text) in enumerate(insns):
+        m = BRANCH.match(text)
+        if m and int(m.group(2), 16) <= addr:
+            start = next((j for j, (a, _) in enumerate(insns) if a == int(m.group(2), 16)), None)
+            if start is not None:
+                spans.append((start, i))
+    inner = [s for s in spans if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in spans)]
+    return [[t for _, t in insns[a:b + 1]] for a, b in inner]
+
+
+def pick(loops, key):
+    """The loop with the most instructions starting with `key` (ties: the shortest)."""
+    scored = [(sum(t.startswith(key) for t in body), -len(body), body) for body in loops]
+    scored = [s for s in scored if s[0] > 0]
+    return max(scored, key=lambda s: (s[0], s[1]))[2] if scored else None
+
+
+def mca_source(body):
+    """The loop as llvm-mca input: a label, the body, the back branch to the label."""
+    lines = [".Lloop:"]
+    for t in body:
+        m = BRANCH.match(t)
+        lines.append(f"{m.group(1)} .Lloop" if m else t)
+    return "\n".join(lines) + "\n"
+
+
+def mca_cycles(mca, cpu, src, iterations=400):
+    """Modelled cycles an iteration, and the busiest resources (name, cycles an iteration)."""
+    if cpu in BCAST_AS_LOAD:
+        src = "\n".join(BCAST.sub(r"vmovups \1,\2", line) for line in src.splitlines()) + "\n"
+    with tempfile.NamedTemporaryFile("w", suffix=".s", delete=False) as f:
+        f.write(src)
+        path = f.name
+    try:
+        r = subprocess.run([mca, f"-mcpu={cpu}", f"-iterations={iterations}", "-resource-pressure",
+                            "-timeline=false", path], capture_output=True, text=True)
+    finally:
+        os.unlink(path)
+    if r.returncode != 0:
+        return None, r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "llvm-mca failed"
+    total = int(re.search(r"Total Cycles:\s+(\d+)", r.stdout).group(1))
+    names = dict(re.findall(r"^\[([\d.]+)\]\s+-\s+(\S+)", r.stdout, re.M))
+    m = re.search(r"Resource pressure per iteration:\n(.*)\n(.*)\n", r.stdout)
+    busy = []
+    if m:
+        keys = re.findall(r"\[([\d.]+)\]", m.group(1))
+        vals = m.group(2).split()
+        busy = sorted(((names.get(k, k), float(v)) for k, v in zip(keys, vals) if v != "-"),
+                      key=lambda kv: -kv[1])[:3]
+    return total / iterations, busy
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--so", help="the extension (default: the installed fastattn._kernels)")
+    ap.add_argument("--blocks", default="192x64", help="query x key block of the forward prediction")
+    ap.add_argument("--D", type=int, default=64, help="head size of the forward prediction")
+    ap.add_argument("--measured", type=float, help="measured forward, a fraction of the FMA peak")
+    ap.add_argument("--show", help="print the picked loop of this symbol and exit")
+    args = ap.parse_args(argv)
+    so = args.so
+    if not so:
+        import fastattn._kernels as k
+        so = k.__file__
+    mca = find_mca()
+    bodies = {}
+    for label, sym, key in LOOPS:
+        body = pick(innermost_loops(disassemble(so, sym)), key)
+        if body:
+            bodies[label] = (sym, key, body)
+    if args.show:
+        for label, (sym, key, body) in bodies.items():
+            if sym == args.show:
+                print(mca_source(body))
+        return 0
+    peak = {}
+    for name, cpu in CPUS:
+        c, _ = mca_cycles(mca, cpu, PEAK_LOOP)
+        peak[cpu] = 24 / c  # vector FMAs a cycle in this model
+    print(f"extension: {so}\nllvm-mca: {mca}\n")
+    print("model FMA peak (512-bit FMAs a cycle): " +
+          ", ".join(f"{n} {peak[c]:.2f}" for n, c in CPUS))
+    rows = {}
+    print(f"\n{'loop':32} {'insns':>5} {'FMA':>4}  " + "  ".join(f"{n:>28}" for n, _ in CPUS))
+    for label, (sym, key, body) in bodies.items():
+        src = mca_source(body)
+        nfma = sum(t.startswith("vfmadd") or t.startswith("vfmsub") or t.startswith("vfnmadd") for t in body)
+        cells = []
+        for name, cpu in CPUS:
+            cyc, busy = mca_cycles(mca, cpu, src)
+            rows[(label, cpu)] = cyc
+            if cyc is None:
+                cells.append(f"{'(' + busy[:24] + ')':>28}")
+                continue
+            top = ",".join(f"{n.replace('Port', 'p').replace('SKX', '').replace('SPR', '').replace('Zn4', '')}"
+                           f" {v:.0f}" for n, v in busy[:2])
+            frac = f" {nfma / peak[cpu] / cyc:4.0%}" if key == "vfmadd" else ""
+            cells.append(f"{cyc:6.1f} cy{frac} [{top}]".rjust(28))
+        print(f"{label:32} {len(body):5d} {nfma:4d}  " + "  ".join(cells))
+    bq, bk = (int(x) for x in args.blocks.lower().split("x"))
+    D = args.D
+    qk, pv, sm = (bodies.get(n) for n in ("QK^T 6x4 micro-kernel", "P.V 6x4 micro-kernel",
+                                          "softmax (exp, sums, P store)"))
+    if qk and pv and sm:
+        print(f"\nforward, float32 avx512, blocks {bq} x {bk}, D = Dv = {D} (one tile, all in L1):")
+        nvec = sm[2].count  # noqa: F841 (kept readable below)
+        vec_per_iter = sum(t.startswith("vscalefps") for t in sm[2])
+        for name, cpu in CPUS:
+            cq, cp, cs = (rows[(n, cpu)] for n in ("QK^T 6x4 micro-kernel", "P.V 6x4 micro-kernel",
+                                                    "softmax (exp, sums, P store)"))
+            if None in (cq, cp, cs):
+                continue
+            fmas = bq * bk * D / 16  # vector FMAs of each product
+            cyc_qk, cyc_pv = fmas / 24 * cq, fmas / 24 * cp
+            cyc_sm = bq * bk / 16 / vec_per_iter * cs
+            ideal = 2 * fmas / peak[cpu]
+            total = cyc_qk + cyc_pv + cyc_sm
+            line = (f"  {name:28} QK^T {cyc_qk / total:5.1%}, softmax {cyc_sm / total:5.1%}, "
+                    f"P.V {cyc_pv / total:5.1%} of the cycles; predicted {ideal / total:5.1%} of the peak")
+            if args.measured is not None:
+                line += f" (measured {args.measured:.1%}: {ideal / total - args.measured:+.1%} unmodelled)"
+            print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
