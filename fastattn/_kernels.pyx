@@ -94,6 +94,7 @@ cdef extern from "fastattn.h" nogil:
     const char *fa_bf16_path_name(int path)
     int FA_BF16_COUNT, FA_BF16_EMULATED
     int fa_set_default_isa(int isa)
+    int fa_set_lookahead(int mode)
     const char *fa_isa_name(int isa)
     int fa_openmp_enabled()
     int fa_max_threads()
@@ -187,6 +188,20 @@ def set_bf16_path(name):
                 raise ValueError(f"bfloat16 path {name!r} cannot run here; it runs {bf16_paths()}")
             return
     raise ValueError(f"unknown bfloat16 path {name!r}")
+
+
+_LOOKAHEAD = {"auto": 0, "all": 1, "stream": 2}
+
+
+def set_lookahead(mode):
+    """How the forward's look-ahead asks for the next short item's rows (tests use this):
+    "auto" (by the CPU: "all" on AMD, "stream" elsewhere), "all" (every row at once
+    before the item) or "stream" (the Q and output rows, a few lines at a time during
+    the running item's products where it reads several key blocks).  No bit depends on
+    it."""
+    if mode not in _LOOKAHEAD:
+        raise ValueError(f"unknown look-ahead mode {mode!r}; one of {sorted(_LOOKAHEAD)}")
+    fa_set_lookahead(_LOOKAHEAD[mode])
 
 
 def bf16_emulated():

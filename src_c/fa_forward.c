@@ -236,12 +236,7 @@ static void fa_prefetch_item(const fa_params *p, const fa_item *it, int64_t kmax
         a = (const char *)p->out + (it->b * p->o_sb + h * p->o_sh + row * p->o_sl) * (int64_t)osz;
         for (size_t o = 0; o < ob; o += 64) __builtin_prefetch(a + o, 0, 2);
     }
-    /* K's and V's rows only on AMD: on an Intel Xeon the item's K and V lines, asked for
-     * all at once, held up the item before it instead (Emerald Rapids, lscpu model 207,
-     * 1 thread, in one process, interleaved, medians of 40-100: B32 H8 L64 1.05-1.06x
-     * faster without them, three runs; B8 H32 L128 1.01x; with the Q and output rows
-     * still asked for: without those too it was no faster) */
-    if (it->kv1 - it->kv0 > kmax || !fa_cpu_amd()) return;
+    if (it->kv1 - it->kv0 > kmax) return;
     for (int64_t j = it->kv0; j < it->kv1; j++) {
         const int64_t kr = it->koff + j;
         const char *a = (const char *)p->k + (it->b * p->k_sb + it->g * p->k_sh + kr * p->k_sl) * (int64_t)ksz;
@@ -252,6 +247,15 @@ static void fa_prefetch_item(const fa_params *p, const fa_item *it, int64_t kmax
 }
 
 __thread fa_pf_stream *fa_pf_now;
+
+static int fa_lookahead_mode = FA_LOOKAHEAD_AUTO;
+
+int fa_set_lookahead(int mode)
+{
+    if (mode < FA_LOOKAHEAD_AUTO || mode > FA_LOOKAHEAD_STREAM) return FA_ERR_ARG;
+    fa_lookahead_mode = mode;
+    return FA_OK;
+}
 
 /* The Q and output rows of fa_prefetch_item as a stream that the products of the
  * running item ask for a few lines at a time (fa_pf_step), for Intel: there, asked for
@@ -298,12 +302,18 @@ static void fa_run_item(const fa_params *p, const fa_plan *pl, const fa_share *s
     fa_pf_stream st;
     if (nxt >= 0 && nxt < pl->items) {
         fa_item_of(p, pl, nxt, &it);
-        /* Intel: items of one key block all at once (B32 H8 L64: the stream was 1.01x
-         * slower), longer ones as a stream (Emerald Rapids, 1 thread, paired calls in
-         * one process, medians of 100, time of the stream against all at once: B8 H32
-         * L128 0.937x, B4 H16 L256 0.984x) */
-        if (fa_cpu_amd() || it.kv1 - it.kv0 <= pl->bl.k) {
-            fa_prefetch_item(p, &it, pl->bl.k);
+        /* AMD: every row at once.  Intel: not K's and V's rows (the item's K and V
+         * lines, asked for all at once, held up the item before it instead: Emerald
+         * Rapids, lscpu model 207, 1 thread, in one process, interleaved, medians of
+         * 40-100: B32 H8 L64 1.05-1.06x faster without them, three runs; B8 H32 L128
+         * 1.01x; without the Q and output rows too it was no faster); items of one key
+         * block all at once (B32 H8 L64: the stream was 1.01x slower), longer ones as a
+         * stream (paired calls, medians of 100, time of the stream against all at once:
+         * B8 H32 L128 0.937x, B4 H16 L256 0.984x) */
+        const int all = fa_lookahead_mode == FA_LOOKAHEAD_AUTO ? fa_cpu_amd()
+                                                               : fa_lookahead_mode == FA_LOOKAHEAD_ALL;
+        if (all || it.kv1 - it.kv0 <= pl->bl.k) {
+            fa_prefetch_item(p, &it, all ? pl->bl.k : 0);
         } else {
             fa_pf_item(p, pl, &it, &st);
             fa_pf_now = &st;

@@ -267,6 +267,14 @@ int fa_set_bf16_path(int path);
 const char *fa_bf16_path_name(int path);
 int fa_set_default_isa(int isa);
 const char *fa_isa_name(int isa);
+/* How the forward's look-ahead (short items claimed one ahead) asks for the next item's
+ * rows: FA_LOOKAHEAD_AUTO by the CPU (AMD: all of them at once before the item; others:
+ * FA_LOOKAHEAD_STREAM, the Q and output rows only, items of several key blocks a few
+ * lines at a time during the running item's products), or either one forced (tests:
+ * both run on every machine).  Never changes a bit.  Returns FA_ERR_ARG for an unknown
+ * mode. */
+enum fa_lookahead_mode { FA_LOOKAHEAD_AUTO = 0, FA_LOOKAHEAD_ALL = 1, FA_LOOKAHEAD_STREAM = 2 };
+int fa_set_lookahead(int mode);
 
 /* ---- OpenMP shim (fa_common.c) ---- */
 int fa_openmp_enabled(void);

@@ -137,3 +137,28 @@ def test_short_items_claimed_ahead(kernel, rng, kv_dtype):
     np.testing.assert_allclose(base, want, rtol=0, atol=tol)
     for n in (2, 3, 4):
         assert np.array_equal(fastattn.varlen_attention(qv, kv, kv, cu_q, cu_k, causal=True, num_threads=n), base)
+
+
+@pytest.mark.parametrize("mode", ["all", "stream"])
+def test_lookahead_modes(kernel, rng, mode):
+    """Both ways the look-ahead asks for the next short item's rows (all at once, AMD's;
+    the Q and output rows as a stream paced by the running item's products, Intel's),
+    forced on whatever machine runs the tests: items of several key blocks (L=200),
+    GQA groups stacked in an item, causal; against the oracle, and the same bits as the
+    CPU's own choice, on 1-4 threads."""
+    q = rng.standard_normal((8, 8, 200, 32)).astype(np.float32)
+    k = rng.standard_normal((8, 2, 200, 32)).astype(np.float32)
+    v = rng.standard_normal((8, 2, 200, 24)).astype(np.float32)
+    for causal in (False, True):
+        want = reference.attention(q, k, v, causal=causal)
+        base = fastattn.attention(q, k, v, causal=causal, return_lse=True, num_threads=1)
+        np.testing.assert_allclose(base[0], want, rtol=0, atol=2e-6)
+        try:
+            fastattn._kernels.set_lookahead(mode)
+            for n in (1, 2, 3, 4):
+                out, lse = fastattn.attention(q, k, v, causal=causal, return_lse=True, num_threads=n)
+                assert np.array_equal(out, base[0]) and np.array_equal(lse, base[1]), (causal, n)
+        finally:
+            fastattn._kernels.set_lookahead("auto")
+    with pytest.raises(ValueError, match="look-ahead mode"):
+        fastattn._kernels.set_lookahead("sometimes")
