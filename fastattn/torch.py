@@ -259,7 +259,7 @@ class _Plan:
             seed = torch.randint(0, 2**62, (), dtype=torch.int64)
         args = (q, k, v, mask, bias, alibi, self.scale, self.causal, self.window[0],
                 self.window[1], self.softcap, self.dropout_p, seed, self.sinks)
-        if _direct(q, k, v, bias, self.sinks):
+        if _direct(q, k, v, bias, self.sinks, (mask, alibi)):
             # eager inference on plain tensors: the op's own function, without the
             # dispatcher's ~40 us (the same code and results as the registered op)
             kw = _options(q, k, mask, bias, alibi, *args[6:])
@@ -280,15 +280,17 @@ class _Plan:
         return (out, lse) if self.return_lse else out
 
 
-def _direct(q, k, v, bias, sinks=None) -> bool:
+def _direct(q, k, v, bias, sinks=None, others=()) -> bool:
     """True where calling the op's Python function directly is the same as calling the
-    op: eager mode, plain CPU tensors, no autograd, no dispatch or function modes and no
-    functorch transform."""
+    op: eager mode, plain CPU tensors (q, k, v, bias, sinks and the `others`, each a
+    tensor or None), no autograd, no dispatch or function modes and no functorch
+    transform."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (bias is not None and bias.requires_grad)
                                     or (sinks is not None and sinks.requires_grad)):
         return False
     return (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
+            and all(t is None or type(t) is Tensor for t in (bias, sinks) + tuple(others))
             and not torch.compiler.is_compiling()
             and torch._C._len_torch_dispatch_stack() == 0
             and not torch._C._is_torch_function_mode_enabled()
@@ -656,23 +658,110 @@ _original: Any = None  # torch's function, saved when routing is switched on
 
 def _routed_sdpa(*args: Any, **kwargs: Any) -> Any:
     """torch.nn.functional.scaled_dot_product_attention while routing is on: fastattn
-    for what it takes, PyTorch's own function (called as it was called) for the rest."""
+    for what it takes, PyTorch's own function (called as it was called) for the rest.
+
+    Three kinds of call step aside rather than being read as plain tensors:
+
+    - A ``torch.nn.attention.bias.CausalBias`` mask is taken for what it means:
+      ``causal_upper_left`` is fastattn's top-left causal mask (``is_causal``),
+      ``causal_lower_right`` its bottom-right one; the placeholder tensor's memory is
+      never read.
+    - Any other tensor subclass that overrides ``__torch_function__`` (and any active
+      ``TorchFunctionMode``) gets PyTorch's protocol with this function as ``func``,
+      the object ``torch.nn.functional.scaled_dot_product_attention`` is while routing
+      is on, so the subclass recognises the call as it would PyTorch's function.
+    - Under ``torch.export``/``torch.compile``, sizes that depend on data (unbacked
+      symbols) go to PyTorch's function, which records its own op.
+
+    TorchScript never runs this function: it is registered as the builtin
+    ``aten::scaled_dot_product_attention``, so scripted code calls PyTorch's op.
+    """
     original = _original
     if 3 <= len(args) <= 6 and _KEYWORDS.issuperset(kwargs):
         call = dict(zip(_POSITIONAL, args))
         if len(call) + len(kwargs) == len(set(call) | set(kwargs)):  # nothing passed twice
             call.update(kwargs)
+            q, k, v, mask = call["query"], call["key"], call["value"], call.get("attn_mask")
+            compiling = torch.compiler.is_compiling()
+            if mask is not None and _is_causal_bias(mask):
+                out = _causal_bias_call(call)
+                if out is not None:
+                    return out
+            tensors = tuple(t for t in (q, k, v, mask) if isinstance(t, Tensor))
+            if torch.overrides.has_torch_function(tensors):
+                # a __torch_function__ subclass or mode: PyTorch's protocol, with the
+                # public function (this one, or a wrapper of it) as func
+                return torch.overrides.handle_torch_function(
+                    torch.nn.functional.scaled_dot_product_attention, tensors, *args, **kwargs)
+            if (compiling or any(type(t) is not Tensor for t in tensors)) \
+                    and _unbacked(tensors):
+                return original(*args, **kwargs)
             # is_causal with a mask: PyTorch's kernels disagree (one applies both, the
             # math backend raises), so PyTorch decides
-            if call.get("is_causal") and call.get("attn_mask") is not None:
+            if call.get("is_causal") and mask is not None:
                 return original(*args, **kwargs)
-            plan = _plan(call["query"], call["key"], call["value"], call.get("attn_mask"),
-                         call.get("dropout_p", 0.0), call.get("is_causal", False),
+            plan = _plan(q, k, v, mask, call.get("dropout_p", 0.0), call.get("is_causal", False),
                          call.get("scale"), call.get("enable_gqa", False),
                          None, None, None, None, False)
             if isinstance(plan, _Plan):
                 return plan.run()
     return original(*args, **kwargs)
+
+
+# TorchScript resolves a Python function it calls through this table (by the object's
+# id) before compiling its source: scripted code that reaches
+# torch.nn.functional.scaled_dot_product_attention while routing is on (nn.MultiheadAttention,
+# nn.TransformerEncoderLayer) compiles to PyTorch's op, as it does without routing.
+torch.jit._builtins._register_builtin(_routed_sdpa, "aten::scaled_dot_product_attention")
+
+
+def _unbacked(tensors) -> bool:
+    """Whether any size of the tensors is a data-dependent (unbacked) symbol, as
+    torch.export makes of sizes that come from data (boolean indexing, .item()).
+    (torch.compile answers has_free_unbacked_symbols from the traced example values.)"""
+    # imported here: symbolic_shapes loads sympy, which plain eager use never needs
+    from torch.fx.experimental.symbolic_shapes import has_free_unbacked_symbols
+    return any(has_free_unbacked_symbols(t) for t in tensors)
+
+
+def _causal_bias_class() -> Optional[type]:
+    try:
+        from torch.nn.attention.bias import CausalBias
+    except ImportError:  # older PyTorch: no CausalBias
+        return None
+    return CausalBias
+
+
+def _is_causal_bias(mask: Any) -> bool:
+    cls = _causal_bias_class()
+    return cls is not None and isinstance(mask, cls)
+
+
+def _causal_bias_call(call: dict) -> Any:
+    """A call with a CausalBias mask computed by fastattn as the causal mask it stands
+    for, or None where fastattn does not take it (PyTorch's protocol decides then).
+    CausalBias's own rules: is_causal=True with it is an error; equal lengths or the
+    upper-left variant are PyTorch's is_causal (top-left); lower-right aligns the last
+    query with the last key.  The bias's lengths must be the query's and key's."""
+    from torch.nn.attention.bias import CausalVariant
+    bias = call["attn_mask"]
+    if call.get("is_causal"):
+        raise ValueError("CausalBias should not be used with causal=True")
+    q, k = call["query"], call["key"]
+    if not (isinstance(q, Tensor) and isinstance(k, Tensor) and q.dim() >= 2 and k.dim() >= 2):
+        return None
+    variant = bias.variant
+    if variant == CausalVariant.UPPER_LEFT or bias.seq_len_q == bias.seq_len_kv:
+        causal = "top-left"  # what PyTorch's CausalBias does: is_causal=True
+    elif variant == CausalVariant.LOWER_RIGHT:
+        if (bias.seq_len_q, bias.seq_len_kv) != (q.shape[-2], k.shape[-2]):
+            return None  # PyTorch materializes the mask: its broadcasting decides
+        causal = "bottom-right"
+    else:
+        return None
+    plan = _plan(q, k, call["value"], None, call.get("dropout_p", 0.0), False, call.get("scale"),
+                 call.get("enable_gqa", False), None, None, None, causal, False)
+    return plan.run() if isinstance(plan, _Plan) else None
 
 
 def is_enabled() -> bool:
