@@ -1,6 +1,7 @@
 """fastattn.torch: the registered ops (opcheck), autograd (gradcheck, and against
 PyTorch's SDPA), torch.compile without graph breaks, sdpa_kernel() routing and its
 fallbacks, training a small GPT with and without it, zero copies, errors."""
+import contextlib
 import importlib
 import math
 import os
@@ -608,6 +609,241 @@ def test_multihead_attention_is_routed(monkeypatch):
     with ft.sdpa_kernel():
         out, _ = mha(x, x, x, need_weights=False)
     assert calls and rel(out, ref) <= TOL[F32]
+
+
+# ---------------------------------------------------------------------------------------
+# What PyTorch's own SDPA tests (test/test_transformers.py) found with routing on (issue 57)
+
+from torch.nn.attention import SDPBackend, sdpa_kernel as torch_sdpa_kernel  # noqa: E402
+from torch.nn.attention.bias import causal_lower_right, causal_upper_left  # noqa: E402
+
+
+def _math_sdpa(*args, **kw):
+    """PyTorch's math kernel (the reference upstream's tests compare against)."""
+    with torch_sdpa_kernel([SDPBackend.MATH]):
+        return TORCH_SDPA(*args, **kw)
+
+
+_CAUSAL_BIAS_CASES = [(causal_upper_left, 23, 56), (causal_upper_left, 56, 23),
+                      (causal_upper_left, 16, 16), (causal_lower_right, 23, 56),
+                      (causal_lower_right, 56, 23), (causal_lower_right, 16, 16)]
+
+
+@pytest.mark.parametrize("make,Lq,Lk", _CAUSAL_BIAS_CASES)
+@pytest.mark.parametrize("dtype", [F64, F32])
+def test_causal_bias_is_fastattns_causal_mask_with_gradients(monkeypatch, make, Lq, Lk, dtype):
+    """CausalBias is a tensor subclass whose memory is a placeholder: upper-left is
+    fastattn's top-left causal mask, lower-right its bottom-right one (rows that see no
+    key give 0, as PyTorch's math kernel does), forward and backward; no mask or bias
+    array reaches the kernel."""
+    calls = _spy(monkeypatch, "attention")
+    with pytest.warns(UserWarning) if make is causal_lower_right and Lq > Lk else \
+            contextlib.nullcontext():
+        bias = make(Lq, Lk)
+    q, k, v = qkv(B=2, Hq=3, Lq=Lq, Lk=Lk, D=8, dtype=dtype)
+    ref = _math_sdpa(q, k, v, attn_mask=bias._materialize())
+    dout = randn(*ref.shape, dtype=dtype, seed=5)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+    with ft.sdpa_kernel():
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert calls, "the call did not reach fastattn"
+    for _, kw, _ in calls:
+        assert "mask" not in kw and "bias" not in kw
+        assert kw.get("causal") == ("top-left" if make is causal_upper_left and Lq != Lk
+                                    else True)
+    tol = TOL[dtype] * (10 if dtype == F32 else 1)
+    assert rel(out, ref) <= tol
+    for g, r in zip(grads, ref_grads):
+        assert rel(g, r) <= tol
+
+
+def test_causal_bias_inference_and_is_causal_like_torch():
+    q, k, v = qkv(B=1, Hq=2, Lq=23, Lk=56, D=15, dtype=F32, grad=False)
+    with ft.sdpa_kernel():
+        for make in (causal_upper_left, causal_lower_right):
+            bias = make(23, 56)
+            got = F.scaled_dot_product_attention(q, k, v, bias)
+            assert rel(got, _math_sdpa(q, k, v, bias._materialize())) <= 1e-5
+        # upper-left is is_causal=True
+        assert torch.equal(F.scaled_dot_product_attention(q, k, v, attn_mask=causal_upper_left(23, 56)),
+                           F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        # CausalBias's own rule: not with is_causal=True (PyTorch raises the same)
+        with pytest.raises(ValueError, match="CausalBias should not be used with causal=True"):
+            F.scaled_dot_product_attention(q, k, v, attn_mask=causal_upper_left(23, 56),
+                                           is_causal=True)
+
+
+def test_causal_bias_of_other_lengths_goes_pytorchs_way():
+    """A lower-right bias whose lengths are not the call's is materialized by PyTorch's
+    CausalBias and broadcast (here (1, S) over the rows): the same as without routing,
+    eager and compiled."""
+    q, k, v = qkv(B=2, Hq=3, Lq=23, Lk=56, D=16, dtype=F32, grad=False)
+    bias = causal_lower_right(1, 56)
+    ref = TORCH_SDPA(q, k, v, bias)
+    with ft.sdpa_kernel():
+        assert rel(F.scaled_dot_product_attention(q, k, v, bias), ref) <= 1e-5
+        torch._dynamo.reset()
+        fn = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, bias),
+                           backend="aot_eager", fullgraph=True)
+        assert rel(fn(q, k, v), ref) <= 1e-5
+
+
+@pytest.mark.parametrize("make", [causal_upper_left, causal_lower_right])
+def test_causal_bias_compiles_to_fastattns_op_without_graph_break(make):
+    """torch.compile (PyTorch's test_causal_variants_compile): one graph, fastattn's op,
+    output and gradients those of PyTorch's math kernel."""
+    torch._dynamo.reset()
+    bias = make(23, 56)
+    q, k, v = qkv(B=2, Hq=3, Lq=23, Lk=56, D=16, dtype=F32)
+    ref = _math_sdpa(q, k, v, attn_mask=bias._materialize())
+    ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
+    with ft.sdpa_kernel():
+        fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=bias)  # noqa: E731
+        explanation = torch._dynamo.explain(fn)(q, k, v)
+        assert explanation.graph_count == 1 and explanation.graph_break_count == 0
+        assert "fastattn.attention_fwd" in _graph_targets(explanation)
+        out = torch.compile(fn, backend="aot_eager", fullgraph=True)(q, k, v)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert rel(out, ref) <= 1e-5
+    for g, r in zip(grads, ref_grads):
+        assert rel(g, r) <= 1e-5
+
+
+class _Logged(torch.Tensor):
+    """An attn_mask subclass that overrides __torch_function__ and, as CausalBias does,
+    recognises a call by ``func is torch.nn.functional.scaled_dot_product_attention``."""
+    seen: list = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        cls.seen.append(func)
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            def plain(x):
+                return x.as_subclass(torch.Tensor) if isinstance(x, _Logged) else x
+            return func(*map(plain, args), **{n: plain(x) for n, x in kwargs.items()})
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def test_torch_function_subclass_mask_sees_the_public_function(monkeypatch):
+    calls = _spy(monkeypatch, "attention")
+    q, k, v = qkv(B=2, Hq=3, Lq=9, Lk=11, D=8, dtype=F32, grad=False)
+    plain = torch.randn(9, 11, generator=torch.Generator().manual_seed(3))
+    _Logged.seen.clear()
+    with ft.sdpa_kernel():
+        out = F.scaled_dot_product_attention(q, k, v, plain.as_subclass(_Logged))
+        assert _Logged.seen and _Logged.seen[0] is F.scaled_dot_product_attention
+    assert len(calls) == 1  # the subclass unwrapped its mask; fastattn computed the call
+    assert rel(out, TORCH_SDPA(q, k, v, plain)) <= 1e-5
+
+
+def test_torch_function_mode_is_honoured(monkeypatch):
+    """A TorchFunctionMode sees the call (func is the public function) and the call it
+    lets through is computed by fastattn."""
+    calls = _spy(monkeypatch, "attention")
+    seen = []
+
+    class Mode(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+    q, k, v = qkv(B=1, Hq=2, Lq=6, Lk=6, D=8, dtype=F32, grad=False)
+    with ft.sdpa_kernel(), Mode():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert F.scaled_dot_product_attention in seen
+    assert calls and rel(out, TORCH_SDPA(q, k, v, is_causal=True)) <= 1e-5
+
+
+_SCRIPTED = r"""
+import sys, warnings
+import torch
+import fastattn.torch as ft
+warnings.simplefilter("ignore")
+torch.set_num_threads(1)
+torch.manual_seed(0)
+
+class MyLayer(torch.nn.TransformerEncoderLayer):
+    pass
+
+x = torch.randn(2, 9, 16)
+mask = torch.rand(9, 9, generator=torch.Generator().manual_seed(1)) > 0.7
+runs = [(torch.nn.MultiheadAttention(16, 4, batch_first=True),
+         lambda m: m(x, x, x, attn_mask=mask, need_weights=False)[0]),
+        (torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True),
+         lambda m: m(x, src_mask=mask)),
+        (torch.nn.TransformerEncoder(MyLayer(16, 4, 32, dropout=0.0), 2,
+                                     enable_nested_tensor=False),
+         lambda m: m(x.transpose(0, 1), mask=mask))]
+# scripted first with routing on: TorchScript caches what it compiles, per process
+ft.enable()
+on = [[run(torch.jit.script(m.train(t))) for t in (True, False)] for m, run in runs]
+ft.disable()
+for (m, run), outs in zip(runs, on):
+    for t, out in zip((True, False), outs):
+        m.train(t)
+        assert torch.equal(out, run(torch.jit.script(m))), (type(m).__name__, t)
+        ref = run(m)
+        err = float((out - ref).abs().max())
+        assert err <= 1e-5 * float(ref.abs().max()), (type(m).__name__, t, err)
+print("ok")
+"""
+
+
+def test_torchscript_modules_with_routing_on_equal_routing_off():
+    """torch.jit.script of nn.MultiheadAttention / nn.TransformerEncoderLayer (and an
+    encoder of a subclassed layer), train and eval, while routing is on compiles (the
+    router is TorchScript's builtin aten::scaled_dot_product_attention) and computes what
+    the module computes without routing.  In a fresh process: TorchScript caches the
+    functions it compiled, so scripting there first is what a user's first script does."""
+    import subprocess
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-c", _SCRIPTED], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-3000:]
+
+
+class _MaskedBatch(torch.nn.Module):
+    """Batch rows chosen by a boolean tensor: the batch size is data-dependent (an
+    unbacked symbol under torch.export), and so is the float mask's first dim."""
+
+    def forward(self, q, k, v, keep):
+        q, k, v = q[keep], k[keep], v[keep]
+        mask = torch.zeros(q.shape[0], 1, q.shape[2], k.shape[2], dtype=q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_export_with_an_unbacked_mask_size(strict):
+    """torch.export of a call whose sizes depend on data: fastattn's checks would guard
+    on them (GuardOnDataDependentSymNode "Ne(u0, 1)"), so routing hands the call to
+    PyTorch's function, which exports its own op."""
+    q, k, v = qkv(B=4, Hq=2, Lq=6, Lk=6, D=8, dtype=F32, grad=False)
+    keep = torch.tensor([True, False, True, True])
+    with ft.sdpa_kernel():
+        ep = torch.export.export(_MaskedBatch(), (q, k, v, keep), strict=strict)
+    targets = {str(n.target) for n in ep.graph.nodes}
+    assert "aten.scaled_dot_product_attention.default" in targets
+    assert rel(ep.module()(q, k, v, keep), TORCH_SDPA(q[keep], k[keep], v[keep])) <= 1e-6
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_export_with_dynamic_shapes_uses_fastattn(strict):
+    from torch.export import Dim
+
+    class M(torch.nn.Module):
+        def forward(self, q, k, v, mask):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    q, k, v = qkv(B=2, Hq=3, Lq=8, Lk=12, D=16, dtype=F32, grad=False)
+    mask = torch.rand(8, 12, generator=torch.Generator().manual_seed(0)) > 0.3
+    B, L, S = Dim("B", min=2, max=8), Dim("L", min=2, max=64), Dim("S", min=2, max=64)
+    with ft.sdpa_kernel():
+        ep = torch.export.export(M(), (q, k, v, mask), strict=strict, dynamic_shapes={
+            "q": {0: B, 2: L}, "k": {0: B, 2: S}, "v": {0: B, 2: S}, "mask": {0: L, 1: S}})
+    assert "fastattn.attention_fwd.default" in {str(n.target) for n in ep.graph.nodes}
+    q2, k2, v2 = qkv(B=3, Hq=3, Lq=5, Lk=7, D=16, dtype=F32, grad=False, seed=4)
+    m2 = torch.rand(5, 7, generator=torch.Generator().manual_seed(1)) > 0.3
+    assert rel(ep.module()(q2, k2, v2, m2), TORCH_SDPA(q2, k2, v2, m2)) <= 1e-5
 
 
 # ---------------------------------------------------------------------------------------
