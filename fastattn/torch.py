@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import sys
 import threading
 from typing import Any, Iterator, Optional, Sequence, Tuple, Union
 
@@ -724,17 +725,14 @@ def _unbacked(tensors) -> bool:
     return any(has_free_unbacked_symbols(t) for t in tensors)
 
 
-def _causal_bias_class() -> Optional[type]:
-    try:
-        from torch.nn.attention.bias import CausalBias
-    except ImportError:  # older PyTorch: no CausalBias
-        return None
-    return CausalBias
-
-
 def _is_causal_bias(mask: Any) -> bool:
-    cls = _causal_bias_class()
-    return cls is not None and isinstance(mask, cls)
+    """Whether mask is a torch.nn.attention.bias.CausalBias.  Looked up in sys.modules:
+    importing that module loads torch._dynamo (about a second), and a CausalBias exists
+    only once it has been imported."""
+    if type(mask) is Tensor:
+        return False
+    bias_module = sys.modules.get("torch.nn.attention.bias")
+    return bias_module is not None and isinstance(mask, bias_module.CausalBias)
 
 
 def _causal_bias_call(call: dict) -> Any:
