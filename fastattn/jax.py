@@ -184,9 +184,10 @@ def dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, ma
         (16-bit types computed in float32; their gradients too).
     bias : broadcastable to (B, N, T, S), optional
         Added to the scaled logits; differentiable (its gradient is summed over the
-        axes it was broadcast along).
+        axes it was broadcast along).  Fewer than 4 dims are right-aligned, as jax's
+        (a (T, S) bias is every batch's and head's).
     mask : bool, broadcastable to (B, N, T, S), optional
-        True = attend.
+        True = attend; fewer than 4 dims right-aligned too (``(1, 1, S)`` masks keys).
     scale : float, default 1 / sqrt(H)
     is_causal : bool
         Key s is visible to query t iff s <= t (top-left, as jax's).
@@ -297,13 +298,17 @@ def dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, ma
 
 
 def _broadcastable(x, name, full, unbatched):
+    """x as a 4-D array that broadcasts to the logits' shape `full` (B, N, T, S).  Fewer
+    dims get leading axes of 1, as jax.nn.dot_product_attention's do (right-aligned
+    broadcasting: a (T, S) mask is every batch's and head's, (1, 1, S) masks keys);
+    `unbatched` calls are those with B = 1 added, which this rule covers too."""
     if x is None:
         return None
-    if unbatched and x.ndim == 3:
-        x = x[None]
-    if x.ndim != 4:
-        raise ValueError(f"{_FN}: {name} must be 4-D (B, N, T, S) or broadcastable to it "
-                         f"(each axis 1 or full), got shape {x.shape} for logits {full}")
+    if x.ndim > 4:
+        raise ValueError(f"{_FN}: {name} must have at most 4 dims, broadcastable to the "
+                         f"logits' shape (B, N, T, S) = {full}; got shape {x.shape}")
+    if x.ndim < 4:
+        x = x.reshape((1,) * (4 - x.ndim) + tuple(x.shape))
     if any(a not in (1, f) for a, f in zip(x.shape, full)):
         raise ValueError(f"{_FN}: {name} of shape {x.shape} does not broadcast to the logits' "
                          f"shape (B, N, T, S) = {full}")

@@ -172,6 +172,60 @@ def test_gradients_match_jax():
         _close(a, b, 3e-5)
 
 
+@pytest.mark.parametrize("bias_shape,mask_shape", [
+    ((47,), (1, 1, 47)),            # jax's nn_test: a (1, 1, S) key mask with batched inputs
+    ((33, 47), (33, 47)),           # (T, S): every batch's and head's
+    ((4, 33, 47), (1, 33, 47)),     # (N, T, S) and (1, T, S)
+    ((2, 4, 33, 47), (2, 1, 1, 47)),
+])
+def test_masks_and_biases_of_fewer_dims_broadcast_as_jaxs(bias_shape, mask_shape):
+    """jax.nn.dot_product_attention gives masks and biases of fewer than 4 dims leading
+    axes of 1 (right-aligned broadcasting): fastattn takes the same shapes, with the
+    same output and gradients (the bias's summed back to its own shape).  jax's own
+    nn_test (testDotProductAttentionBiasGradient) passes such a mask."""
+    q, k, v = _qkv(2, 33, 47, 4, 2, 16)
+    rng = np.random.default_rng(7)
+    bias = rng.standard_normal(bias_shape).astype(np.float32)
+    mask = rng.random(mask_shape) > 0.3
+    mask[..., 0] = True  # every row sees a key (jax gives the mean where none is seen)
+
+    def loss(fn):
+        return lambda q, k, v, b: (fn(q, k, v, b, mask) ** 2).sum()
+    _close(fj.dot_product_attention(q, k, v, bias, mask),
+           jax.nn.dot_product_attention(q, k, v, bias, mask), 2e-6)
+    g1 = jax.grad(loss(fj.dot_product_attention), argnums=(0, 1, 2, 3))(q, k, v, bias)
+    g2 = jax.grad(loss(jax.nn.dot_product_attention), argnums=(0, 1, 2, 3))(q, k, v, bias)
+    assert g1[3].shape == bias.shape
+    for a, b in zip(g1, g2):
+        _close(a, b, 3e-5)
+    with pytest.raises(ValueError, match="at most 4 dims"):
+        fj.dot_product_attention(q, k, v, mask=np.ones((1, 1, 1, 1, 33, 47), bool))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        fj.dot_product_attention(q, k, v, mask=np.ones((5, 47), bool))
+
+
+@pytest.mark.parametrize("use_vmap", [False, True])
+def test_bias_gradient_with_a_shared_key_mask(use_vmap):
+    """jax's testDotProductAttentionBiasGradient on fastattn: a (B, N, S, S) bias and a
+    (1, 1, S) mask, batched or vmapped over the batch with the mask shared; the bias
+    gradient for any batch size (cuDNN's implementation raises for B > 1, fastattn
+    computes it)."""
+    B, S, N, H = 3, 40, 4, 16
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((B, S, N, H)).astype(np.float32)
+    bias = rng.standard_normal((B, N, S, S)).astype(np.float32)
+    mask = np.ones((1, 1, S), bool)
+
+    def grads(fn):
+        def attention(x, bias, mask):
+            return fn(x, x, x, bias=bias, mask=mask)
+        f = jax.vmap(attention, in_axes=(0, 0, None)) if use_vmap else attention
+        out, vjp = jax.vjp(f, x, bias, mask)
+        return (out,) + tuple(vjp(x)[:2])
+    for a, b in zip(grads(jax.jit(fj.dot_product_attention)), grads(jax.nn.dot_product_attention)):
+        _close(a, b, 3e-5)
+
+
 def test_two_layer_transformer_trains_the_same():
     """A two-layer transformer, a few SGD steps with each attention: the same losses."""
     rng = np.random.default_rng(5)
