@@ -224,6 +224,10 @@ def dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, ma
     -----
     - A query row that sees no key gives 0 (jax's XLA implementation gives the mean of
       the values there, from a large negative logit instead of -inf).
+    - The bias's gradient is computed for any batch size (jax's cuDNN implementation
+      raises for B > 1).
+    - ``return_residual`` is not taken.  (docs/semantics.md §19 lists the differences
+      from jax's function with their reasons.)
     - jit, vmap (the FFI handlers loop over the vmapped axes; unbatched arguments are
       not copied) and grad work; contiguous inputs reach the kernel in place.
     - Results are bitwise identical for any thread count.

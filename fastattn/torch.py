@@ -634,6 +634,12 @@ def scaled_dot_product_attention(
       ``RuntimeError``; tensors must be on the CPU (:func:`sdpa_kernel` hands other
       devices to PyTorch instead).
     - No double backward: the backward op has no autograd formula of its own.
+    - ``attn_mask`` may be a ``torch.nn.attention.bias.CausalBias``: ``causal_upper_left``
+      is ``is_causal``, ``causal_lower_right`` is ``causal='bottom-right'`` (its lengths
+      must be L and S); its memory, a placeholder, is never read.
+
+    docs/semantics.md §19 lists these differences with their reasons, and what routing
+    does with CausalBias, ``__torch_function__`` subclasses, TorchScript and export.
 
     ``torch.compile(fullgraph=True)`` traces the call without a graph break: the Python
     arguments become constants of the graph and the ops have fake implementations.
@@ -641,6 +647,22 @@ def scaled_dot_product_attention(
     PyTorch's ``parallel_for`` does below its grain size; others on
     ``torch.get_num_threads()``.
     """
+    if attn_mask is not None and _is_causal_bias(attn_mask):
+        # its memory is a placeholder: the causal mask it stands for instead
+        if is_causal:
+            raise ValueError("CausalBias should not be used with causal=True")
+        if causal not in (None, False):
+            raise ValueError(f"{_FN}: attn_mask is a CausalBias, a causal mask itself; pass "
+                             f"it or causal={causal!r}, not both")
+        if isinstance(query, Tensor) and isinstance(key, Tensor) and query.dim() >= 2 \
+                and key.dim() >= 2:
+            causal = _causal_bias_mode(attn_mask, query, key)
+            if causal is None:
+                raise ValueError(
+                    f"{_FN}: attn_mask is causal_lower_right({attn_mask.seq_len_q}, "
+                    f"{attn_mask.seq_len_kv}) but query and key have lengths L={query.shape[-2]}"
+                    f" and S={key.shape[-2]}")
+        attn_mask = None
     plan = _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                  window, alibi_slopes, softcap, causal, return_lse, sinks)
     if not isinstance(plan, _Plan):
@@ -735,27 +757,32 @@ def _is_causal_bias(mask: Any) -> bool:
     return bias_module is not None and isinstance(mask, bias_module.CausalBias)
 
 
-def _causal_bias_call(call: dict) -> Any:
-    """A call with a CausalBias mask computed by fastattn as the causal mask it stands
-    for, or None where fastattn does not take it (PyTorch's protocol decides then).
-    CausalBias's own rules: is_causal=True with it is an error; equal lengths or the
-    upper-left variant are PyTorch's is_causal (top-left); lower-right aligns the last
-    query with the last key.  The bias's lengths must be the query's and key's."""
+def _causal_bias_mode(bias: Any, q: Tensor, k: Tensor) -> Optional[str]:
+    """fastattn's `causal` for a CausalBias on these query and key tensors, by
+    CausalBias's own rules: equal lengths or the upper-left variant are PyTorch's
+    is_causal ('top-left'); lower-right aligns the last query with the last key
+    ('bottom-right') and its lengths must be the call's (else None: PyTorch
+    materializes such a bias and broadcasts it)."""
     from torch.nn.attention.bias import CausalVariant
-    bias = call["attn_mask"]
+    if bias.variant == CausalVariant.UPPER_LEFT or bias.seq_len_q == bias.seq_len_kv:
+        return "top-left"
+    if bias.variant == CausalVariant.LOWER_RIGHT \
+            and (bias.seq_len_q, bias.seq_len_kv) == (q.shape[-2], k.shape[-2]):
+        return "bottom-right"
+    return None
+
+
+def _causal_bias_call(call: dict) -> Any:
+    """A routed call with a CausalBias mask computed by fastattn as the causal mask it
+    stands for, or None where fastattn does not take it (PyTorch's protocol decides
+    then).  is_causal=True with a CausalBias is an error, as in PyTorch."""
     if call.get("is_causal"):
         raise ValueError("CausalBias should not be used with causal=True")
     q, k = call["query"], call["key"]
     if not (isinstance(q, Tensor) and isinstance(k, Tensor) and q.dim() >= 2 and k.dim() >= 2):
         return None
-    variant = bias.variant
-    if variant == CausalVariant.UPPER_LEFT or bias.seq_len_q == bias.seq_len_kv:
-        causal = "top-left"  # what PyTorch's CausalBias does: is_causal=True
-    elif variant == CausalVariant.LOWER_RIGHT:
-        if (bias.seq_len_q, bias.seq_len_kv) != (q.shape[-2], k.shape[-2]):
-            return None  # PyTorch materializes the mask: its broadcasting decides
-        causal = "bottom-right"
-    else:
+    causal = _causal_bias_mode(call["attn_mask"], q, k)
+    if causal is None:
         return None
     plan = _plan(q, k, call["value"], None, call.get("dropout_p", 0.0), False, call.get("scale"),
                  call.get("enable_gqa", False), None, None, None, causal, False)
@@ -775,7 +802,15 @@ def enable() -> None:
     function up when it calls it (``torch.nn.functional.scaled_dot_product_attention``,
     ``F.scaled_dot_product_attention``, ``torch.nn.MultiheadAttention`` outside its fast
     path, ``transformers``' SDPA attention) is routed; a reference taken before (``from
-    torch.nn.functional import scaled_dot_product_attention``) is not."""
+    torch.nn.functional import scaled_dot_product_attention``) is not.
+
+    A ``torch.nn.attention.bias.CausalBias`` mask runs as fastattn's causal mask
+    (upper-left: top-left, lower-right: bottom-right; with gradients); other tensor
+    subclasses that override ``__torch_function__``, and ``TorchFunctionMode``\ s, get
+    PyTorch's protocol with the routed function as ``func``.  ``torch.jit.script`` compiles
+    routed calls to PyTorch's op (scripted code does not use fastattn), and
+    ``torch.export``/``torch.compile`` hand calls with data-dependent sizes to PyTorch.
+    Dropout draws differ from PyTorch's (docs/semantics.md §19)."""
     global _original
     with _lock:
         if not is_enabled():

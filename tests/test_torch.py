@@ -674,6 +674,25 @@ def test_causal_bias_inference_and_is_causal_like_torch():
                                            is_causal=True)
 
 
+@pytest.mark.parametrize("make", [causal_upper_left, causal_lower_right])
+def test_direct_call_takes_causal_bias_as_its_causal_mask(monkeypatch, make):
+    """fastattn.torch.scaled_dot_product_attention itself (no routing) reads a CausalBias
+    as the causal mask it stands for, never its placeholder memory."""
+    calls = _spy(monkeypatch, "attention")
+    q, k, v = qkv(B=2, Hq=3, Lq=23, Lk=56, D=8, dtype=F64)
+    bias = make(23, 56)
+    ref = _math_sdpa(q, k, v, attn_mask=bias._materialize())
+    out = ft.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    assert rel(out, ref) <= TOL[F64]
+    assert all("mask" not in kw and "bias" not in kw for _, kw, _ in calls)
+    with pytest.raises(ValueError, match="CausalBias should not be used with causal=True"):
+        ft.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=True)
+    with pytest.raises(ValueError, match="not both"):
+        ft.scaled_dot_product_attention(q, k, v, attn_mask=bias, causal="bottom-right")
+    with pytest.raises(ValueError, match=r"causal_lower_right\(9, 56\) but query and key"):
+        ft.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(9, 56))
+
+
 def test_causal_bias_of_other_lengths_goes_pytorchs_way():
     """A lower-right bias whose lengths are not the call's is materialized by PyTorch's
     CausalBias and broadcast (here (1, S) over the rows): the same as without routing,
