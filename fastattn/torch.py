@@ -689,10 +689,10 @@ def _routed_sdpa(*args: Any, **kwargs: Any) -> Any:
       ``causal_upper_left`` is fastattn's top-left causal mask (``is_causal``),
       ``causal_lower_right`` its bottom-right one; the placeholder tensor's memory is
       never read.
-    - Any other tensor subclass that overrides ``__torch_function__`` (and any active
-      ``TorchFunctionMode``) gets PyTorch's protocol with this function as ``func``,
-      the object ``torch.nn.functional.scaled_dot_product_attention`` is while routing
-      is on, so the subclass recognises the call as it would PyTorch's function.
+    - Any other tensor subclass that overrides ``__torch_function__`` goes to PyTorch's
+      function, which dispatches it as without routing (``func`` is PyTorch's function,
+      what nested jagged tensors look for).  An active ``TorchFunctionMode`` gets the
+      protocol with this function as ``func``; the call it lets through runs here.
     - Under ``torch.export``/``torch.compile``, sizes that depend on data (unbacked
       symbols) go to PyTorch's function, which records its own op.
 
@@ -712,8 +712,15 @@ def _routed_sdpa(*args: Any, **kwargs: Any) -> Any:
                     return out
             tensors = tuple(t for t in (q, k, v, mask) if isinstance(t, Tensor))
             if torch.overrides.has_torch_function(tensors):
-                # a __torch_function__ subclass or mode: PyTorch's protocol, with the
-                # public function (this one, or a wrapper of it) as func
+                if any(_overrides_torch_function(t) for t in tensors) \
+                        and not (mask is not None and _is_causal_bias(mask)):
+                    # a __torch_function__ subclass: PyTorch's function dispatches it,
+                    # with func the function PyTorch's own subclasses (nested jagged
+                    # tensors) look for
+                    return original(*args, **kwargs)
+                # a TorchFunctionMode, or a CausalBias that fastattn does not take: the
+                # protocol with func the public function (CausalBias looks for it), which
+                # comes back here once the mode or subclass has done its part
                 return torch.overrides.handle_torch_function(
                     torch.nn.functional.scaled_dot_product_attention, tensors, *args, **kwargs)
             if (compiling or any(type(t) is not Tensor for t in tensors)) \
@@ -736,6 +743,18 @@ def _routed_sdpa(*args: Any, **kwargs: Any) -> Any:
 # torch.nn.functional.scaled_dot_product_attention while routing is on (nn.MultiheadAttention,
 # nn.TransformerEncoderLayer) compiles to PyTorch's op, as it does without routing.
 torch.jit._builtins._register_builtin(_routed_sdpa, "aten::scaled_dot_product_attention")
+
+
+def _overrides_torch_function(t: Tensor) -> bool:
+    """Whether t's class overrides __torch_function__ (plain tensors, nn.Parameter,
+    FakeTensor and the classes that disable it do not)."""
+    cls = type(t)
+    if cls is Tensor:
+        return False
+    tf = getattr(cls, "__torch_function__", None)
+    if tf is torch._C._disabled_torch_function_impl:
+        return False
+    return getattr(tf, "__func__", tf) is not Tensor.__torch_function__.__func__
 
 
 def _unbacked(tensors) -> bool:
@@ -806,11 +825,12 @@ def enable() -> None:
 
     A ``torch.nn.attention.bias.CausalBias`` mask runs as fastattn's causal mask
     (upper-left: top-left, lower-right: bottom-right; with gradients); other tensor
-    subclasses that override ``__torch_function__``, and ``TorchFunctionMode``\ s, get
-    PyTorch's protocol with the routed function as ``func``.  ``torch.jit.script`` compiles
-    routed calls to PyTorch's op (scripted code does not use fastattn), and
-    ``torch.export``/``torch.compile`` hand calls with data-dependent sizes to PyTorch.
-    Dropout draws differ from PyTorch's (docs/semantics.md §19)."""
+    subclasses that override ``__torch_function__`` go to PyTorch's function, which
+    dispatches them as without routing; a ``TorchFunctionMode`` sees the routed function
+    as ``func``.  ``torch.jit.script`` compiles routed calls to PyTorch's op (scripted
+    code does not use fastattn), and ``torch.export``/``torch.compile`` hand calls with
+    data-dependent sizes to PyTorch.  Dropout draws differ from PyTorch's
+    (docs/semantics.md §19)."""
     global _original
     with _lock:
         if not is_enabled():

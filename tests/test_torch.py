@@ -730,31 +730,48 @@ def test_causal_bias_compiles_to_fastattns_op_without_graph_break(make):
 
 
 class _Logged(torch.Tensor):
-    """An attn_mask subclass that overrides __torch_function__ and, as CausalBias does,
-    recognises a call by ``func is torch.nn.functional.scaled_dot_product_attention``."""
+    """An attn_mask subclass that overrides __torch_function__, records the functions it
+    sees and, for PyTorch's SDPA, unwraps its mask and calls on."""
     seen: list = []
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         cls.seen.append(func)
-        if func is torch.nn.functional.scaled_dot_product_attention:
+        if func is TORCH_SDPA:
             def plain(x):
                 return x.as_subclass(torch.Tensor) if isinstance(x, _Logged) else x
             return func(*map(plain, args), **{n: plain(x) for n, x in kwargs.items()})
         return super().__torch_function__(func, types, args, kwargs)
 
 
-def test_torch_function_subclass_mask_sees_the_public_function(monkeypatch):
+def test_torch_function_subclasses_see_the_call_as_without_routing(monkeypatch):
+    """A tensor subclass that overrides __torch_function__ gets the call from PyTorch's
+    own function, with the func it gets without routing; fastattn never reads it."""
     calls = _spy(monkeypatch, "attention")
     q, k, v = qkv(B=2, Hq=3, Lq=9, Lk=11, D=8, dtype=F32, grad=False)
     plain = torch.randn(9, 11, generator=torch.Generator().manual_seed(3))
-    _Logged.seen.clear()
+    runs = []
+    for routed in (False, True):
+        _Logged.seen.clear()
+        with ft.sdpa_kernel(routed):
+            out = F.scaled_dot_product_attention(q, k, v, plain.as_subclass(_Logged))
+        runs.append((list(_Logged.seen), out))
+    assert runs[0][0] == runs[1][0] == [TORCH_SDPA]
+    assert torch.equal(runs[0][1], runs[1][1]) and not calls
+
+
+def test_nested_jagged_tensors_as_without_routing():
+    """Nested jagged tensors (a __torch_function__ subclass that recognises PyTorch's own
+    function) compute as without routing."""
+    g = torch.Generator().manual_seed(0)
+    nt = torch.nested.nested_tensor([torch.randn(n, 4, 8, generator=g) for n in (3, 5)],
+                                    layout=torch.jagged).transpose(1, 2)
+    ref = TORCH_SDPA(nt, nt, nt)
     with ft.sdpa_kernel():
-        out = F.scaled_dot_product_attention(q, k, v, plain.as_subclass(_Logged))
-        assert _Logged.seen and _Logged.seen[0] is F.scaled_dot_product_attention
-    assert len(calls) == 1  # the subclass unwrapped its mask; fastattn computed the call
-    assert rel(out, TORCH_SDPA(q, k, v, plain)) <= 1e-5
+        out = F.scaled_dot_product_attention(nt, nt, nt)
+    for a, b in zip(out.unbind(), ref.unbind()):
+        assert torch.equal(a, b)
 
 
 def test_torch_function_mode_is_honoured(monkeypatch):
