@@ -742,7 +742,10 @@ def _routed_sdpa(*args: Any, **kwargs: Any) -> Any:
 # id) before compiling its source: scripted code that reaches
 # torch.nn.functional.scaled_dot_product_attention while routing is on (nn.MultiheadAttention,
 # nn.TransformerEncoderLayer) compiles to PyTorch's op, as it does without routing.
-torch.jit._builtins._register_builtin(_routed_sdpa, "aten::scaled_dot_product_attention")
+try:
+    torch.jit._builtins._register_builtin(_routed_sdpa, "aten::scaled_dot_product_attention")
+except AttributeError:  # a PyTorch without this private table: scripting a routed call
+    pass                # then fails to compile, as it did before the registration
 
 
 def _overrides_torch_function(t: Tensor) -> bool:
