@@ -834,8 +834,10 @@ def test_torchscript_modules_with_routing_on_equal_routing_off():
     functions it compiled, so scripting there first is what a user's first script does."""
     import subprocess
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    # from tests/: in the clone's root (where CI runs the suite) `python -c` would find
+    # the source folder, which has no built extension, before the installed package
     res = subprocess.run([sys.executable, "-c", _SCRIPTED], capture_output=True, text=True,
-                         env=env, timeout=300)
+                         env=env, timeout=300, cwd=os.path.dirname(os.path.abspath(__file__)))
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-3000:]
 
 
