@@ -48,16 +48,17 @@ import sys
 import tempfile
 
 MCA_CANDIDATES = ("llvm-mca-19", "/usr/lib/llvm-19/bin/llvm-mca")
-# (label, model passed to -mcpu, note)
+# (label, model passed to -mcpu)
 CPUS = (("Intel SPR/EMR (skx ports)", "skylake-avx512"),
         ("LLVM sapphirerapids", "sapphirerapids"),
         ("AMD Zen 4", "znver4"))
 # per model: memory broadcasts fed to llvm-mca as plain loads (see above)
 BCAST_AS_LOAD = {"znver4"}
 BCAST = re.compile(r"^vbroadcastss\s+(\S*\(.*\)),(%zmm\d+)$")
-LOOPS = (("QK^T 6x4 micro-kernel", "fa_qk_tile_f32_avx512", "vfmadd"),
-         ("P.V 6x4 micro-kernel", "fa_pv_tile_f32_avx512", "vfmadd"),
-         ("softmax (exp, sums, P store)", "fa_softmax_tile_f32_avx512", "vscalefps"),
+QK, PV, SM = "QK^T 6x4 micro-kernel", "P.V 6x4 micro-kernel", "softmax (exp, sums, P store)"
+LOOPS = ((QK, "fa_qk_tile_f32_avx512", "vfmadd"),
+         (PV, "fa_pv_tile_f32_avx512", "vfmadd"),
+         (SM, "fa_softmax_tile_f32_avx512", "vscalefps"),
          ("AMX row block: tile products", "fa_qblock_rows_amx", "tdpbf16ps"),
          ("AMX row block: softmax", "fa_qblock_rows_amx", "vscalefps"))
 PEAK_LOOP = "".join(f"vfmadd231ps %zmm30, %zmm31, %zmm{i}\n" for i in range(24))
@@ -170,11 +171,11 @@ def main(argv=None):
     print(f"extension: {so}\nllvm-mca: {mca}\n")
     print("model FMA peak (512-bit FMAs a cycle): " +
           ", ".join(f"{n} {peak[c]:.2f}" for n, c in CPUS))
-    rows = {}
+    rows, fma_count = {}, {}
     print(f"\n{'loop':32} {'insns':>5} {'FMA':>4}  " + "  ".join(f"{n:>28}" for n, _ in CPUS))
     for label, (sym, key, body) in bodies.items():
         src = mca_source(body)
-        nfma = sum(t.startswith("vfmadd") or t.startswith("vfmsub") or t.startswith("vfnmadd") for t in body)
+        nfma = fma_count[label] = sum(t.startswith(("vfmadd", "vfmsub", "vfnmadd")) for t in body)
         cells = []
         for name, cpu in CPUS:
             cyc, busy = mca_cycles(mca, cpu, src)
@@ -189,19 +190,15 @@ def main(argv=None):
         print(f"{label:32} {len(body):5d} {nfma:4d}  " + "  ".join(cells))
     bq, bk = (int(x) for x in args.blocks.lower().split("x"))
     D = args.D
-    qk, pv, sm = (bodies.get(n) for n in ("QK^T 6x4 micro-kernel", "P.V 6x4 micro-kernel",
-                                          "softmax (exp, sums, P store)"))
-    if qk and pv and sm:
+    if all(n in bodies for n in (QK, PV, SM)):
         print(f"\nforward, float32 avx512, blocks {bq} x {bk}, D = Dv = {D} (one tile, all in L1):")
-        nvec = sm[2].count  # noqa: F841 (kept readable below)
-        vec_per_iter = sum(t.startswith("vscalefps") for t in sm[2])
+        vec_per_iter = sum(t.startswith("vscalefps") for t in bodies[SM][2])
         for name, cpu in CPUS:
-            cq, cp, cs = (rows[(n, cpu)] for n in ("QK^T 6x4 micro-kernel", "P.V 6x4 micro-kernel",
-                                                    "softmax (exp, sums, P store)"))
+            cq, cp, cs = (rows[(n, cpu)] for n in (QK, PV, SM))
             if None in (cq, cp, cs):
                 continue
             fmas = bq * bk * D / 16  # vector FMAs of each product
-            cyc_qk, cyc_pv = fmas / 24 * cq, fmas / 24 * cp
+            cyc_qk, cyc_pv = fmas / fma_count[QK] * cq, fmas / fma_count[PV] * cp
             cyc_sm = bq * bk / 16 / vec_per_iter * cs
             ideal = 2 * fmas / peak[cpu]
             total = cyc_qk + cyc_pv + cyc_sm
