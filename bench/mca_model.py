@@ -24,7 +24,7 @@ Two corrections make the model usable, both measured rather than assumed:
 * LLVM 19's ``znver4`` model charges a broadcast from memory (``vbroadcastss m32,
   zmm``) one cycle of the FP1 pipe, which the FMAs need: it predicts the 6 x 4
   products at 80% of the peak, where the kernel measured them at 97-98% on a Zen 4
-  (bench/README.md, "where a block's time goes").  The Zen 4 rows model a memory
+  (bench/NOTEBOOK.md, "Where a block's time goes").  The Zen 4 rows model a memory
   broadcast as the plain load it costs there (the loop fed to llvm-mca has
   ``vmovups`` in its place; the loads' count and ports are unchanged).
 * Each CPU's FMA peak is the model's own: the cycles of a loop of 24 independent

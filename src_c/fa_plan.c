@@ -85,7 +85,7 @@
  * predicts a float32 avx512 block with every operand in L1 at 89% (192 x 64, D64) / 94%
  * (D128) of the FMA peak on an Intel Xeon and 93% / 96% on Zen 4; checked against the C
  * probe of the block (bench/probes/tiles_avx512.c): Zen 4 90% / 94%, Emerald Rapids 83% /
- * 79%, where the operands' feed binds, not the ports (bench/README.md, "A port model of
+ * 79%, where the operands' feed binds, not the ports (bench/NOTEBOOK.md, "A port model of
  * the hot loops").  The Emerald Rapids sweep (lscpu family 6 model 207, 2 MiB L2, 1
  * thread, interleaved, % of the FMA peak) kept the Xeon's 192 x 64:
  *   avx512 f32 D=64  L=4096: q=384 k=64 78.1 | q=192 k=128 77.1 | q=192 k=64 77.0 | q=96 k=64 75.5

@@ -1,6 +1,6 @@
 /*
  * amx_tiles.c -- what the tile unit costs on this machine, outside fastattn: the
- * numbers behind bench/README.md's "The AMX forward's overheads" section.  Not built
+ * numbers behind bench/NOTEBOOK.md's "The AMX forward's overheads" section.  Not built
  * by setup.py; on a Linux x86-64 machine with AMX-BF16:
  *
  *   gcc -O2 -mamx-tile -mamx-bf16 -mavx512f -mavx512bw -mavx512dq -mavx512bf16 \

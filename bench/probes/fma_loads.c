@@ -1,7 +1,7 @@
 /*
  * fma_loads.c -- how close an AVX-512 float32 FMA loop that reads its operands from L1
  * comes to the register-only FMA rate on this machine, outside fastattn: the numbers
- * behind bench/README.md's "The float32 ceiling on the Xeon" section.  Not built by
+ * behind bench/NOTEBOOK.md's "The float32 ceiling on the Xeon" section.  Not built by
  * setup.py; on an x86-64 machine with AVX-512F:
  *
  *   gcc -O3 -mavx512f -mfma bench/probes/fma_loads.c -o /tmp/fma_loads && taskset -c 1 /tmp/fma_loads

@@ -2,7 +2,7 @@
  * tiles_avx2.c -- the avx2 kernel's two float32 tile products (kern_products.h) outside
  * fastattn, in the kernel's loop orders and block sizes, against the same register
  * tiles with every operand in L1: how much the tiles' own memory traffic costs, the
- * numbers behind bench/README.md's "The tiles outside the kernel" section.  Not built by
+ * numbers behind bench/NOTEBOOK.md's "The tiles outside the kernel" section.  Not built by
  * setup.py; on an x86-64 machine with AVX2 and FMA:
  *
  *   gcc -O3 -mavx2 -mfma bench/probes/tiles_avx2.c -o /tmp/tiles && taskset -c 1 /tmp/tiles 64
