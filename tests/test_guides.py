@@ -1,0 +1,129 @@
+"""The guides in docs/: every ```python block runs, in order, in one namespace per
+guide, and the results the text describes are checked here; every relative link of the
+README and the guides points at a file that exists.
+
+A guide whose framework is not installed is skipped (pytest.importorskip).  Blocks that
+must not run are fenced ```bash, ```console or ```text in the guides.
+"""
+import pathlib
+import re
+
+import numpy as np
+import pytest
+
+import fastattn
+from fastattn import reference
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+# The guides this file runs, and the modules each one's examples need.
+NEEDS = {
+    "decoding.md": (),
+    "torch.md": ("torch",),
+    "transformers.md": ("torch", "transformers"),
+    "jax.md": ("jax",),
+    "dask.md": ("dask", "distributed"),
+    "geometry.md": ("torch", "transformers"),
+    "semantics.md": (),
+    "architecture.md": (),
+    "troubleshooting.md": (),
+}
+# Pages produced by a command rather than written by hand (the benchmark report); a
+# link to one is allowed before it has been generated in this checkout.
+GENERATED = {DOCS / "performance.md"}
+
+
+def _doc(name):
+    path = DOCS / name
+    if not path.exists():
+        pytest.skip(f"docs/{name} is not beside tests/ (tests copied without the repository)")
+    return path
+
+
+def blocks(name):
+    """The ```python blocks of docs/<name>, with the line each starts on."""
+    text = _doc(name).read_text()
+    return [(text.count("\n", 0, m.start()) + 2, m.group(1))
+            for m in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M)]
+
+
+def run_guide(name):
+    """Run docs/<name>'s python blocks in order in one namespace and return it."""
+    for mod in NEEDS[name]:
+        pytest.importorskip(mod)
+    ns = {"__name__": "guide_" + name.replace(".", "_")}
+    for line, code in blocks(name):
+        exec(compile("\n" * (line - 1) + code, str(DOCS / name), "exec"), ns)
+    return ns
+
+
+def test_every_guide_is_listed():
+    """A new guide with examples must be added to NEEDS (so that its blocks run)."""
+    if not DOCS.exists():
+        pytest.skip("docs/ is not beside tests/")
+    have = {p.name for p in DOCS.glob("*.md") if "```python" in p.read_text()}
+    assert have <= set(NEEDS), f"guides with examples that no test runs: {have - set(NEEDS)}"
+
+
+def test_pages_without_examples():
+    for name in ("semantics.md", "architecture.md", "troubleshooting.md"):
+        assert blocks(name) == [], f"docs/{name} has python blocks: add a test that runs them"
+
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+@pytest.mark.parametrize("page", ["README.md"] + [f"docs/{n}" for n in NEEDS])
+def test_relative_links_exist(page):
+    path = ROOT / page
+    if not path.exists():
+        pytest.skip(f"{page} is not beside tests/")
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M)
+    missing = []
+    for target in LINK.findall(text):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue
+        dest = (path.parent / target.split("#")[0]).resolve()
+        if not dest.exists() and dest not in GENERATED:
+            missing.append(target)
+    assert not missing, f"{page}: links to files that do not exist: {missing}"
+
+
+def test_guides_link_only_inside_docs():
+    """The Sphinx site is built from docs/: a guide's link outside it would not resolve."""
+    for name in NEEDS:
+        text = _doc(name).read_text()
+        outside = [t for t in LINK.findall(text)
+                   if not re.match(r"[a-z]+:", t) and t.startswith("..")]
+        assert not outside, f"docs/{name} links outside docs/: {outside}"
+
+
+def test_decoding():
+    ns = run_guide("decoding.md")
+    # the float16 cache: the last step equals the oracle over the views it read
+    t = 3
+    want = reference.attention(ns["q_t"].astype(np.float64), ns["k_cache"][:, :, :t + 1],
+                               ns["v_cache"][:, :, :t + 1], causal=True)
+    # (q_t was redrawn by the int8 loop: recompute the float16 step with it)
+    got = fastattn.attention(ns["q_t"], ns["k_cache"][:, :, :t + 1], ns["v_cache"][:, :, :t + 1],
+                             causal=True)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    assert ns["o_t"].shape == (1, 8, 1, 64) and ns["o_t"].dtype == np.float32
+    # seqlens_k: each sequence alone on its own keys, and sequence 3 sees nothing
+    ob, lens = ns["ob"], ns["lengths"]
+    for b, n in enumerate(lens[:3]):
+        alone = fastattn.attention(ns["qb"][b:b + 1], ns["kb"][b:b + 1, :, :n],
+                                   ns["vb"][b:b + 1, :, :n], causal=True)
+        np.testing.assert_array_equal(ob[b:b + 1], alone)
+    assert np.all(ob[3] == 0) and np.all(ns["lse_b"][3] == -np.inf)
+    # chunked prefill: the whole call's rows, bit for bit
+    np.testing.assert_array_equal(ns["chunked"], ns["whole"])
+    # int8: exact attention over the dequantized cache, and the cache holds 4 tokens
+    np.testing.assert_array_equal(ns["o8"], ns["exact"])
+    assert np.all(ns["kq"].scale[:, :, :4] > 0) and np.all(ns["kq"].scale[:, :, 4:] == 0)
+    # paged: the bits of the same keys laid out contiguously
+    np.testing.assert_array_equal(ns["paged"], ns["flat"])
+    # merge over a split cache: the causal call over all the keys, to rounding
+    np.testing.assert_allclose(ns["merged"], ns["whole"], rtol=0, atol=2e-6)
+    _, whole_lse = fastattn.attention(ns["qp"], ns["kp"], ns["vp"], causal=True, return_lse=True)
+    np.testing.assert_allclose(ns["merged_lse"], whole_lse, rtol=1e-6)
