@@ -127,3 +127,33 @@ def test_decoding():
     np.testing.assert_allclose(ns["merged"], ns["whole"], rtol=0, atol=2e-6)
     _, whole_lse = fastattn.attention(ns["qp"], ns["kp"], ns["vp"], causal=True, return_lse=True)
     np.testing.assert_allclose(ns["merged_lse"], whole_lse, rtol=1e-6)
+
+
+def test_torch(monkeypatch):
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+    calls = []
+    real = fastattn.attention_backward
+    monkeypatch.setattr(fastattn, "attention_backward",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    ns = run_guide("torch.md")
+    assert calls, "the routed backward did not run fastattn's attention_backward"
+    q, k, v = (ns[n].detach() for n in "qkv")
+    # the routed call is PyTorch's function's result, computed by fastattn
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(ns["out"].detach(), want, rtol=1e-5, atol=1e-5)
+    assert ns["out2"].shape == (2, 8, 256, 64) and ns["lse"].shape == (2, 8, 256)
+    assert ns["q"].grad is not None and ns["k"].grad.shape == (2, 2, 256, 64)
+    # the compiled layer equals the same layer run eagerly
+    x, wq, wk, wv = ns["x"], ns["wq"], ns["wk"], ns["wv"]
+    eager = F.scaled_dot_product_attention(x @ wq, x @ wk, x @ wv, is_causal=True)
+    torch.testing.assert_close(ns["compiled"], eager, rtol=1e-5, atol=1e-5)
+    # the int8 cache: exact attention over the dequantized cache
+    k8 = ns["k8"]
+    deq = torch.from_numpy(fastattn.dequantize_kv(fastattn.QuantizedKV(k8.data.numpy(),
+                                                                       k8.scale.numpy())))
+    assert k8.data.dtype == torch.int8 and ns["step"].shape == (1, 8, 1, 64)
+    assert not ns["step"].requires_grad
+    qs = torch.zeros(1, 8, 1, 64)
+    np.testing.assert_array_equal(fastattn.torch.attention(qs, k8, k8, causal=True).numpy(),
+                                  fastattn.attention(qs.numpy(), deq.numpy(), deq.numpy(), causal=True))
