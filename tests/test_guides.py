@@ -157,3 +157,21 @@ def test_torch(monkeypatch):
     qs = torch.zeros(1, 8, 1, 64)
     np.testing.assert_array_equal(fastattn.torch.attention(qs, k8, k8, causal=True).numpy(),
                                   fastattn.attention(qs.numpy(), deq.numpy(), deq.numpy(), causal=True))
+
+
+def test_transformers():
+    torch = pytest.importorskip("torch")
+    ns = run_guide("transformers.md")
+    assert ns["model"].config._attn_implementation == "fastattn"
+    assert ns["logits"].shape == (2, 24, 128) and ns["tokens"].shape == (2, 32)
+    torch.testing.assert_close(ns["logits"], ns["eager_logits"], rtol=1e-4, atol=1e-4)
+    with torch.no_grad():   # greedy decoding gives the eager model's tokens
+        eager_tokens = ns["eager"].generate(ns["ids"], attention_mask=torch.ones_like(ns["ids"]),
+                                            max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(ns["tokens"], eager_tokens)
+    assert ns["model"].config._attn_implementation == "fastattn"
+    assert [i for i, _ in ns["st"].calls] == [0, 1]   # one call a layer, both recorded
+    ent, sup = ns["entropy"], ns["support"]
+    assert ent.shape == (2, 2, 4, 24) and sup.shape == (2, 4)
+    # the last query sees all 24 keys: support between 1 and 24; the first sees one key
+    assert np.all((sup >= 1) & (sup <= 24 + 1e-3)) and np.all(ent[..., 0] == 0)
