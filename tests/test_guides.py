@@ -175,3 +175,24 @@ def test_transformers():
     assert ent.shape == (2, 2, 4, 24) and sup.shape == (2, 4)
     # the last query sees all 24 keys: support between 1 and 24; the first sees one key
     assert np.all((sup >= 1) & (sup <= 24 + 1e-3)) and np.all(ent[..., 0] == 0)
+
+
+def test_jax():
+    pytest.importorskip("jax")
+    pytest.importorskip("fastattn.jax", reason="fastattn was built without its XLA handlers")
+    ns = run_guide("jax.md")
+    # all-ones inputs: every output row is the value row (ones), and the gradients of
+    # q and k are 0 (every logit of a row is equal); dv[s] sums the weights key s gets:
+    # 4 query heads a K/V head x sum over the queries t >= s of 1 / (t + 1)
+    np.testing.assert_allclose(np.asarray(ns["out"]), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(ns["dq"]), 0, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ns["dk"]), 0, atol=1e-5)
+    t = np.arange(512)
+    per_key = np.array([np.sum(1.0 / (t[s:] + 1)) for s in range(512)])
+    np.testing.assert_allclose(np.asarray(ns["dv"])[0, :, 0, 0], 4 * per_key, rtol=1e-4)
+    outs, qs, kv = (np.asarray(ns[n], np.float64) for n in ("outs", "qs", "kv"))
+    assert outs.shape == (3, 2, 64, 8, 32)
+    kv_heads = np.repeat(kv, 4, axis=2).transpose(0, 2, 1, 3)      # (B, N, S, H)
+    for i in range(3):
+        want = reference.attention(qs[i].transpose(0, 2, 1, 3), kv_heads, kv_heads, causal=True)
+        np.testing.assert_allclose(outs[i], want.transpose(0, 2, 1, 3), rtol=0, atol=2e-5)
