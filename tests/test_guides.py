@@ -196,3 +196,19 @@ def test_jax():
     for i in range(3):
         want = reference.attention(qs[i].transpose(0, 2, 1, 3), kv_heads, kv_heads, causal=True)
         np.testing.assert_allclose(outs[i], want.transpose(0, 2, 1, 3), rtol=0, atol=2e-5)
+
+
+def test_dask():
+    ns = run_guide("dask.md")
+    qn, kn, vn = ns["qn"], ns["kn"], ns["vn"]
+    whole, whole_lse = fastattn.attention(qn, kn, vn, causal=True, return_lse=True)
+    # two key chunks: the whole call to rounding
+    np.testing.assert_allclose(ns["out_np"], whole, rtol=0, atol=2e-6)
+    np.testing.assert_allclose(ns["lse_np"], whole_lse, rtol=1e-6)
+    # the cluster's rows are the threaded scheduler's, bit for bit
+    np.testing.assert_array_equal(ns["rows"], ns["out_np"][0, :, -4:])
+    # causal over 4 query chunks x 2 key chunks: query chunks 0 and 1 (rows < 512) see
+    # only key chunk 0, so the graph has 6 blocks, not 8
+    blocks = [key for key in dict(ns["out"].__dask_graph__())
+              if isinstance(key, tuple) and key[0].startswith("fastattn-block-")]
+    assert len(blocks) == 6
