@@ -23,7 +23,7 @@ NEEDS = {
     "transformers.md": ("torch", "transformers"),
     "jax.md": ("jax",),
     "dask.md": ("dask", "distributed"),
-    "geometry.md": ("torch", "transformers"),
+    "geometry.md": (),   # its model example (block 2) runs in tests/test_transformers.py
     "semantics.md": (),
     "architecture.md": (),
     "troubleshooting.md": (),
@@ -47,12 +47,14 @@ def blocks(name):
             for m in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M)]
 
 
-def run_guide(name):
-    """Run docs/<name>'s python blocks in order in one namespace and return it."""
+def run_guide(name, only=None):
+    """Run docs/<name>'s python blocks (those numbered in `only`, else all) in order in
+    one namespace and return it."""
     for mod in NEEDS[name]:
         pytest.importorskip(mod)
     ns = {"__name__": "guide_" + name.replace(".", "_")}
-    for line, code in blocks(name):
+    found = blocks(name)
+    for line, code in (found if only is None else [found[i] for i in only]):
         exec(compile("\n" * (line - 1) + code, str(DOCS / name), "exec"), ns)
     return ns
 
@@ -212,3 +214,24 @@ def test_dask():
     blocks = [key for key in dict(ns["out"].__dask_graph__())
               if isinstance(key, tuple) and key[0].startswith("fastattn-block-")]
     assert len(blocks) == 6
+
+
+def test_geometry():
+    found = blocks("geometry.md")
+    # block 2 (a gpt-oss model's per-layer statistics) is run, and its printed output
+    # compared with the page, by tests/test_transformers.py::test_geometry_doc_example
+    assert len(found) == 2 and "import transformers" in found[1][1]
+    ns = run_guide("geometry.md", only=[0])
+    prof, row = ns["prof"], ns["row"]
+    assert prof.entropy.shape == (4, 256)
+    # causal: row i sees i + 1 keys, so 1 <= exp(H) <= i + 1
+    assert np.all(prof.n_visible[0] == np.arange(1, 257))
+    assert np.all(prof.effective_support >= 1 - 1e-9)
+    assert np.all(prof.effective_support <= prof.n_visible + 1e-9)
+    np.testing.assert_allclose(prof.effective_support, np.exp(prof.entropy), rtol=1e-12)
+    coords, rest = ns["coords"], ns["rest"]
+    assert len(ns["keys"]) == 5 and np.all(np.diff(coords) <= 0)
+    np.testing.assert_allclose(coords.sum() + rest, 1.0, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(ns["output_2d"], row @ ns["points_2d"], rtol=0, atol=1e-12)
+    # key mass: each head's masses sum to its rows (all 256 see a key)
+    np.testing.assert_allclose(ns["mass"].sum(axis=-1), 256, rtol=1e-9)
