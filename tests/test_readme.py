@@ -50,18 +50,31 @@ def test_examples_type_check(tmp_path):
 
 def test_examples_run(capsys):
     ns = runpy.run_path(str(EXAMPLES))
-    out, lse, ref = ns["out"], ns["lse"], ns["ref"]
-    assert out.shape == (1, 8, 4096, 64) and lse.shape == (1, 8, 4096)
-    # the int8 cache's first step: one key, all the weight on its dequantized value
-    np.testing.assert_array_equal(ns["o_step"], fastattn.dequantize_kv(ns["vq"])[:, :, :1])
-    full, full_lse = fastattn.attention(ns["q"], ns["k"], ns["v"], return_lse=True)
-    np.testing.assert_allclose(out, full, rtol=0, atol=1e-5)   # the merge example
-    np.testing.assert_allclose(lse, full_lse, rtol=1e-6, atol=1e-5)
-    assert ref.dtype == np.float64
-    q = np.ones((1, 32, 1, 128), np.float32)
-    step = ns["decode_step"](q, 100)
-    assert step.shape == (1, 32, 1, 128) and step.dtype == np.float32
+    q, k, v, out, lse = ns["q"], ns["k"], ns["v"], ns["out"], ns["lse"]
+    assert out.shape == (1, 8, 1024, 64) and lse.shape == (1, 8, 1024)
+    # grouped-query heads: query head h reads K/V head h // 4; checked against the oracle
+    want, want_lse = fastattn.reference.attention(q, k, v, causal=True, return_lse=True)
+    np.testing.assert_allclose(out, want, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-6, atol=1e-5)
+    w_want = fastattn.reference.attention(q, k, v, window=(255, 0), alibi_slopes=np.full(8, 0.1),
+                                          mask=_readme_mask())
+    np.testing.assert_allclose(ns["out_w"], w_want, rtol=0, atol=1e-5)
+    # the gradients of sum(out): the oracle's backward
+    dq, dk, dv = fastattn.reference.attention_backward(np.ones_like(out), q, k, v, out, lse,
+                                                        causal=True)
+    for got, ref in zip((ns["dq"], ns["dk"], ns["dv"]), (dq, dk, dv)):
+        assert got.shape == ref.shape and got.dtype == np.float32
+        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4 * np.abs(ref).max())
+    assert ns["ref"].dtype == np.float64 and ns["ref"].shape == (1, 1, 1024, 64)
     assert "kernel:" in capsys.readouterr().out
+
+
+def _readme_mask():
+    """The README's key mask: the generator's next draw after q, k and v."""
+    rng = np.random.default_rng(0)
+    for shape in ((1, 8, 1024, 64), (1, 2, 1024, 64), (1, 2, 1024, 64)):
+        rng.standard_normal(shape, dtype=np.float32)
+    return rng.random(1024) > 0.1
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
