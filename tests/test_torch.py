@@ -5,8 +5,6 @@ import contextlib
 import importlib
 import math
 import os
-import pathlib
-import re
 import sys
 import tracemalloc
 
@@ -1002,21 +1000,3 @@ def test_gpt_training_matches_torch(monkeypatch, dtype):
     assert ref[-5:].mean() < ref[:5].mean() - 0.1  # it learns
     tol = 1e-4 if dtype == F32 else 1e-10
     np.testing.assert_allclose(ours, ref, rtol=tol, atol=0)
-
-
-# ---------------------------------------------------------------------------------------
-# the README's example (a ```py block: tests/test_readme.py runs only ```python blocks,
-# which must run without torch)
-
-def test_readme_pytorch_example(monkeypatch):
-    readme = pathlib.Path(__file__).resolve().parent.parent / "README.md"
-    if not readme.exists():
-        pytest.skip("README.md is not beside tests/")
-    section = readme.read_text().split("\n## With PyTorch\n", 1)[-1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```py\n(.*?)```", section, re.S)
-    assert blocks, "README.md has no ```py block in its 'With PyTorch' section"
-    calls = _spy(monkeypatch, "attention_backward")
-    ns: dict = {}
-    for block in blocks:
-        exec(compile(block, "README.md: With PyTorch", "exec"), ns)
-    assert calls and ns["out"].shape == (2, 8, 1024, 64) and ns["lse"].shape == (2, 8, 1024)
