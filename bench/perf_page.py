@@ -521,8 +521,8 @@ def page(result, figure_rel):
     return "\n".join(out)
 
 
-def headline(result, page_rel):
-    """The README's table: one row of each section, from the same run."""
+def headline(result, page_rel, figure_rel):
+    """The README's table and the page's figure: rows of each section, from the same run."""
     m = result["machine"]
     peers = [p for p in result["peers"] if p in ("PyTorch", "ONNX Runtime", "OpenVINO")]
     picks = [("prefill", result["prefill"], lambda r: "causal" in r["case"]),
@@ -543,6 +543,8 @@ def headline(result, page_rel):
                 "bf16 peak" if section == "bf16" else "FMA peak"
             lines.append("| " + " | ".join([name, f"{r['ms']:.3g} ms", f"{100 * r['pct']:.0f}% of {limit}"]
                                            + [_cell(r, p) for p in peers]) + " |")
+    lines += ["", "*vs X*: X's time / fastattn's time, the median over interleaved rounds (above 1: "
+              "fastattn is faster).", "", f"![fastattn against its peers]({figure_rel})"]
     return "\n".join(lines)
 
 
@@ -647,7 +649,7 @@ def main(argv=None):
         pathlib.Path(js).write_text(json.dumps(result, indent=1, default=float))
     if not args.no_readme:
         readme = ROOT / "README.md"
-        ok = replace_headline(readme, headline(result, os.path.relpath(out, ROOT)))
+        ok = replace_headline(readme, headline(result, os.path.relpath(out, ROOT), os.path.relpath(fig, ROOT)))
         print("README.md's headline table " + ("rewritten" if ok else
               f"not written: README.md has no {README_START} ... {README_END} block"), file=sys.stderr)
     print(f"wrote {out} and {fig}" + (f" and {js}" if js else "") + f" ({result['seconds']:.0f} s)",
