@@ -38,15 +38,36 @@ def _u32_words(name, x, n):
 def philox4x32(counter: ArrayLike, key: ArrayLike) -> np.ndarray:
     """Philox-4x32-10, vectorised: one block of four uint32 words per counter.
 
+    The counter-based generator of Salmon et al. (SC 2011), with the Random123 library's
+    default 10 rounds; fastattn's dropout draws from it.
+
     Parameters
     ----------
-    counter : integer array (..., 4), words (c0, c1, c2, c3) in [0, 2**32).
-    key : integer array (2,) or (..., 2) broadcastable against counter's leading axes,
-        words (k0, k1) in [0, 2**32).
+    counter : array_like of int, shape (..., 4)
+        Words ``(c0, c1, c2, c3)``, each in [0, 2**32).
+    key : array_like of int, shape (2,) or (..., 2)
+        Words ``(k0, k1)``, each in [0, 2**32), broadcastable against counter's leading
+        axes.
 
     Returns
     -------
-    uint32 array (..., 4): the output block of each counter.
+    ndarray of uint32
+        Shape ``(..., 4)``: the output block of each counter.
+
+    Raises
+    ------
+    TypeError
+        If counter or key is not an integer array.
+    ValueError
+        If a last axis has the wrong length or a word is outside [0, 2**32).
+
+    Examples
+    --------
+    Random123's known-answer test (counter and key all zero):
+
+    >>> from fastattn import reference
+    >>> [hex(w) for w in reference.philox4x32([0, 0, 0, 0], [0, 0])]
+    ['0x6627e8d5', '0xe169c58d', '0xbc57ac4c', '0x9b00dbd8']
     """
     c = _u32_words("counter", counter, 4)
     k = _u32_words("key", key, 2)
@@ -97,17 +118,42 @@ def _keep(seed, p, B, H, Lq, Lk, b0=0):
 
 
 def dropout_keep(seed: Seed, p: float, B: int, H: int, Lq: int, Lk: int) -> np.ndarray:
-    """fastattn's dropout decisions: bool array (B, H, Lq, Lk), True = kept.
+    """fastattn's dropout decisions, as a boolean array (True = kept).
 
-    Entry (b, h, i, j) is kept iff word ``j & 3`` of
-    ``philox4x32((j >> 2, i, h, b), (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF))``
-    is ``>= min(int(p * 2**32), 2**32 - 1)``; so p = 0 keeps everything.
+    Entry ``(b, h, i, j)`` is kept iff word ``j & 3`` of
+    ``philox4x32((j >> 2, i, h, b), (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF))`` is
+    ``>= min(int(p * 2**32), 2**32 - 1)``, so ``p = 0`` keeps everything.  The kernels
+    make the same decisions, whatever the threads and blocks.
 
     Parameters
     ----------
-    seed : int in [0, 2**64).
-    p : float in [0, 1), the drop probability.
-    B, H, Lq, Lk : ints >= 0, the batch, query-head, query and key counts.
+    seed : int
+        In [0, 2**64); may be None when ``p = 0``.
+    p : float
+        The drop probability, in [0, 1).
+    B, H, Lq, Lk : int
+        The batch, query-head, query and key counts, >= 0.
+
+    Returns
+    -------
+    ndarray of bool
+        Shape ``(B, H, Lq, Lk)``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        If `seed`, `p` or a count is of the wrong type or out of range.
+
+    See Also
+    --------
+    philox4x32 : The generator.
+
+    Examples
+    --------
+    >>> from fastattn import reference
+    >>> keep = reference.dropout_keep(1234, 0.25, 1, 2, 64, 64)
+    >>> keep.shape, bool(0.7 < keep.mean() < 0.8)
+    ((1, 2, 64, 64), True)
     """
     p, seed = _check_dropout(p, seed, "p")
     for name, n in (("B", B), ("H", H), ("Lq", Lq), ("Lk", Lk)):

@@ -1,11 +1,11 @@
 """Pure-NumPy float64 oracle for fastattn.
 
 Deliberately naive and obviously right: it materialises the full ``(B, Hq, Lq, Lk)``
-logits and follows the "Semantics (exact, in this order)" section of DESIGN.md step by
-step (``docs/semantics.md`` writes the same rules out for users).  Everything is computed in float64 whatever the input dtype.  The kernels are
-tested against this module, so it depends on nothing but NumPy.
+logits and follows the semantics (``docs/semantics.md``) step by step.  Everything is
+computed in float64 whatever the input dtype.  The kernels are tested against this
+module, so it depends on nothing but NumPy.
 
-Conventions beyond DESIGN.md that this module fixes:
+Conventions this module fixes:
 
 - ``bias`` and ``mask`` always broadcast (right-aligned) against the logits shape
   ``(B, Hq, Lq, Lk)`` / ``(Hq, Lq, Lk)`` / ``(Lq, Lk)``, whatever the layout.
@@ -68,40 +68,84 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
               num_threads: Any = None, q_offset: int | None = None,
               k_offset: int | None = None,
               sinks: ArrayLike | None = None) -> Union[F64, Tuple[F64, F64]]:
-    """Exact attention ``softmax(scale * q k^T + ...) v`` in float64.
+    """Exact attention ``softmax(scale * q k^T + ...) v``, computed naively in float64.
+
+    The oracle of :func:`fastattn.attention`: it forms the full logits and follows the
+    semantics step by step.  Every input is converted to float64 first.
 
     Parameters
     ----------
-    q : array, (..., Hq, Lq, D) in layout "bhsd", (..., Lq, Hq, D) in "bshd"; 2-D (Lq, D).
-    k : array, (..., Hkv, Lk, D) (layout as for q).
-    v : array, (..., Hkv, Lk, Dv).
-    scale : float, default 1/sqrt(D).
-    causal : False, True, "bottom-right" or "top-left".
-    window : (left, right) pair of ints or None.
-    mask : bool array broadcastable to (..., Hq, Lq, Lk), True = attend.
-    bias : float array broadcastable to (..., Hq, Lq, Lk).
-    alibi_slopes : float array (Hq,) or (B, Hq).
-    softcap : float > 0.
-    dropout_p : float in [0, 1), the probability of dropping a weight (see
-        :func:`dropout_keep`); kept weights are scaled by 1 / (1 - dropout_p).
-    seed : int in [0, 2**64), required when dropout_p > 0.
-    layout : "bhsd" or "bshd".
-    return_lse : bool, also return the log-sum-exp.
-    out, num_threads : accepted for signature compatibility; ``out`` is ignored.
-    q_offset, k_offset : int, optional: the positions of the first query and the first
-        key in one longer sequence (a block of it: chunked prefill).  Given (a missing
-        one is 0), query i sits at q_offset + i and key j at k_offset + j, and the
-        positions decide the diagonal ``a = q_offset + i - k_offset``: causal hides the
-        keys j > a, the window is around a, the ALiBi distance is |a - j|.  causal may
-        then be True (or "bottom-right"), not "top-left".
-    sinks : float array (Hq,), optional: one more logit per head in each row's softmax
-        (not scaled), a key with a zero value; lse includes it.
+    q : array_like
+        ``(..., Hq, Lq, D)`` in layout ``"bhsd"``, ``(..., Lq, Hq, D)`` in ``"bshd"``;
+        2-D ``(Lq, D)`` in either.  Any float dtype.
+    k : array_like
+        ``(..., Hkv, Lk, D)`` (layout as for q); ``Hq`` a multiple of ``Hkv``.
+    v : array_like
+        ``(..., Hkv, Lk, Dv)``.
+    scale : float, optional
+        Default ``1 / sqrt(D)`` (1 for ``D = 0``).
+    causal : {False, True, 'bottom-right', 'top-left'}, optional
+        As in :func:`fastattn.attention`.
+    window : tuple of (int or None, int or None), optional
+        As in :func:`fastattn.attention`.
+    mask : array_like of bool, optional
+        Broadcastable to ``(..., Hq, Lq, Lk)``; True = attend.
+    bias : array_like of float, optional
+        Broadcastable to ``(..., Hq, Lq, Lk)``.
+    alibi_slopes : array_like of float, shape (Hq,) or (B, Hq), optional
+        As in :func:`fastattn.attention`.
+    softcap : float, optional
+        Finite and > 0.
+    dropout_p : float, optional
+        The probability of dropping a weight, in [0, 1) (decided by
+        :func:`dropout_keep`); kept weights are divided by ``1 - dropout_p``.
+    seed : int, optional
+        In [0, 2**64); required when ``dropout_p > 0``.
+    layout : {'bhsd', 'bshd'}, optional
+        The axis order of q, k, v and the output.
+    return_lse : bool, optional
+        Also return the log-sum-exp of each row.
+    out : optional
+        Accepted for the signature's sake and ignored.
+    num_threads : optional
+        Accepted for the signature's sake and ignored.
+    q_offset, k_offset : int, optional
+        The positions of the first query and the first key in one longer sequence (a
+        missing one is 0): query ``i`` sits at ``q_offset + i``, key ``j`` at
+        ``k_offset + j``, and the diagonal is ``a = q_offset + i - k_offset``: causal
+        hides the keys ``j > a``, the window is around ``a``, the ALiBi distance is
+        ``|a - j|``.  Not with ``causal='top-left'``.
+    sinks : array_like of float, shape (Hq,), optional
+        One more logit per head in each row's softmax (not scaled), a key whose value is
+        zero; lse includes it.
 
     Returns
     -------
-    out : float64 array, same layout and ndim as q with Dv last.
-    lse : float64 array (..., Hq, Lq), only if ``return_lse``; that of the softmax
-        before dropout.
+    out : ndarray of float64
+        q's layout and ndim, with ``Dv`` last.
+    lse : ndarray of float64
+        With ``return_lse=True``: shape ``(..., Hq, Lq)``, that of the softmax before
+        dropout.
+
+    Raises
+    ------
+    TypeError, ValueError
+        For arguments :func:`fastattn.attention` refuses too (the messages do not
+        start with the function's name).
+
+    See Also
+    --------
+    fastattn.attention : The compiled function this checks.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from fastattn import reference
+    >>> q = np.zeros((3, 4)); k = np.zeros((3, 4)); v = np.arange(6.0).reshape(3, 2)
+    >>> reference.attention(q, k, v, causal=True)      # row i: the mean of v[:i + 1]
+    array([[0., 1.],
+           [1., 2.],
+           [2., 3.]])
     """
     o, lse = _forward(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap,
                       dropout_p, seed, layout, num_threads, 0, q_offset, k_offset, sinks)
@@ -115,11 +159,38 @@ def attention_weights(q: ArrayLike, k: ArrayLike, *, scale: float | None = None,
                       dropout_p: float = 0.0, seed: Seed = None,
                       layout: Layout = "bhsd", q_offset: int | None = None,
                       k_offset: int | None = None, sinks: ArrayLike | None = None) -> F64:
-    """The attention weight matrix, float64, shape (..., Hq, Lq, Lk) in any layout.
+    """The attention weights, float64, shape ``(..., Hq, Lq, Lk)`` in either layout.
 
-    Arguments as for :func:`attention`.  Rows sum to 1; rows with no visible key are 0.
-    With dropout_p > 0 the weights are those after dropout: dropped entries 0, kept ones
-    scaled by 1 / (1 - dropout_p), so that ``attention(...) == attention_weights(...) @ v``.
+    Parameters
+    ----------
+    q, k : array_like
+        As in :func:`attention` (no values are needed).
+    scale, causal, window, mask, bias, alibi_slopes, softcap : optional
+        As in :func:`attention`.
+    dropout_p, seed : optional
+        As in :func:`attention`: with ``dropout_p > 0`` the weights are those after
+        dropout (dropped entries 0, kept ones divided by ``1 - dropout_p``), so that
+        ``attention(...) == attention_weights(...) @ v``.
+    layout, q_offset, k_offset, sinks : optional
+        As in :func:`attention`.
+
+    Returns
+    -------
+    ndarray of float64
+        Each row sums to 1 (1 minus the sink's weight with `sinks`); a row with no
+        visible key is 0.
+
+    See Also
+    --------
+    fastattn.attention_weights : The compiled function this checks.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from fastattn import reference
+    >>> reference.attention_weights(np.zeros((2, 4)), np.zeros((2, 4)), causal=True)
+    array([[1. , 0. ],
+           [0.5, 0.5]])
     """
     lg = _logits(q, k, None, scale, causal, window, mask, bias, alibi_slopes, softcap,
                  layout, None, q_offset, k_offset)
@@ -137,11 +208,45 @@ def attention_stats(q: ArrayLike, k: ArrayLike, *, scale: float | None = None,
                     layout: Layout = "bhsd", q_offset: int | None = None,
                     k_offset: int | None = None,
                     sinks: ArrayLike | None = None) -> Tuple[F64, F64, F64]:
-    """(entropy, effective_support, max_weight), each (..., Hq, Lq), float64, computed
-    naively from the weights: ``H = -sum p log p`` over the row's weights (0 log 0 = 0),
-    ``exp(H)``, ``max p``; a row with no visible key gets 0 in all three (what
-    ``fastattn.attention(..., return_stats=True)`` documents).  With `sinks`, over the
-    keys and the sink: the sink's weight is one more entry of each row."""
+    """The statistics of :class:`fastattn.AttentionStats`, computed naively from the weights.
+
+    Parameters
+    ----------
+    q, k : array_like
+        As in :func:`attention`.
+    scale, causal, window, mask, bias, alibi_slopes, softcap : optional
+        As in :func:`attention`.
+    layout, q_offset, k_offset : optional
+        As in :func:`attention`.
+    sinks : array_like of float, shape (Hq,), optional
+        As in :func:`attention`: the sink's weight is one more entry of each row.
+
+    Returns
+    -------
+    entropy : ndarray of float64
+        ``H = -sum p log p`` over the row's weights (0 log 0 = 0), shape
+        ``(..., Hq, Lq)``.
+    effective_support : ndarray of float64
+        ``exp(H)``.
+    max_weight : ndarray of float64
+        The row's largest weight.
+
+    See Also
+    --------
+    fastattn.AttentionStats : What ``fastattn.attention(..., return_stats=True)`` returns.
+
+    Notes
+    -----
+    A row with no visible key gets 0 in all three.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from fastattn import reference
+    >>> H, support, top = reference.attention_stats(np.zeros((1, 4)), np.zeros((4, 4)))
+    >>> support, top
+    (array([4.]), array([0.25]))
+    """
     w = attention_weights(q, k, scale=scale, causal=causal, window=window, mask=mask, bias=bias,
                           alibi_slopes=alibi_slopes, softcap=softcap, layout=layout,
                           q_offset=q_offset, k_offset=k_offset, sinks=sinks)
@@ -159,8 +264,33 @@ def key_mass(q: ArrayLike, k: ArrayLike, *, scale: float | None = None, causal: 
              alibi_slopes: ArrayLike | None = None, softcap: float | None = None,
              layout: Layout = "bhsd", q_offset: int | None = None,
              k_offset: int | None = None, sinks: ArrayLike | None = None) -> F64:
-    """For each key the sum of its weights over the query rows, (..., Hq, Lk), float64:
-    the weights' column sums (no dropout)."""
+    """For each key, the sum of its weights over the query rows: the weights' column sums.
+
+    Parameters
+    ----------
+    q, k : array_like
+        As in :func:`attention`.
+    scale, causal, window, mask, bias, alibi_slopes, softcap : optional
+        As in :func:`attention`.
+    layout, q_offset, k_offset, sinks : optional
+        As in :func:`attention`.
+
+    Returns
+    -------
+    ndarray of float64
+        Shape ``(..., Hq, Lk)``; the weights are those without dropout.
+
+    See Also
+    --------
+    fastattn.key_mass : The compiled function this checks.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from fastattn import reference
+    >>> reference.key_mass(np.zeros((3, 4)), np.zeros((3, 4)), causal=True)
+    array([1.83333333, 0.83333333, 0.33333333])
+    """
     w = attention_weights(q, k, scale=scale, causal=causal, window=window, mask=mask, bias=bias,
                           alibi_slopes=alibi_slopes, softcap=softcap, layout=layout,
                           q_offset=q_offset, k_offset=k_offset, sinks=sinks)
@@ -210,34 +340,72 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
                        q_offset: int | None = None, k_offset: int | None = None,
                        sinks: ArrayLike | None = None, return_dsinks: bool = False
                        ) -> Tuple[F64, ...]:
-    """Gradients of :func:`attention` with respect to q, k, v (and bias), float64.
+    """Gradients of :func:`attention`, computed naively in float64.
 
     Recomputes the logits S and the weights P = softmax(S) (0 on rows with no visible
     key), Z = keep / (1 - dropout_p) (or 1), and with dO = dout:
     dV = (P Z)^T dO, dP = (dO V^T) Z, dS = P (dP - rowsum(P dP)),
     dS_raw = dS (1 - tanh(scale q.k / softcap)**2) (dS_raw = dS without softcap),
-    dQ = scale dS_raw K, dK = scale dS_raw^T Q; with GQA dK and dV are summed over the
-    query heads that share a kv head.  ALiBi, mask, causal and window pass dS through.
+    dQ = scale dS_raw K, dK = scale dS_raw^T Q; with grouped-query attention dK and dV
+    are summed over the query heads that share a key/value head.  ALiBi, the mask, causal
+    and the window pass dS through.
 
     Parameters
     ----------
-    dout : float array, the shape of ``out``: the gradient of the loss w.r.t. out.
-    q, k, v : as for :func:`attention`.
-    out : array, attention's output (its shape is checked; otherwise unused).
-    lse : array (..., Hq, Lq), attention's lse (its shape is checked; otherwise unused).
-    return_dbias : bool, also return the gradient w.r.t. ``bias`` (which must be given):
-        dS summed over the axes the bias was broadcast along, in the bias's own shape.
-    sinks : as for :func:`attention` (P is then the softmax with the sink's logit);
-    return_dsinks : bool, also return the sinks' gradient
-        ``-sum_{b,i} p_sink * rowsum(P dP)``, (Hq,).
-    Other arguments as for :func:`attention`; dropout_p and seed must be those of the
-    forward pass.
+    dout : array_like
+        The gradient of the loss with respect to out, of out's shape.
+    q, k, v : array_like
+        As in :func:`attention`.
+    out : array_like
+        The forward's output (its shape is checked; otherwise unused).
+    lse : array_like
+        The forward's lse, ``(..., Hq, Lq)`` (its shape is checked; otherwise unused).
+    scale, causal, window, mask, bias, alibi_slopes, softcap : optional
+        As in :func:`attention`.
+    dropout_p, seed : optional
+        Those of the forward.
+    layout : {'bhsd', 'bshd'}, optional
+        As in :func:`attention`.
+    return_dbias : bool, optional
+        Also return the gradient with respect to `bias` (which must be given): dS summed
+        over the axes along which the bias was broadcast, in the bias's own shape.
+    num_threads : optional
+        Accepted for the signature's sake and ignored.
+    q_offset, k_offset, sinks : optional
+        As in :func:`attention` (with sinks, P is the softmax with the sink's logit).
+    return_dsinks : bool, optional
+        Also return the sinks' gradient ``-sum_{b,i} p_sink * rowsum(P dP)``, shape
+        ``(Hq,)`` (needs `sinks`).
 
     Returns
     -------
-    dq, dk, dv : float64, the shapes of q, k, v.
-    dbias : float64, the shape of bias, only if ``return_dbias``.
-    dsinks : float64 (Hq,), only if ``return_dsinks``.
+    dq, dk, dv : ndarray of float64
+        The shapes of q, k and v.
+    dbias : ndarray of float64
+        With ``return_dbias=True``: the shape of bias.
+    dsinks : ndarray of float64
+        With ``return_dsinks=True``: shape ``(Hq,)``.
+
+    Raises
+    ------
+    ValueError
+        If out, lse or dout has the wrong shape, or ``return_dbias`` / ``return_dsinks``
+        is asked without a bias / sinks.
+
+    See Also
+    --------
+    fastattn.attention_backward : The compiled function this checks.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from fastattn import reference
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((5, 4)) for _ in range(3))
+    >>> out, lse = reference.attention(q, k, v, return_lse=True)
+    >>> dq, dk, dv = reference.attention_backward(np.ones_like(out), q, k, v, out, lse)
+    >>> bool(np.allclose(dv.sum(axis=0), 5.0))          # every row's weights sum to 1
+    True
     """
     if return_dbias and bias is None:
         raise ValueError("return_dbias=True needs a bias, got bias=None")
@@ -296,15 +464,35 @@ def merge(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike], *,
 
     Parameters
     ----------
-    outs : sequence of arrays, all the same shape: (..., H, Lq, Dv) for layout
-        "bhsd", (..., Lq, H, Dv) for "bshd", (Lq, Dv) in either.
-    lses : sequence of arrays (..., H, Lq) in both layouts (as attention returns
-        them); (Lq,) for 2-D outs.
+    outs : sequence of array_like
+        All of one shape: ``(..., H, Lq, Dv)`` for layout ``"bhsd"``,
+        ``(..., Lq, H, Dv)`` for ``"bshd"``, ``(Lq, Dv)`` in either.
+    lses : sequence of array_like
+        ``(..., H, Lq)`` in both layouts, as :func:`attention` returns lse.
+    layout : {'bhsd', 'bshd'}, optional
+        The layout the parts were computed with.
 
     Returns
     -------
-    out : float64, the shape of outs[0]; lse : float64, the shape of lses[0].  A part
-    with lse = -inf contributes nothing; if every part is -inf, out = 0 and lse = -inf.
+    out : ndarray of float64
+        ``sum_p exp(lse_p - lse) out_p``, shape of ``outs[0]``; 0 where every part's lse
+        is -inf.
+    lse : ndarray of float64
+        ``log(sum_p exp(lse_p))``.
+
+    See Also
+    --------
+    fastattn.merge : The compiled function this checks.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from fastattn import reference
+    >>> q = np.zeros((1, 2)); k = np.zeros((4, 2)); v = np.arange(4.0)[:, None]
+    >>> a = reference.attention(q, k[:1], v[:1], return_lse=True)
+    >>> b = reference.attention(q, k[1:], v[1:], return_lse=True)
+    >>> reference.merge([a[0], b[0]], [a[1], b[1]])[0]   # the mean of all four values
+    array([[1.5]])
     """
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
@@ -350,22 +538,58 @@ def varlen_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      alibi_slopes: ArrayLike | None = None, softcap: float | None = None,
                      dropout_p: float = 0.0, seed: Seed = None,
                      return_lse: bool = False) -> Union[F64, Tuple[F64, F64]]:
-    """Attention over packed ragged batches, one independent problem per sequence.
+    """Attention over a packed ragged batch, one independent problem per sequence.
 
     Parameters
     ----------
-    q : array (total_q, Hq, D); k : (total_k, Hkv, D); v : (total_k, Hkv, Dv).
-    cu_seqlens_q, cu_seqlens_k : int arrays (nseq + 1,), starting at 0, non-decreasing,
-        ending at total_q / total_k.  Sequence s uses q rows cu_q[s]:cu_q[s+1] and key
-        rows cu_k[s]:cu_k[s+1]; causal and window are aligned per sequence.
-    alibi_slopes : float array (Hq,).
-    dropout_p, seed : as for :func:`attention`, with b = the sequence index s and i, j
-        the query and key positions within sequence s.
-    Other arguments as for :func:`attention`.
+    q : array_like, shape (total_q, Hq, D)
+        The queries of every sequence, packed.
+    k : array_like, shape (total_k, Hkv, D)
+        The keys, packed.
+    v : array_like, shape (total_k, Hkv, Dv)
+        The values, packed.
+    cu_seqlens_q, cu_seqlens_k : array_like of int, shape (nseq + 1,)
+        Cumulative lengths, starting at 0, non-decreasing, ending at ``total_q`` and
+        ``total_k``.  Sequence ``s`` uses q rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``
+        and key rows ``cu_seqlens_k[s]:cu_seqlens_k[s+1]``.
+    scale : float, optional
+        As in :func:`attention`.
+    causal, window : optional
+        As in :func:`attention`, aligned per sequence.
+    alibi_slopes : array_like of float, shape (Hq,), optional
+        As in :func:`attention`.
+    softcap : float, optional
+        As in :func:`attention`.
+    dropout_p, seed : optional
+        As in :func:`attention`, with ``b`` the sequence's index and ``i, j`` the query
+        and key positions within the sequence.
+    return_lse : bool, optional
+        Also return lse.
 
     Returns
     -------
-    out : float64 (total_q, Hq, Dv); lse : float64 (Hq, total_q), only if ``return_lse``.
+    out : ndarray of float64
+        Shape ``(total_q, Hq, Dv)``.
+    lse : ndarray of float64
+        With ``return_lse=True``: shape ``(Hq, total_q)``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        If the cumulative lengths are not integers valid for the packed arrays, or as
+        :func:`attention` raises them.
+
+    See Also
+    --------
+    fastattn.varlen_attention : The compiled function this checks.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from fastattn import reference
+    >>> x = np.zeros((3, 1, 2)); v = np.arange(3.0).reshape(3, 1, 1)
+    >>> reference.varlen_attention(x, x, v, [0, 1, 3], [0, 1, 3])[:, 0, 0]
+    array([0. , 1.5, 1.5])
     """
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     for name, a in (("q", q), ("k", k), ("v", v)):
