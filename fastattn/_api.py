@@ -581,15 +581,15 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     Parameters
     ----------
     dout : array_like
-        The gradient with respect to `out`: its shape, of q's dtype (float32 for
-        bfloat16 inputs is accepted too).
+        The gradient with respect to `out`, of out's shape; any float dtype
+        (converted to the compute dtype, float64 for float64 inputs, else float32).
     q, k, v : array_like
         The forward's inputs, in any layout and strides :func:`attention` takes.  One
         float dtype, float32 or float64; or bfloat16 (``ml_dtypes.bfloat16``): all
         three, or k and v under a float32 q.  float16 inputs have no gradients (a
         float16 cache is for inference), nor has an int8 or paged cache.
     out : array_like
-        The forward's output.
+        The forward's output (any float dtype, converted like `dout`).
     lse : array_like
         The forward's lse, shape ``(..., Hq, Lq)``.
     scale, causal, window, mask, bias, alibi_slopes, softcap : optional
@@ -625,8 +625,8 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     Raises
     ------
     TypeError
-        If a dtype has no gradients here (float16, an int8 cache) or the arrays do not
-        share one.
+        If q, k and v have no gradients here (float16, an int8 cache), their dtypes do
+        not combine, or dout, out or lse is not a float array.
     ValueError
         If a shape disagrees with the forward's (out, lse, dout), or an argument is out
         of range as in :func:`attention`.
