@@ -37,7 +37,8 @@ except ImportError as _exc:
     raise _source_tree_error(_exc) from None
 from ._api import AttentionStats, attention, attention_backward, attention_weights, key_mass
 from ._varlen import merge, varlen_attention
-from ._cache import QuantizedKV, dequantize_kv, quantize_kv
+from ._cache import dequantize_kv, quantize_kv
+from ._qkv import QuantizedKV
 from ._config import show_config
 
 __version__ = "0.1.0"

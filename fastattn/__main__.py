@@ -86,14 +86,21 @@ def timing(shape, causal, threads):
     print(f"  speed-up        {t_np / t_fa:10.2f}x")
 
 
-def main(argv=None):
+def parser():
+    """The command line's parser (docs/cli.md lists its options)."""
     p = argparse.ArgumentParser(prog="python -m fastattn", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="skip the timing")
     p.add_argument("--shape", nargs=4, type=int, metavar=("B", "H", "L", "D"),
                    default=[1, 8, 2048, 64], help="timing shape (default 1 8 2048 64)")
     p.add_argument("--causal", action="store_true", help="time causal attention")
     p.add_argument("--threads", type=int, default=None, help="fastattn num_threads for the timing")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    """Run the command: the configuration, the self-check, then the timing unless
+    ``--quick``; returns the exit code (1 if a self-check case failed)."""
+    args = parser().parse_args(argv)
 
     fastattn.show_config()
     print()

@@ -21,17 +21,48 @@ __all__ = ["attention", "attention_backward", "attention_weights", "key_mass", "
 
 
 class AttentionStats(NamedTuple):
-    """Per-row statistics of the weights (``attention(..., return_stats=True)``), each
-    of shape ``(..., Hq, Lq)`` like lse, float64 for float64 inputs, else float32.
+    """Per-row statistics of the attention weights, from ``attention(..., return_stats=True)``.
 
-    entropy : ``H = -sum_j p_j log p_j`` in nats, computed in the online pass
-        (``H = log l - sum_j e^(s_j - m) (s_j - m) / l``): 0 at a vertex of the
-        simplex (one key takes all the weight), ``log n`` at its centre.
-    effective_support : ``exp(H)``, how many keys the row really uses (1 .. n).
-    max_weight : the row's largest weight ``exp(max_j s_j - lse)``.
+    Each field has shape ``(..., Hq, Lq)``, like lse, whatever the layout: float64 for
+    float64 inputs, else float32.  They are computed in the forward's single pass, with
+    one more accumulator and no ``Lq x Lk`` weights.
 
-    A row that sees no key has 0 in all three (it has no weights; 0 keeps means over
-    rows finite).  With dropout they describe the weights before dropout, like lse."""
+    Parameters
+    ----------
+    entropy : ndarray
+        ``H = -sum_j p_j log p_j`` in nats, computed in the online pass as
+        ``H = log l - sum_j e^(s_j - m) (s_j - m) / l``: 0 at a vertex of the simplex
+        (one key takes all the weight), ``log n`` at its centre (n keys weighted
+        equally).
+    effective_support : ndarray
+        ``exp(H)``: how many keys the row really uses, from 1 to n.
+    max_weight : ndarray
+        The row's largest weight, ``exp(max_j s_j - lse)``.
+
+    See Also
+    --------
+    attention : Returns these with ``return_stats=True``.
+    fastattn.reference.attention_stats : The same statistics in float64 NumPy.
+
+    Notes
+    -----
+    A row that sees no key has 0 in all three fields: it has no weights, and 0 keeps
+    means over rows finite.  With dropout the statistics describe the weights before
+    dropout, like lse.  With `sinks` the distribution includes the sink: its weight
+    counts in the entropy and the largest weight.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import fastattn
+    >>> q = np.zeros((1, 4, 16), np.float32)         # every logit 0: uniform weights
+    >>> k = v = np.ones((1, 8, 16), np.float32)
+    >>> out, stats = fastattn.attention(q, k, v, return_stats=True)
+    >>> stats.effective_support                      # all 8 keys used equally
+    array([[8., 8., 8., 8.]], dtype=float32)
+    >>> bool(np.allclose(stats.entropy, np.log(8)))
+    True
+    """
     entropy: Any
     effective_support: Any
     max_weight: Any
@@ -97,141 +128,169 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
               ) -> Union[FloatArray, Tuple[Any, ...]]:
     """Exact scaled dot-product attention, ``softmax(scale * q @ k^T + ...) @ v``.
 
-    Computed by a blocked online softmax (FlashAttention-2 loop) in C, OpenMP-parallel
-    over (batch, head group, query block), with SIMD micro-kernels chosen for this
-    CPU at import.  Extra memory is O(block size) per thread: the Lq x Lk score
-    matrix is never formed, and broadcast masks and biases are never expanded.
+    Computed by a blocked online softmax (the FlashAttention-2 loop) in C, parallel over
+    OpenMP threads by (batch, head group, query block), with SIMD kernels chosen for this
+    CPU at import.  Extra memory is O(block size) per thread: the ``Lq x Lk`` logits are
+    never formed, and broadcast masks and biases are never expanded.
 
     Parameters
     ----------
-    q : ndarray, shape (Lq, D), (Hq, Lq, D) or (B, Hq, Lq, D)
-        Queries, float32 or float64 (with ``layout="bshd"``: (Lq, Hq, D) or
-        (B, Lq, Hq, D)); float16 with float16 k and v.
-    k : ndarray, shape (Lk, D), (Hkv, Lk, D) or (B, Hkv, Lk, D)
-        Keys, same dtype, ndim and layout as `q`, or float16 with a float32 (or
-        float16) `q`: a float16 KV cache is read at half the bytes and converted to
-        float32 in registers; everything accumulates in float32.  ``Hq`` must be a multiple of
+    q : array_like, shape (Lq, D), (Hq, Lq, D) or (B, Hq, Lq, D)
+        Queries (with ``layout="bshd"``: (Lq, Hq, D) or (B, Lq, Hq, D)).  float32 or
+        float64; float16 or bfloat16 (``ml_dtypes.bfloat16``) with k and v of the same
+        type.
+    k : array_like or QuantizedKV, shape (Lk, D), (Hkv, Lk, D) or (B, Hkv, Lk, D)
+        Keys, of q's ndim and layout.  Their dtype is q's, or, for a KV cache read at
+        fewer bytes, float16 or bfloat16 under a float32 q (converted to float32 in
+        registers; everything accumulates in float32).  ``Hq`` must be a multiple of
         ``Hkv``: query head ``h`` reads key/value head ``h // (Hq // Hkv)``
-        (grouped-query / multi-query attention; no copy of k or v is made, and the
-        heads of a group share each K/V tile the kernel loads).
-    v : ndarray, shape (Lk, Dv), (Hkv, Lk, Dv) or (B, Hkv, Lk, Dv)
-        Values, same dtype, ndim and layout; ``Dv`` may differ from ``D``.
-
-        k and v may instead both be :class:`fastattn.QuantizedKV` (an int8 cache with
-        float32 group scales, from :func:`fastattn.quantize_kv`), read in place and
-        dequantized tile by tile: the result has the bits of attention over
-        ``dequantize_kv(k)``, ``dequantize_kv(v)``.  q is then float32, float16 or
-        bfloat16 (computed in float32; the output has q's dtype).  Every variant,
-        GQA, `seqlens_k` and both layouts; not :func:`attention_backward`.
+        (grouped-query and multi-query attention, without copying k or v).  An int8
+        cache is a :class:`QuantizedKV` (k and v both), read in place and dequantized
+        a tile at a time: the result has the bits of attention over
+        ``dequantize_kv(k)`` and ``dequantize_kv(v)``, and q may then be float32,
+        float16 or bfloat16 (computed in float32, output in q's dtype).
+    v : array_like or QuantizedKV, shape (Lk, Dv), (Hkv, Lk, Dv) or (B, Hkv, Lk, Dv)
+        Values, of k's dtype, ndim and layout; ``Dv`` may differ from ``D``.
     scale : float, optional
-        Multiplies ``q . k``.  Default ``1 / sqrt(D)``.  Any finite value: 0 gives
-        the plain mean of the visible values, negative values are allowed.
+        Multiplies ``q . k``; default ``1 / sqrt(D)``.  Any finite value: 0 gives the
+        plain mean of the visible values, and negative values are allowed.
     causal : {False, True, 'bottom-right', 'top-left'}, optional
         ``True`` or ``'bottom-right'``: key ``j`` is visible to query ``i`` iff
-        ``j <= i + (Lk - Lq)`` (the last query sees the last key, right for decoding
+        ``j <= i + (Lk - Lq)`` (the last query sees the last key, as when decoding
         against a cache).  ``'top-left'``: ``j <= i`` (PyTorch's ``is_causal``).
-    window : (int or None, int or None), optional
+    window : tuple of (int or None, int or None), optional
         Sliding window ``(left, right)``: key ``j`` is visible iff
-        ``a - left <= j <= a + right`` where ``a = i + (Lk - Lq)``, or ``a = i``
-        with ``causal='top-left'``; ``None`` or ``-1`` on a side means unbounded
-        (``(-1, -1)`` is no window, as in FlashAttention).  Combines
-        with ``causal`` (both must allow).  Key blocks outside the band are never
-        touched, so the work is proportional to the visible keys.
-    mask : ndarray of bool, optional
-        True = attend.  Broadcastable (right-aligned) to the logits shape
+        ``a - left <= j <= a + right``, where ``a = i + (Lk - Lq)``, or ``a = i`` with
+        ``causal='top-left'``.  ``None`` or -1 on a side means unbounded (``(-1, -1)``
+        is no window, as in FlashAttention).  Combines with `causal` (both must allow
+        a key).  Key blocks outside the band are never read, so the work is
+        proportional to the visible keys.
+    mask : array_like of bool, optional
+        True = attend.  Broadcastable (right-aligned) to the logits' shape
         ``(B, Hq, Lq, Lk)`` (of the inputs' ndim) whatever the layout; broadcast axes
-        are read with stride 0, and key tiles that the mask hides from every row of a
-        block are skipped.
-    bias : ndarray of float, optional
+        are read with stride 0, and key tiles the mask hides from every row of a block
+        are skipped.
+    bias : array_like of float, optional
         Added to the logits; broadcastable like `mask`.  ``-inf`` hides a key.
-    alibi_slopes : ndarray, shape (Hq,) or (B, Hq), optional
-        ALiBi: ``s -= slope[b, h] * |i + Lk - Lq - j|``, computed in the kernel.
+    alibi_slopes : array_like, shape (Hq,) or (B, Hq), optional
+        ALiBi: the logit loses ``slope[b, h] * |i + Lk - Lq - j|``, computed in the
+        kernel.
     softcap : float, optional
-        Logit soft-capping ``s = softcap * tanh(s / softcap)`` (applied after the
-        scale, before ALiBi and bias); finite and > 0.
-    dropout_p : float in [0, 1), optional
-        Attention dropout (training): each weight ``p_ij`` is kept with probability
-        ``1 - dropout_p`` and then divided by ``1 - dropout_p``, or set to 0;
-        ``lse`` stays that of the undropped softmax (as in FlashAttention).  The
-        decision for (batch b, head h, query i, key j) is a pure function of
-        ``(seed, b, h, i, j)`` (Philox-4x32-10, see ``docs/semantics.md``), so it
-        does not depend on threads or blocks, and :func:`attention_backward` with
-        the same seed sees the same mask without storing it.
-    seed : int in [0, 2**64), optional
-        Required when ``dropout_p > 0``.
-    sinks : float array, shape (Hq,), optional
-        Attention sinks (gpt-oss, StreamingLLM's learned form): one logit per query
-        head, not scaled, that joins every row's softmax as a key whose value is
-        zero, so ``p_ij = exp(s_ij) / (exp(sinks[h]) + sum_j exp(s_ij))`` and the
-        row's weights over the keys sum to less than 1.  `lse` includes it
-        (``log(exp(sinks[h]) + sum_j exp(s_ij))``); a row that sees no key gives 0
-        and ``lse = sinks[h]``.  ``-inf`` means no sink for that head.  Stats are
-        those of the whole distribution over the keys and the sink (the sink's
-        weight counts in the entropy and the largest weight).  The gradient of the
-        sinks comes from :func:`attention_backward` with ``return_dsinks=True``.
-    seqlens_k : int array (B,), optional
+        Logit soft-capping, ``s = softcap * tanh(s / softcap)`` after the scale and
+        before ALiBi and the bias; finite and > 0.
+    dropout_p : float, optional
+        Attention dropout, in [0, 1): each weight is kept with probability
+        ``1 - dropout_p`` and divided by it, or set to 0; lse stays that of the
+        undropped softmax (as in FlashAttention).  The decision for (batch b, head h,
+        query i, key j) is a function of ``(seed, b, h, i, j)`` alone
+        (Philox-4x32-10, :func:`fastattn.reference.dropout_keep`), so it does not
+        depend on threads or blocks, and :func:`attention_backward` with the same seed
+        drops the same weights without storing them.
+    seed : int, optional
+        The dropout seed, in [0, 2**64); required when ``dropout_p > 0``.
+    sinks : array_like of float, shape (Hq,), optional
+        Attention sinks (gpt-oss; the learned form of StreamingLLM's): one logit per
+        query head, not scaled, that joins every row's softmax as a key whose value is
+        zero, so ``p_ij = exp(s_ij) / (exp(sinks[h]) + sum_j exp(s_ij))`` and a row's
+        weights over the keys sum to less than 1.  lse includes it; a row that sees no
+        key gives 0 and ``lse = sinks[h]``.  ``-inf`` means no sink for that head.
+    seqlens_k : array_like of int, shape (B,), optional
         Per-sequence key lengths (FlashAttention's ``cache_seqlens``): sequence ``b``
-        sees keys ``[0, seqlens_k[b])`` of its (preallocated) k and v, and causal,
-        window and ALiBi align to that length (bottom-right: its last query sees key
-        ``seqlens_k[b] - 1``).  Batched decoding of requests at different positions
-        then needs no mask and reads only each request's keys.  Entries in
-        ``[0, Lk]``; 0 gives zero rows with lse -inf.
+        sees keys ``[0, seqlens_k[b])`` of its preallocated k and v, and causal,
+        window and ALiBi align to that length.  Batched decoding of requests at
+        different positions then needs no mask and reads only each request's keys.
+        Entries in ``[0, Lk]``; 0 gives zero rows with lse -inf.
     q_offset, k_offset : int, optional
         Where the queries and keys sit in a longer sequence: query ``i`` at position
         ``q_offset + i``, key ``j`` at ``k_offset + j`` (a missing one is 0).  The
-        positions then decide the diagonal ``a = q_offset + i - k_offset`` (in key
-        rows) instead of the lengths: causal hides keys past it, the window is around
-        it, and ALiBi measures ``|a - j|``.  Chunked prefill (a chunk of queries
-        against the first part of a cache, or a cache split into key chunks combined
-        by :func:`merge`) and blocked schedules then need no synthesized mask.  Not
-        with ``causal='top-left'``, which aligns by the lengths; with `seqlens_k`,
-        sequence ``b`` still sees only keys below ``seqlens_k[b]``, on the same
-        diagonal.  Dropout's decision uses the row and key indices ``i, j`` of the
-        call, not the positions.  Integers within ``+-2**53``.
-    block_table : int array (B, max_blocks), optional
+        diagonal is then ``a = q_offset + i - k_offset`` instead of the one the lengths
+        give: causal hides the keys past it, the window is around it, and ALiBi
+        measures ``|a - j|``.  For chunked prefill and for key chunks combined by
+        :func:`merge`.  Not with ``causal='top-left'``.  With `seqlens_k`, sequence
+        ``b`` still sees only keys below ``seqlens_k[b]``.  Dropout uses the call's own
+        indices ``i, j``, not the positions.  Integers within ``+-2**53``.
+    block_table : array_like of int, shape (B, max_blocks), optional
         A paged KV cache (vLLM's layout): k and v are pools of pages, shape
-        ``(num_blocks, block_size, Hkv, D)`` and ``(num_blocks, block_size, Hkv,
-        Dv)`` (float arrays, or QuantizedKV of such data), and key ``j`` of sequence
-        ``b`` is row ``j % block_size`` of page ``block_table[b, j // block_size]``;
-        q is 4-D.  The keys are ``max_blocks * block_size`` per sequence, or
-        `seqlens_k` (the usual call: causal then aligns bottom-right to each length,
-        for decoding and chunked prefill).  The entries a sequence's keys fill must
-        be pages of the pool (a ValueError names the sequence and the entry); the
-        others are never read.  The result has the bits of the same keys in a
-        contiguous cache.
+        ``(num_blocks, block_size, Hkv, D)`` and ``(num_blocks, block_size, Hkv, Dv)``
+        (float arrays, or QuantizedKV of such data), q is 4-D, and key ``j`` of sequence
+        ``b`` is row ``j % block_size`` of page ``block_table[b, j // block_size]``.
+        Each sequence has ``max_blocks * block_size`` keys, or its `seqlens_k`.  The
+        entries a sequence's keys fill must be pages of the pool; the others are never
+        read.  The result has the bits of the same keys in a contiguous cache.
     layout : {'bhsd', 'bshd'}, optional
-        Axis order of q, k, v and the output: (batch, heads, sequence, features) or
-        (batch, sequence, heads, features).  Any strides with a contiguous last axis
-        are used in place (e.g. slices of a fused QKV projection (B, L, 3, H, D)).
-    return_stats : bool, optional
-        Also return an :class:`AttentionStats` (last in the tuple): each row's entropy,
-        effective support ``exp(entropy)`` and largest weight, computed in the same
-        pass with one more accumulator (no Lq x Lk weights).
+        The axis order of q, k, v and the output: (batch, heads, sequence, features) or
+        (batch, sequence, heads, features).  Any strides with a contiguous last axis are
+        read in place (e.g. slices of a fused QKV projection).
     return_lse : bool, optional
-        Also return ``lse = log(sum_j exp(s_ij))`` (natural log) over visible keys,
-        shape ``(..., Hq, Lq)`` in either layout: heads before the sequence even for
-        ``layout="bshd"``, and :func:`merge` with the same `layout` takes it as is.
+        Also return lse, the log-sum-exp of each row's logits.
+    return_stats : bool, optional
+        Also return an :class:`AttentionStats` (each row's entropy, effective support
+        and largest weight), computed in the same pass.
     out : ndarray, optional
-        Where to write the output (its shape and q's dtype, contiguous last axis, not
-        overlapping the inputs).
+        Where to write the output: its shape and q's dtype, a contiguous last axis, not
+        overlapping the inputs.
     num_threads : int, optional
-        Threads to use; default OpenMP's (``OMP_NUM_THREADS``, threadpoolctl).
-        Results are bitwise identical for any value.
+        Threads to use; default OpenMP's (``OMP_NUM_THREADS``, or threadpoolctl's
+        limit).  The result has the same bits for any value.
 
     Returns
     -------
-    out : ndarray, shape (..., Hq, Lq, Dv) (or (..., Lq, Hq, Dv) for 'bshd'), q's dtype
-    lse : ndarray, shape (..., Hq, Lq)
-        Only with ``return_lse=True``; float64 for float64 inputs, else float32.
+    out : ndarray
+        Shape ``(..., Hq, Lq, Dv)`` (``(..., Lq, Hq, Dv)`` for ``'bshd'``), q's dtype.
+    lse : ndarray
+        With ``return_lse=True``: ``log(sum_j exp(s_ij))`` (natural log) over the
+        visible keys, shape ``(..., Hq, Lq)`` in either layout (heads before the
+        sequence, as :func:`merge` takes it); float64 for float64 inputs, else float32.
+    stats : AttentionStats
+        With ``return_stats=True``, last in the tuple.
+
+    Raises
+    ------
+    TypeError
+        If an argument has the wrong type or dtype (the message names it and the
+        dtypes allowed).
+    ValueError
+        If shapes do not agree, or a value is out of range (a negative window side
+        other than -1, ``dropout_p`` outside [0, 1), a block table entry outside the
+        pool, ...).
+
+    See Also
+    --------
+    fastattn.reference.attention : The float64 NumPy oracle of the same function.
+    attention_backward : The gradients.
+    attention_weights : The weights themselves.
+    merge : Combines attentions over disjoint key sets.
+    varlen_attention : Ragged batches packed on one axis.
 
     Notes
     -----
-    The exact semantics are written down in ``docs/semantics.md`` of the source
-    repository.  The logits are built in this order: scale, softcap, ALiBi, bias,
-    then mask/causal/window hide keys.  A query row that sees no key gives an output row
-    of zeros and ``lse = -inf``, whatever hid the keys.  Large logits (|s| ~ 1e4) do
-    not overflow.  Inputs that cannot be read in place (a non-contiguous last axis,
-    misaligned data) are copied once.  The GIL is released during the kernel.
+    The logits are built in this order: scale, softcap, ALiBi, bias; then the mask, the
+    causal rule and the window hide keys.  A query row that sees no key gives an output
+    row of zeros and lse -inf, whatever hid the keys.  Large logits (``|s|`` around 1e4)
+    do not overflow.  Inputs that cannot be read in place (a non-contiguous last axis,
+    misaligned data) are copied once.  The GIL is released while the kernel runs.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import fastattn
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((2, 8, 128, 64), dtype=np.float32)
+    >>> k = rng.standard_normal((2, 2, 128, 64), dtype=np.float32)  # 2 key/value heads
+    >>> v = rng.standard_normal((2, 2, 128, 64), dtype=np.float32)
+    >>> out, lse = fastattn.attention(q, k, v, causal=True, return_lse=True)
+    >>> out.shape, lse.shape
+    ((2, 8, 128, 64), (2, 8, 128))
+    >>> ref = fastattn.reference.attention(q, k, v, causal=True)
+    >>> bool(np.max(np.abs(out - ref)) < 1e-5)
+    True
+
+    One decoding step against a bfloat16 cache:
+
+    >>> import ml_dtypes
+    >>> kc, vc = k.astype(ml_dtypes.bfloat16), v.astype(ml_dtypes.bfloat16)
+    >>> fastattn.attention(q[:, :, -1:], kc, vc, causal=True).shape
+    (2, 8, 1, 64)
     """
     # The common call is checked and run in compiled code (a short call must cost a few
     # microseconds); anything else, and every error, takes _attention.
@@ -375,16 +434,58 @@ def attention_weights(q: ArrayLike, k: ArrayLike, *, scale: float | None = None,
                       seqlens_k: ArrayLike | None = None, q_offset: int | None = None,
                       k_offset: int | None = None, layout: Layout = "bhsd",
                       num_threads: int | None = None, sinks: ArrayLike | None = None) -> FloatArray:
-    """The exact attention weights ``softmax(logits)``, shape (..., Hq, Lq, Lk).
+    """The exact attention weights ``softmax(logits)``, shape ``(..., Hq, Lq, Lk)``.
 
-    Computed by the same logits code as :func:`attention` (same arguments and
-    semantics), for analysis of what each query reads: each row is on the
-    probability simplex (>= 0, sums to 1); a row with no visible key is all 0.
-    Memory is Lq x Lk by nature.  Returned in q's dtype, in the (..., Hq, Lq, Lk)
-    order whatever the layout.  With ``dropout_p > 0`` these are the weights
-    :func:`attention` multiplies V by for the same seed: kept weights divided by
-    ``1 - dropout_p``, dropped ones 0 (rows then no longer sum to 1).  With `sinks`
-    the weights are those over the keys: each row sums to 1 minus its sink's weight.
+    Computed by the same logits code as :func:`attention`, with the same arguments and
+    meaning, to see what each query reads: each row lies on the probability simplex
+    (entries >= 0 that sum to 1), and a row that sees no key is all 0.  The memory is
+    ``Lq x Lk`` by nature.
+
+    Parameters
+    ----------
+    q, k : array_like
+        Queries and keys as :func:`attention` takes them (no values are needed);
+        float32, float64, float16 or bfloat16 in :func:`attention`'s combinations.
+    scale, causal, window, mask, bias, alibi_slopes, softcap : optional
+        As in :func:`attention`.
+    dropout_p, seed : optional
+        As in :func:`attention`: with ``dropout_p > 0`` these are the weights
+        :func:`attention` multiplies v by for the same seed (kept weights divided by
+        ``1 - dropout_p``, dropped ones 0), so rows no longer sum to 1.
+    seqlens_k, q_offset, k_offset, layout, num_threads : optional
+        As in :func:`attention`.
+    sinks : array_like of float, shape (Hq,), optional
+        As in :func:`attention`: the weights are those over the keys, and each row
+        sums to 1 minus its sink's weight.
+
+    Returns
+    -------
+    weights : ndarray
+        Shape ``(..., Hq, Lq, Lk)`` whatever the layout; float64 for float64 inputs,
+        else float32.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`attention` raises them.
+
+    See Also
+    --------
+    attention : The output these weights give.
+    fastattn.reference.attention_weights : The float64 NumPy oracle.
+    fastattn.geometry : The weights as points of a simplex.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import fastattn
+    >>> rng = np.random.default_rng(0)
+    >>> q, k = (rng.standard_normal((4, 8), dtype=np.float32) for _ in range(2))
+    >>> w = fastattn.attention_weights(q, k, causal=True)
+    >>> w.shape
+    (4, 4)
+    >>> bool(np.allclose(w.sum(axis=-1), 1)), float(w[0, 1])   # row 0 sees key 0 only
+    (True, 0.0)
     """
     fn = "attention_weights"
     pr = Problem(fn, as_array(q, "q", fn), as_array(k, "k", fn), None, layout)
@@ -469,35 +570,95 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
                        layout: Layout = "bhsd", return_dbias: bool = False, num_threads: int | None = None,
                        sinks: ArrayLike | None = None, return_dsinks: bool = False
                        ) -> Tuple[FloatArray, ...]:
-    """Gradients of :func:`attention`: given ``dout = dL/d(out)``, returns
-    ``(dq, dk, dv)``, or ``(dq, dk, dv, dbias)`` with ``return_dbias=True``.
+    """Gradients of :func:`attention`, given ``dout``, the gradient of a loss with respect to its output.
 
-    `out` and `lse` must be what ``attention(q, k, v, ..., return_lse=True)``
-    returned for the same arguments (the backward recomputes the weights from
-    ``lse`` instead of storing them, FlashAttention-2's scheme).  Every keyword has
-    :func:`attention`'s meaning, and must be passed with the same values as in the
-    forward call (the same `seed` reproduces the same dropped weights).
+    `out` and `lse` must be what ``attention(q, k, v, ..., return_lse=True)`` returned
+    for the same arguments: the backward recomputes the weights from lse instead of
+    storing them (FlashAttention-2's scheme).  Every keyword has :func:`attention`'s
+    meaning and must have the value the forward call had; the same `seed` drops the same
+    weights.
 
-    q, k, v, out, dout: float32 or float64 (one dtype; float16 K/V caches have no
-    gradients), any layout and strides :func:`attention` takes; lse as `attention`
-    returned it, ``(..., Hq, Lq)``.  Results have the shapes, layout and dtype of
-    q, k and v.  With grouped-query attention, dk and dv are summed over the query
-    heads that read each key/value head.  ``dbias`` (needs `bias`) has the
-    bias's own shape: the logits' gradient summed over the axes along which the
-    bias was broadcast; computing it materializes one (B, Hq, Lq, Lk) array.
-    ALiBi slopes, masks and the window get no gradient.
+    Parameters
+    ----------
+    dout : array_like
+        The gradient with respect to `out`, of out's shape; any float dtype
+        (converted to the compute dtype, float64 for float64 inputs, else float32).
+    q, k, v : array_like
+        The forward's inputs, in any layout and strides :func:`attention` takes.  One
+        float dtype, float32 or float64; or bfloat16 (``ml_dtypes.bfloat16``): all
+        three, or k and v under a float32 q.  float16 inputs have no gradients (a
+        float16 cache is for inference), nor has an int8 or paged cache.
+    out : array_like
+        The forward's output (any float dtype, converted like `dout`).
+    lse : array_like
+        The forward's lse, shape ``(..., Hq, Lq)``.
+    scale, causal, window, mask, bias, alibi_slopes, softcap : optional
+        As in :func:`attention`.
+    dropout_p, seed : optional
+        As in :func:`attention`: the same values give the same dropped weights.
+    seqlens_k, q_offset, k_offset, layout : optional
+        As in :func:`attention`.
+    return_dbias : bool, optional
+        Also return ``dbias`` (needs `bias`): the gradient of the logits summed over
+        the axes along which the bias was broadcast, in the bias's own shape.
+        Computing it materializes one ``(B, Hq, Lq, Lk)`` array.
+    num_threads : int, optional
+        As in :func:`attention`; the result has the same bits for any value.
+    sinks : array_like of float, shape (Hq,), optional
+        The forward's sinks (its lse includes them).
+    return_dsinks : bool, optional
+        Also return ``dsinks`` (needs `sinks`), shape ``(Hq,)``, float64 for float64
+        inputs, else float32: ``-sum_{b,i} exp(sinks[h] - lse) * sum_c dout * out``,
+        summed in float64.
 
-    Computed in C by FlashAttention-2's backward, parallel over (batch, head, key
-    block) for dk/dv and (batch, head, query block) for dq, so a single head uses
-    every thread; no atomics, and the result is bitwise identical for any
-    `num_threads`.  Extra memory is O(B Hq Lq) plus per-thread scratch: the
-    Lq x Lk weights are never stored (except the one array for ``dbias``).
+    Returns
+    -------
+    dq, dk, dv : ndarray
+        The shapes and layouts of q, k and v, each in its input's dtype.  With
+        grouped-query attention dk and dv are summed over the query heads that read
+        each key/value head.
+    dbias : ndarray
+        With ``return_dbias=True``, the bias's shape.
+    dsinks : ndarray
+        With ``return_dsinks=True``, last in the tuple.
 
-    With `sinks` (those of the forward: its `lse` includes them), ``return_dsinks=True``
-    appends ``dsinks`` (Hq,) in the compute dtype (float64 for float64 inputs, else
-    float32): ``-sum_{b,i} p_sink[b,h,i] * D[b,h,i]`` with ``p_sink = exp(sinks[h] -
-    lse)`` and ``D = sum_c dout * out``, summed in float64.  The kernels need nothing
-    else: the weights ``exp(s - lse)`` already carry the sink's share.
+    Raises
+    ------
+    TypeError
+        If q, k and v have no gradients here (float16, an int8 cache), their dtypes do
+        not combine, or dout, out or lse is not a float array.
+    ValueError
+        If a shape disagrees with the forward's (out, lse, dout), or an argument is out
+        of range as in :func:`attention`.
+
+    See Also
+    --------
+    attention : The forward.
+    fastattn.reference.attention_backward : The float64 NumPy oracle.
+    fastattn.torch.scaled_dot_product_attention : The same gradients through autograd.
+
+    Notes
+    -----
+    Computed in C by FlashAttention-2's backward, parallel over (batch, head, key block)
+    for dk and dv and over (batch, head, query block) for dq, so one head uses every
+    thread; there are no atomics.  Extra memory is O(B Hq Lq) plus per-thread scratch:
+    the weights are never stored (except the one array for dbias).  ALiBi slopes, masks
+    and the window get no gradient.  With bfloat16 q, k and v the products take
+    bfloat16 pairs where a bfloat16 path runs (``show_config()`` says which), and each
+    gradient is rounded to bfloat16 from its float32 sum.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import fastattn
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((1, 2, 32, 16)) for _ in range(3))
+    >>> out, lse = fastattn.attention(q, k, v, causal=True, return_lse=True)
+    >>> dout = np.ones_like(out)
+    >>> dq, dk, dv = fastattn.attention_backward(dout, q, k, v, out, lse, causal=True)
+    >>> ref = fastattn.reference.attention_backward(dout, q, k, v, out, lse, causal=True)
+    >>> all(np.allclose(a, b) for a, b in zip((dq, dk, dv), ref))
+    True
     """
     fn = "attention_backward"
     qa_, ka_, va_ = as_array(q, "q", fn), as_array(k, "k", fn), as_array(v, "v", fn)
@@ -587,18 +748,57 @@ def key_mass(q: ArrayLike, k: ArrayLike, *, scale: float | None = None, causal: 
              seqlens_k: ArrayLike | None = None, q_offset: int | None = None,
              k_offset: int | None = None, layout: Layout = "bhsd",
              num_threads: int | None = None, sinks: ArrayLike | None = None) -> FloatArray:
-    """For each key, the total weight the queries of each head give it:
-    ``mass[..., h, j] = sum_i p_hij``, shape ``(..., Hq, Lk)`` in either layout.
+    """For each key, the total weight the queries of each head give it.
 
-    The mass each value vertex receives in the barycentres of all the rows (a
-    heavy-hitter / SnapKV-style score for KV-cache eviction).  The arguments are
-    :func:`attention`'s (no values needed).  Computed in two passes without the
-    weights: the forward's lse, then a pass over (key/value head, key chunk) items
-    that recomputes each weight as ``exp(s - lse)`` and adds the query rows in order:
-    O(L) memory, bitwise identical for any thread count.  The masses of a head sum
-    to the number of its rows that see at least one key.  float32 or float64 (16-bit
-    inputs are computed in float32); the weights are those before any dropout.  With
-    `sinks`, the keys' weights (the sink's share is in no column).
+    ``mass[..., h, j] = sum_i p_hij``: the mass each value receives in the weighted sums
+    of all the rows, a heavy-hitter score (as in H2O or SnapKV) for evicting keys from a
+    KV cache.  Computed without the weights, in two passes: the forward's lse, then a
+    pass over (key/value head, key chunk) items that recomputes each weight as
+    ``exp(s - lse)`` and adds the query rows in order.
+
+    Parameters
+    ----------
+    q, k : array_like
+        Queries and keys as :func:`attention` takes them (no values are needed);
+        float32, float64, float16 or bfloat16 in :func:`attention`'s combinations
+        (16-bit inputs are computed in float32).
+    scale, causal, window, mask, bias, alibi_slopes, softcap : optional
+        As in :func:`attention`.
+    seqlens_k, q_offset, k_offset, layout, num_threads : optional
+        As in :func:`attention`.
+    sinks : array_like of float, shape (Hq,), optional
+        As in :func:`attention`; the sink's share is in no key's mass.
+
+    Returns
+    -------
+    mass : ndarray
+        Shape ``(..., Hq, Lk)`` in either layout; float64 for float64 inputs, else
+        float32.  The masses of a head sum to the number of its rows that see at least
+        one key.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`attention` raises them.
+
+    See Also
+    --------
+    fastattn.reference.key_mass : The float64 NumPy oracle.
+
+    Notes
+    -----
+    The weights are those before any dropout.  The memory is O(L), and the result has
+    the same bits for any thread count.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import fastattn
+    >>> rng = np.random.default_rng(0)
+    >>> q, k = (rng.standard_normal((2, 16, 8)) for _ in range(2))
+    >>> m = fastattn.key_mass(q, k, causal=True)
+    >>> m.shape, m.sum(axis=-1)
+    ((2, 16), array([16., 16.]))
     """
     fn = "key_mass"
     pr = Problem(fn, as_array(q, "q", fn), as_array(k, "k", fn), None, layout)

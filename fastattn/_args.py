@@ -35,6 +35,7 @@ import sys
 import numpy as np
 
 from . import _kernels
+from ._qkv import QuantizedKV
 from ._scalars import (parse_causal, parse_dropout, parse_flag, parse_offsets,
                        parse_scale, parse_softcap, parse_threads, parse_window)
 
@@ -126,7 +127,6 @@ def as_array(x, name, fn="attention"):
     """
     if type(x) is np.ndarray:
         return x
-    from ._cache import QuantizedKV  # (at call time: _cache imports this module)
     if isinstance(x, QuantizedKV):  # np.asarray would stack data and scale
         raise TypeError(f"fastattn.{fn}: {name} is a fastattn.QuantizedKV (an int8 cache), which "
                         f"only fastattn.attention reads (with a QuantizedKV for both k and v); pass "

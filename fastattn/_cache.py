@@ -18,40 +18,11 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from ._args import F16, F32, F64, as_array, fresh, in_place, is_bf16
+from ._qkv import QuantizedKV
 
 __all__ = ["QuantizedKV", "quantize_kv", "dequantize_kv"]
 
 I8 = np.dtype(np.int8)
-
-
-class QuantizedKV(NamedTuple):
-    """An int8 K or V cache with one float32 scale per group of channels per token.
-
-    data : int8 array, the cache's shape ``(..., L, D)`` (any layout: the channel axis
-        is last)
-    scale : float32 array, shape ``data.shape[:-1] + (D // group_size,)``
-
-    Channel ``c`` of a row is ``data[..., c] * scale[..., c // group_size]``
-    (symmetric, as llama.cpp's q8_0 and OpenVINO's u8 caches with group scales).
-
-    Indexing with anything but an int selects rows of both arrays, so a slice of a
-    preallocated cache is a cache too: ``quantize_kv(x_new, out=cache[..., t0:t1, :])``
-    writes tokens ``t0 .. t1-1`` in place (the index must leave the channel axis whole).
-    An int index is the tuple's: ``cache[0]`` is `data`, ``cache[1]`` `scale`.
-    """
-    data: Any
-    scale: Any
-
-    def __getitem__(self, key):
-        if isinstance(key, (int, np.integer)):
-            return tuple.__getitem__(self, key)
-        data, scale = self.data[key], self.scale[key]
-        if (data.ndim != scale.ndim or data.shape[:-1] != scale.shape[:-1]
-                or data.shape[-1] != self.data.shape[-1] or scale.shape[-1] != self.scale.shape[-1]):
-            raise IndexError(f"fastattn.QuantizedKV: index {key!r} must select rows and keep the "
-                             f"channel axis whole (data {self.data.shape} -> {data.shape}, scale "
-                             f"{self.scale.shape} -> {scale.shape})")
-        return QuantizedKV(data, scale)
 
 
 def _group_size(group_size, D, fn):
@@ -64,18 +35,57 @@ def _group_size(group_size, D, fn):
 
 
 def quantize_kv(x, *, group_size: int = 32, out: Optional[QuantizedKV] = None) -> QuantizedKV:
-    """Quantize a K or V cache (float32, float64, float16 or bfloat16, shape
-    ``(..., D)``) to int8 with one float32 scale per `group_size` channels per row:
-    ``scale = max|x| / 127`` over the group (computed in float32), ``data =
-    round(x / scale)`` (to nearest even; 0 where the group is all zero).
+    """Quantize a K or V cache to int8 with one float32 scale per group of channels per row.
 
+    Each group of `group_size` channels of a row gets ``scale = max|x| / 127`` over the
+    group (computed in float32), and ``data = round(x / scale)`` (to nearest even; 0
+    where the group is all zero).
+
+    Parameters
+    ----------
+    x : array_like, shape (..., D)
+        The cache, float32, float64, float16 or bfloat16, in either layout (the channel
+        axis is last).
+    group_size : int, optional
+        Channels per scale, >= 1, dividing ``D``; default 32.
     out : QuantizedKV, optional
-        Written in place (data int8 of x's shape, scale float32 of
-        ``x.shape[:-1] + (D // group_size,)``), e.g. a slice of a preallocated cache,
-        ``out=cache[..., t0:t1, :]``; returned.
+        Where to write the result: data int8 of x's shape, scale float32 of shape
+        ``x.shape[:-1] + (D // group_size,)``, e.g. a slice of a preallocated cache,
+        ``out=cache[..., t0:t1, :]``.  It is returned.
 
-    Raises a ValueError for values that are not finite (an int8 cache cannot hold
-    them) and for a `group_size` that does not divide D.
+    Returns
+    -------
+    QuantizedKV
+        The int8 data and the float32 scales (`out` where it was given).
+
+    Raises
+    ------
+    TypeError
+        If x is not float32, float64, float16 or bfloat16, or `out` is not a
+        QuantizedKV.
+    ValueError
+        If x holds values that are not finite (an int8 cache cannot hold them), if
+        `group_size` does not divide ``D``, or if `out`'s arrays have the wrong shape or
+        dtype.
+
+    See Also
+    --------
+    QuantizedKV, dequantize_kv, attention
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import fastattn
+    >>> rng = np.random.default_rng(0)
+    >>> k, v = (rng.standard_normal((1, 4, 256, 64), dtype=np.float32) for _ in range(2))
+    >>> kq, vq = fastattn.quantize_kv(k), fastattn.quantize_kv(v)
+    >>> kq.data.dtype, kq.scale.shape
+    (dtype('int8'), (1, 4, 256, 2))
+    >>> q = rng.standard_normal((1, 4, 1, 64), dtype=np.float32)
+    >>> out = fastattn.attention(q, kq, vq)           # reads the int8 cache in place
+    >>> same = fastattn.attention(q, fastattn.dequantize_kv(kq), fastattn.dequantize_kv(vq))
+    >>> bool(np.array_equal(out, same))
+    True
     """
     fn = "quantize_kv"
     a = as_array(x, "x", fn)
@@ -123,8 +133,39 @@ def _quantized(qkv, name, fn):
 
 
 def dequantize_kv(qkv: QuantizedKV) -> np.ndarray:
-    """The float32 cache a :class:`QuantizedKV` stands for: ``data * scale`` per group
-    (one float32 multiply per element: the values attention reads)."""
+    """The float32 cache a :class:`QuantizedKV` stands for.
+
+    Parameters
+    ----------
+    qkv : QuantizedKV
+        An int8 cache, as :func:`quantize_kv` makes it.
+
+    Returns
+    -------
+    ndarray of float32
+        ``data * scale`` per group, in data's shape: one float32 multiply per element,
+        the values :func:`attention` reads from the int8 cache.
+
+    Raises
+    ------
+    TypeError
+        If data is not int8 or scale not float32.
+    ValueError
+        If scale's shape is not ``data.shape[:-1] + (D // group_size,)`` for a group
+        size dividing ``D``.
+
+    See Also
+    --------
+    QuantizedKV, quantize_kv
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import fastattn
+    >>> x = np.array([[0.5, -1.0, 0.25, 2.0]], np.float32)
+    >>> np.round(fastattn.dequantize_kv(fastattn.quantize_kv(x, group_size=2)), 4)
+    array([[ 0.5039, -1.    ,  0.252 ,  2.    ]], dtype=float32)
+    """
     data, scale = _quantized(qkv, "qkv", "dequantize_kv")
     G = scale.shape[-1]
     groups = data.astype(F32).reshape(data.shape[:-1] + (G, data.shape[-1] // G))

@@ -78,9 +78,38 @@ def _size(n: int) -> str:
 
 
 def show_config(file: IO[str] | None = None) -> None:
-    """Print where fastattn was imported from, the build (compiler, OpenMP), the CPU
-    kernel in use and why, the L2 size and its source, and the default thread count
-    (OpenMP's: OMP_NUM_THREADS or threadpoolctl)."""
+    """Print how this fastattn was built and what it runs on this machine.
+
+    The lines name the version and where the package was imported from, the compiled
+    extension, the build (compiler, flags), whether OpenMP is on, the default thread
+    count, the SIMD kernel in use and why it was chosen, the L2 cache size that bounds
+    the block sizes and where it was read, how bfloat16 inputs compute, and the kernels
+    this CPU can run.
+
+    Parameters
+    ----------
+    file : file-like, optional
+        Where to write; default ``sys.stdout``.
+
+    See Also
+    --------
+    fastattn.bench.fma_peak : The machine's measured FMA peak.
+
+    Notes
+    -----
+    ``fastattn`` (the command) and ``python -m fastattn`` print the same lines before
+    their self-check.  The kernel can be forced lower with the environment variable
+    ``FASTATTN_DISABLE_CPU_FEATURES`` (read at import).
+
+    Examples
+    --------
+    >>> import io
+    >>> import fastattn
+    >>> buf = io.StringIO()
+    >>> fastattn.show_config(file=buf)
+    >>> buf.getvalue().splitlines()[0].startswith("fastattn " + fastattn.__version__)
+    True
+    """
     c = config()
     lines = [
         f"fastattn {c['fastattn']}  (python {c['python']}, numpy {c['numpy']}, {c['machine']})",

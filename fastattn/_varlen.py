@@ -19,32 +19,64 @@ __all__ = ["merge", "varlen_attention"]
 
 def merge(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike], *,
           layout: Layout = "bhsd") -> Tuple[FloatArray, FloatArray]:
-    """Combine partial attentions over disjoint key sets into the whole.
+    """Combine partial attentions over disjoint key sets into the attention over all of them.
 
-    If ``out_p, lse_p = attention(q, k_p, v_p, layout=layout, return_lse=True)`` for
-    key sets ``p = 1..P`` that partition the keys, the merge equals the attention
-    over all of them: ``lse = log(sum_p exp(lse_p))`` and
-    ``out = sum_p exp(lse_p - lse) out_p``.  Pass the parts exactly as
-    :func:`attention` returned them, with the same `layout`.
+    If ``out_p, lse_p = attention(q, k_p, v_p, layout=layout, return_lse=True)`` for key
+    sets ``p = 1..P`` that partition the keys, the merge is the attention over all of
+    them: ``lse = log(sum_p exp(lse_p))`` and ``out = sum_p exp(lse_p - lse) out_p``.
+    Pass the parts exactly as :func:`attention` returned them, with the same `layout`.
 
     Parameters
     ----------
-    outs : sequence of ndarray, all of one shape
-        ``(..., Hq, Lq, Dv)`` for ``layout="bhsd"``, ``(..., Lq, Hq, Dv)`` for
-        ``"bshd"``; 2-D ``(Lq, Dv)`` in either layout.
-    lses : sequence of ndarray
-        ``(..., Hq, Lq)`` in both layouts: :func:`attention` always puts the heads
-        before the sequence in lse (for ``"bshd"`` that is ``outs[p]`` with its last
-        axis dropped and the next two swapped); 2-D outs take ``(Lq,)``.
+    outs : sequence of array_like
+        The parts' outputs, all of one shape: ``(..., Hq, Lq, Dv)`` for
+        ``layout="bhsd"``, ``(..., Lq, Hq, Dv)`` for ``"bshd"``; 2-D ``(Lq, Dv)`` in
+        either layout.
+    lses : sequence of array_like
+        The parts' lse, ``(..., Hq, Lq)`` in both layouts (:func:`attention` puts the
+        heads before the sequence in lse whatever the layout); ``(Lq,)`` for 2-D outs.
     layout : {'bhsd', 'bshd'}, optional
         The layout the parts were computed with.
 
     Returns
     -------
-    out, lse : ndarrays in the common float dtype of the inputs, in the shapes of
-        ``outs[0]`` and ``lses[0]``.  Stable for parts with ``lse = -inf`` (no
-        visible key: they contribute nothing); if every part is -inf the row is 0
-        with lse -inf.  Parts merge in the order given.
+    out : ndarray
+        The merged output, in the shape of ``outs[0]``.
+    lse : ndarray
+        The merged lse, in the shape of ``lses[0]``.  Both have the inputs' common
+        dtype (NumPy's ``result_type``), float32 or float64; bfloat16 parts merge in
+        float32.
+
+    Raises
+    ------
+    TypeError
+        If the common dtype is another (integer or complex parts, or float16 ones
+        whose lse is float16 too).
+    ValueError
+        If the parts' shapes disagree with each other or with the layout.
+
+    See Also
+    --------
+    attention : Gives the parts, with ``return_lse=True``.
+    fastattn.reference.merge : The float64 NumPy oracle.
+
+    Notes
+    -----
+    Parts with ``lse = -inf`` (rows that saw no key) contribute nothing; a row that is
+    -inf in every part is 0 with lse -inf.  The parts are added in the order given.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import fastattn
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((4, 16, 32))
+    >>> k, v = (rng.standard_normal((4, 100, 32)) for _ in range(2))
+    >>> parts = [fastattn.attention(q, k[:, s], v[:, s], return_lse=True)
+    ...          for s in (slice(0, 60), slice(60, 100))]
+    >>> out, lse = fastattn.merge([o for o, _ in parts], [l for _, l in parts])
+    >>> bool(np.allclose(out, fastattn.attention(q, k, v)))
+    True
     """
     outs_a, lses_a, dt, swap = merge_inputs(outs, lses, layout)
     shape = outs_a[0].shape
@@ -103,28 +135,71 @@ def varlen_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      ) -> Union[FloatArray, Tuple[FloatArray, FloatArray]]:
     """Attention over a packed ragged batch: each sequence attends only to its own keys.
 
+    The sequences are packed one after another on the first axis (FlashAttention's
+    ``varlen`` layout), so a batch of different lengths needs no padding and no mask.
+
     Parameters
     ----------
-    q : ndarray (total_q, Hq, D); k : (total_k, Hkv, D); v : (total_k, Hkv, Dv)
-        The sequences packed one after another (float32 or float64).
-    cu_seqlens_q, cu_seqlens_k : int arrays (nseq + 1,)
-        Cumulative lengths: start at 0, non-decreasing, end at total_q / total_k,
-        the same count.  Sequence s is q rows ``cu_q[s]:cu_q[s+1]`` against key rows
-        ``cu_k[s]:cu_k[s+1]``.
-    scale, causal, window, alibi_slopes (Hq,), softcap, num_threads
-        As for :func:`attention`; causal and window are aligned per sequence
-        (bottom-right: each sequence's last query sees its last key).
-    dropout_p, seed
-        As for :func:`attention`, with b the sequence's index and i, j positions
-        within the sequence.
-    sinks : float array (Hq,), optional
-        Attention sinks, as for :func:`attention`.
-    return_lse : bool
-        Also return lse of shape (Hq, total_q).
+    q : array_like, shape (total_q, Hq, D)
+        The queries of every sequence, packed.  float32 or float64; float16 or
+        bfloat16 with k and v of the same type (computed in float32).
+    k : array_like, shape (total_k, Hkv, D)
+        The keys, packed; of q's dtype.  ``Hq`` must be a multiple of ``Hkv``.
+    v : array_like, shape (total_k, Hkv, Dv)
+        The values, packed; of q's dtype.
+    cu_seqlens_q, cu_seqlens_k : array_like of int, shape (nseq + 1,)
+        Cumulative lengths: they start at 0, do not decrease, end at ``total_q`` and
+        ``total_k``, and have the same count.  Sequence ``s`` is q's rows
+        ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` against k's and v's rows
+        ``cu_seqlens_k[s]:cu_seqlens_k[s+1]``.
+    scale : float, optional
+        As in :func:`attention`.
+    causal, window : optional
+        As in :func:`attention`, aligned per sequence (bottom-right: each sequence's
+        last query sees its last key).
+    alibi_slopes : array_like, shape (Hq,), optional
+        As in :func:`attention`, per sequence.
+    softcap : float, optional
+        As in :func:`attention`.
+    dropout_p, seed : optional
+        As in :func:`attention`, with ``b`` the sequence's index and ``i, j`` the
+        positions within the sequence.
+    return_lse : bool, optional
+        Also return lse.
+    num_threads : int, optional
+        As in :func:`attention`.
+    sinks : array_like of float, shape (Hq,), optional
+        Attention sinks, as in :func:`attention`.
 
     Returns
     -------
-    out : ndarray (total_q, Hq, Dv); lse : (Hq, total_q) with ``return_lse``.
+    out : ndarray
+        Shape ``(total_q, Hq, Dv)``, q's dtype.
+    lse : ndarray
+        With ``return_lse=True``: shape ``(Hq, total_q)`` (as FlashAttention returns
+        it), float64 for float64 inputs, else float32.
+
+    Raises
+    ------
+    TypeError, ValueError
+        If the cumulative lengths are not valid for the packed arrays, or as
+        :func:`attention` raises them.
+
+    See Also
+    --------
+    fastattn.reference.varlen_attention : The float64 NumPy oracle.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import fastattn
+    >>> rng = np.random.default_rng(0)
+    >>> cu = np.array([0, 5, 12])                   # two sequences: 5 and 7 tokens
+    >>> q, k, v = (rng.standard_normal((12, 4, 16), dtype=np.float32) for _ in range(3))
+    >>> out = fastattn.varlen_attention(q, k, v, cu, cu, causal=True)
+    >>> second = fastattn.attention(q[5:], k[5:], v[5:], causal=True, layout="bshd")
+    >>> bool(np.allclose(out[5:], second, atol=1e-6))
+    True
     """
     pr, cq, ck = varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k)
     return_lse = parse_flag(return_lse, "return_lse", "varlen_attention")

@@ -1,11 +1,11 @@
 """Pure-NumPy float64 oracle for fastattn.
 
 Deliberately naive and obviously right: it materialises the full ``(B, Hq, Lq, Lk)``
-logits and follows the "Semantics (exact, in this order)" section of DESIGN.md step by
-step (``docs/semantics.md`` writes the same rules out for users).  Everything is computed in float64 whatever the input dtype.  The kernels are
-tested against this module, so it depends on nothing but NumPy.
+logits and follows the semantics (``docs/semantics.md``) step by step.  Everything is
+computed in float64 whatever the input dtype.  The kernels are tested against this
+module, so it depends on nothing but NumPy.
 
-Conventions beyond DESIGN.md that this module fixes:
+Conventions this module fixes:
 
 - ``bias`` and ``mask`` always broadcast (right-aligned) against the logits shape
   ``(B, Hq, Lq, Lk)`` / ``(Hq, Lq, Lk)`` / ``(Lq, Lk)``, whatever the layout.
@@ -18,389 +18,26 @@ Conventions beyond DESIGN.md that this module fixes:
   ``>= min(int(p * 2**32), 2**32 - 1)``; b is the batch (varlen: sequence) index, h the
   query head, i and j the query and key positions (within the sequence).  Kept weights
   are scaled by ``1 / (1 - p)``; ``lse`` is that of the undropped softmax.
+
+The public functions are here; the forward's steps (logits, softmax, dropout, the
+weighted values) are in ``fastattn/_ref_forward.py`` and the Philox generator with
+the keep decisions in ``fastattn/_ref_dropout.py``.
 """
 from __future__ import annotations
 
-import math
-import numbers
-from typing import Any, Literal, NamedTuple, Optional, Sequence, Tuple, Union, overload
+from typing import Any, Literal, Sequence, Tuple, Union, overload
 
 import numpy as np
 
+from ._ref_dropout import Seed, dropout_keep, philox4x32
+from ._ref_forward import (F64, _as_float, _dropout_factor, _forward, _from_bhsd4, _logits,
+                           _sink_column, _softmax, _to_bhsd4)
 from ._typing import ArrayLike, Causal, Layout, Window
-
-F64 = np.ndarray  # float64 results (annotated loosely: NumPy's generics add nothing here)
-Seed = Union[int, "np.integer[Any]", None]
 
 __all__ = ["attention_stats", "key_mass", "attention", "attention_backward", "attention_weights", "dropout_keep", "merge",
            "philox4x32", "varlen_attention"]
 
 _NEG_INF = -np.inf
-
-# Philox-4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011;
-# the Random123 library's philox4x32 with its default 10 rounds).
-_PHILOX_M0, _PHILOX_M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
-_PHILOX_W0, _PHILOX_W1 = np.uint64(0x9E3779B9), np.uint64(0xBB67AE85)
-_U32 = np.uint64(0xFFFFFFFF)
-_SHIFT32 = np.uint64(32)
-
-
-def _u32_words(name, x, n):
-    """x as a uint64 array whose last axis has n entries, each in [0, 2**32)."""
-    a = np.asarray(x)
-    if not np.issubdtype(a.dtype, np.integer):
-        raise TypeError(f"{name} must be an integer array, got dtype {a.dtype} with shape "
-                        f"{a.shape}")
-    if a.ndim < 1 or a.shape[-1] != n:
-        raise ValueError(f"{name} must have a last axis of {n} words, got shape {a.shape}")
-    if a.size and (a.min() < 0 or a.max() > 0xFFFFFFFF):
-        raise ValueError(f"{name} words must be in [0, 2**32), got values in "
-                         f"[{a.min()}, {a.max()}]")
-    return a.astype(np.uint64)
-
-
-def philox4x32(counter: ArrayLike, key: ArrayLike) -> np.ndarray:
-    """Philox-4x32-10, vectorised: one block of four uint32 words per counter.
-
-    Parameters
-    ----------
-    counter : integer array (..., 4), words (c0, c1, c2, c3) in [0, 2**32).
-    key : integer array (2,) or (..., 2) broadcastable against counter's leading axes,
-        words (k0, k1) in [0, 2**32).
-
-    Returns
-    -------
-    uint32 array (..., 4): the output block of each counter.
-    """
-    c = _u32_words("counter", counter, 4)
-    k = _u32_words("key", key, 2)
-    c0, c1, c2, c3 = c[..., 0], c[..., 1], c[..., 2], c[..., 3]
-    k0, k1 = k[..., 0], k[..., 1]
-    for r in range(10):
-        # 32x32 -> 64-bit products fit exactly in uint64
-        p0, p1 = _PHILOX_M0 * c0, _PHILOX_M1 * c2
-        c0, c1, c2, c3 = ((p1 >> _SHIFT32) ^ c1 ^ k0, p1 & _U32,
-                          (p0 >> _SHIFT32) ^ c3 ^ k1, p0 & _U32)
-        if r < 9:
-            k0, k1 = (k0 + _PHILOX_W0) & _U32, (k1 + _PHILOX_W1) & _U32
-    return np.stack(np.broadcast_arrays(c0, c1, c2, c3), axis=-1).astype(np.uint32)
-
-
-def _check_dropout(dropout_p, seed, name="dropout_p"):
-    """Validated (p as float, seed as int or None); name is what the caller calls p."""
-    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"{name} must be a real number in [0, 1), got {dropout_p!r}")
-    p = float(dropout_p)
-    if not 0.0 <= p < 1.0:         # also rejects NaN
-        raise ValueError(f"{name} must be in [0, 1), got {dropout_p!r}")
-    if seed is not None:
-        if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
-            raise TypeError(f"seed must be an int in [0, 2**64), got {seed!r}")
-        seed = int(seed)
-        if not 0 <= seed < 2 ** 64:
-            raise ValueError(f"seed must be in [0, 2**64), got {seed}")
-    elif p > 0:
-        raise ValueError(f"{name} > 0 needs a seed, got {name}={dropout_p!r} and "
-                         f"seed=None")
-    return p, seed
-
-
-def _keep(seed, p, B, H, Lq, Lk, b0=0):
-    """Keep mask (B, H, Lq, Lk) for batch indices b0 .. b0 + B - 1 (validated p, seed)."""
-    t = min(int(p * 4294967296.0), 2 ** 32 - 1)
-    if t == 0:
-        return np.ones((B, H, Lq, Lk), dtype=bool)
-    J = -(-Lk // 4)                       # one counter per 4 keys: word j & 3 of j >> 2
-    c = np.empty((B, H, Lq, J, 4), dtype=np.uint64)
-    c[..., 0] = np.arange(J)
-    c[..., 1] = np.arange(Lq)[:, None]
-    c[..., 2] = np.arange(H)[:, None, None]
-    c[..., 3] = (b0 + np.arange(B))[:, None, None, None]
-    words = philox4x32(c, [seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF])
-    return words.reshape(B, H, Lq, 4 * J)[..., :Lk] >= np.uint32(t)
-
-
-def dropout_keep(seed: Seed, p: float, B: int, H: int, Lq: int, Lk: int) -> np.ndarray:
-    """fastattn's dropout decisions: bool array (B, H, Lq, Lk), True = kept.
-
-    Entry (b, h, i, j) is kept iff word ``j & 3`` of
-    ``philox4x32((j >> 2, i, h, b), (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF))``
-    is ``>= min(int(p * 2**32), 2**32 - 1)``; so p = 0 keeps everything.
-
-    Parameters
-    ----------
-    seed : int in [0, 2**64).
-    p : float in [0, 1), the drop probability.
-    B, H, Lq, Lk : ints >= 0, the batch, query-head, query and key counts.
-    """
-    p, seed = _check_dropout(p, seed, "p")
-    for name, n in (("B", B), ("H", H), ("Lq", Lq), ("Lk", Lk)):
-        if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
-            raise TypeError(f"{name} must be an int, got {n!r}")
-        if n < 0:
-            raise ValueError(f"{name} must be >= 0, got {n!r}")
-    if seed is None:                      # p == 0: no generator needed
-        return np.ones((B, H, Lq, Lk), dtype=bool)
-    return _keep(seed, p, int(B), int(H), int(Lq), int(Lk))
-
-
-def _as_float(name, x):
-    a = np.asarray(x)
-    if not np.issubdtype(a.dtype, np.floating):
-        raise TypeError(f"{name} must be a floating-point array, got dtype {a.dtype} "
-                        f"with shape {a.shape}")
-    return a.astype(np.float64)
-
-
-def _to_bhsd4(name, a, layout):
-    """View a 2-D/3-D/4-D array in either layout as (B, H, L, D)."""
-    if a.ndim not in (2, 3, 4):
-        raise ValueError(f"{name} must be 2-D, 3-D or 4-D, got shape {a.shape}")
-    if a.ndim == 2:
-        return a[None, None]
-    if layout == "bshd":
-        a = a.swapaxes(-3, -2)
-    return a if a.ndim == 4 else a[None]
-
-
-def _from_bhsd4(a, ndim, layout):
-    """Inverse of _to_bhsd4 for an output (B, H, L, Dv)."""
-    if ndim == 2:
-        return a[0, 0]
-    if ndim == 3:
-        a = a[0]
-    return a.swapaxes(-3, -2) if layout == "bshd" else a
-
-
-def _check_options(scale, causal, window, softcap, layout, num_threads):
-    if not isinstance(layout, str) or layout not in ("bhsd", "bshd"):
-        raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
-    if num_threads is not None:
-        if isinstance(num_threads, (bool, np.bool_)) or not isinstance(
-                num_threads, (int, np.integer)):
-            raise TypeError(f"num_threads must be an int, got {num_threads!r}")
-        if num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {num_threads!r}")
-    if scale is not None:
-        try:
-            scale = float(scale)
-        except (TypeError, ValueError):
-            raise TypeError(f"scale must be a real number, got {scale!r}") from None
-        if not math.isfinite(scale):
-            raise ValueError(f"scale must be finite, got {scale!r}")
-    if softcap is not None:
-        try:
-            softcap = float(softcap)
-        except (TypeError, ValueError):
-            raise TypeError(f"softcap must be a real number, got {softcap!r}") from None
-        if not (math.isfinite(softcap) and softcap > 0):
-            raise ValueError(f"softcap must be finite and > 0, got {softcap!r}")
-    if causal is None or causal is False or (isinstance(causal, np.bool_) and not causal):
-        mode = None
-    elif causal is True or isinstance(causal, np.bool_) or causal == "bottom-right":
-        mode = "bottom-right"
-    elif causal == "top-left":
-        mode = "top-left"
-    else:
-        raise ValueError(f"causal must be False, True, 'bottom-right' or 'top-left', "
-                         f"got {causal!r}")
-    if window is None:
-        left = right = None
-    else:
-        try:
-            left, right = window
-        except (TypeError, ValueError):
-            raise ValueError(f"window must be a (left, right) pair, got {window!r}") from None
-        for side, w in (("left", left), ("right", right)):
-            if w is None:
-                continue
-            if isinstance(w, (bool, np.bool_)) or not isinstance(w, (int, np.integer)):
-                raise TypeError(f"window {side} size must be an int or None, got {w!r}")
-            if w < -1:
-                raise ValueError(f"window {side} size must be >= 0, or -1 or None for "
-                                 f"unbounded; got {window!r}")
-        # -1 means unbounded, as None does (FlashAttention's convention)
-        left = None if left is None or left == -1 else left
-        right = None if right is None or right == -1 else right
-    return scale, mode, left, right, softcap
-
-
-class _Logits(NamedTuple):
-    s: F64            # (B, Hq, Lq, Lk) logits after steps 1-5, -inf on hidden keys
-    v4: Optional[F64]  # (B, Hq, Lk, Dv): v per query head, or None
-    ndim: int         # the user's ndim
-    q4: F64           # (B, Hq, Lq, D)
-    k4: F64           # (B, Hq, Lk, D): k per query head
-    raw: F64          # (B, Hq, Lq, Lk): scale * q.k, before the softcap
-    scale: float      # resolved (the default applied)
-    softcap: Optional[float]
-    full: Tuple[int, ...]  # the logits shape in the user's ndim
-    hkv: int          # kv heads; query head h reads kv head h // group
-    group: int
-
-
-def _check_offsets(q_offset, k_offset, mode):
-    """(q_offset, k_offset) as ints, or None when both are None (the lengths decide)."""
-    if q_offset is None and k_offset is None:
-        return None
-    offs = []
-    for name, x in (("q_offset", q_offset), ("k_offset", k_offset)):
-        x = 0 if x is None else x
-        if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
-            raise TypeError(f"{name} must be an int or None, got {x!r}")
-        offs.append(int(x))
-    if mode == "top-left":
-        raise ValueError("causal='top-left' aligns by the lengths; with q_offset/k_offset the "
-                         "positions decide the diagonal: pass causal=True")
-    return offs[0], offs[1]
-
-
-def _logits(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap, layout,
-            num_threads, q_offset=None, k_offset=None):
-    """Steps 1-5: the logits and what the backward needs besides (see _Logits).  With
-    q_offset/k_offset, query i and key j sit at positions q_offset + i and
-    k_offset + j, which decide the diagonal and the ALiBi distance."""
-    scale, mode, left, right, softcap = _check_options(scale, causal, window, softcap,
-                                                       layout, num_threads)
-    offsets = _check_offsets(q_offset, k_offset, mode)
-    q = _as_float("q", q)
-    k = _as_float("k", k)
-    arrs = {"q": q, "k": k}
-    if v is not None:
-        v = _as_float("v", v)
-        arrs["v"] = v
-    ndim = q.ndim
-    if any(a.ndim != ndim for a in arrs.values()):
-        raise ValueError("q, k, v must have the same ndim, got shapes "
-                         + ", ".join(f"{n}={a.shape}" for n, a in arrs.items()))
-    q4, k4 = _to_bhsd4("q", q, layout), _to_bhsd4("k", k, layout)
-    B, Hq, Lq, D = q4.shape
-    Bk, Hkv, Lk, Dk = k4.shape
-    if Bk != B:
-        raise ValueError(f"q and k batch sizes differ: q {q.shape}, k {k.shape}")
-    if Dk != D:
-        raise ValueError(f"q and k head dims differ: q {q.shape}, k {k.shape}")
-    if (Hkv == 0 and Hq != 0) or (Hkv != 0 and Hq % Hkv != 0):
-        raise ValueError(f"query heads must be a multiple of k heads: q {q.shape}, "
-                         f"k {k.shape}")
-    group = Hq // Hkv if Hkv else 1
-    v4 = None
-    if v is not None:
-        v4 = _to_bhsd4("v", v, layout)
-        if v4.shape[:3] != (B, Hkv, Lk):
-            raise ValueError(f"v must match k in batch, heads and length: k {k.shape}, "
-                             f"v {v.shape}")
-        v4 = np.repeat(v4, group, axis=1)
-    full = (B, Hq, Lq, Lk)[4 - ndim:]  # the logits shape in the user's ndim
-
-    if scale is None:
-        scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
-    k4 = np.repeat(k4, group, axis=1)
-    s = raw = scale * (q4 @ k4.swapaxes(-1, -2))                           # 1.
-    if softcap is not None:
-        s = softcap * np.tanh(s / softcap)                                 # 2.
-    i = np.arange(Lq)[:, None]
-    j = np.arange(Lk)[None, :]
-    if alibi_slopes is not None:                                           # 3.
-        sl = _as_float("alibi_slopes", alibi_slopes)
-        if sl.shape == (Hq,):
-            sl = sl[None, :, None, None]
-        elif ndim == 4 and sl.shape == (B, Hq):
-            sl = sl[:, :, None, None]
-        else:
-            raise ValueError(f"alibi_slopes must have shape (Hq,) or (B, Hq) = "
-                             f"{(Hq,)} or {(B, Hq)}, got {sl.shape} (q {q.shape})")
-        apos = i + (offsets[0] - offsets[1] if offsets else Lk - Lq)
-        s = s - sl * np.abs(apos - j)
-    if bias is not None:                                                   # 4.
-        b = _as_float("bias", bias)
-        s = s + _broadcast("bias", b, full).reshape(B, Hq, Lq, Lk)
-    vis = np.ones((Lq, Lk), dtype=bool)                                    # 5.
-    if offsets:  # the positions' diagonal
-        a = i + (offsets[0] - offsets[1])
-    else:
-        a = i if mode == "top-left" else i + (Lk - Lq)
-    if mode is not None:
-        vis &= j <= a
-    if left is not None:
-        vis &= j >= a - left
-    if right is not None:
-        vis &= j <= a + right
-    if mask is not None:
-        m = np.asarray(mask)
-        if m.dtype != np.bool_:
-            raise TypeError(f"mask must be a bool array, got dtype {m.dtype} with shape "
-                            f"{m.shape}")
-        vis = vis & _broadcast("mask", m, full).reshape(B, Hq, Lq, Lk)
-    return _Logits(np.where(vis, s, _NEG_INF), v4, ndim, q4, k4, raw, scale, softcap, full,
-                   Hkv, group)
-
-
-def _broadcast(name, a, full):
-    try:
-        ok = np.broadcast_shapes(a.shape, full) == full
-    except ValueError:
-        ok = False
-    if not ok:
-        raise ValueError(f"{name} of shape {a.shape} does not broadcast to the logits "
-                         f"shape {full}")
-    return np.broadcast_to(a, full)
-
-
-def _sink_column(sinks, s):
-    """The sinks (Hq,) as one more logit column of s (B, Hq, Lq, Lk)."""
-    a = _as_float("sinks", sinks)
-    if a.shape != (s.shape[1],):
-        raise ValueError(f"sinks must have shape (Hq,) = ({s.shape[1]},), got {a.shape}")
-    return np.broadcast_to(a[None, :, None, None], s.shape[:-1] + (1,))
-
-
-def _softmax(s, sinks=None):
-    """Steps 6-7: (weights, lse, live) with live = keys not at -inf.  With sinks, the
-    softmax is over the keys and one more logit per head, whose weight is dropped:
-    lse includes it and the weights sum to 1 minus it."""
-    if sinks is not None:
-        w, lse, live = _softmax(np.concatenate([s, _sink_column(sinks, s)], axis=-1))
-        return w[..., :-1], lse, live[..., :-1]
-    live = s != _NEG_INF                     # NaN stays live: it must propagate
-    any_live = live.any(axis=-1, keepdims=True)
-    m = np.max(s, axis=-1, keepdims=True, initial=_NEG_INF)
-    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        p = np.where(live, np.exp(s - np.where(any_live, m, 0.0)), 0.0)
-        denom = p.sum(axis=-1, keepdims=True)
-        lse = np.where(any_live, m + np.log(denom), _NEG_INF)[..., 0]
-        w = np.divide(p, denom, out=np.zeros_like(p), where=any_live)
-    return w, lse, live
-
-
-def _dropout_factor(dropout_p, seed, shape, b0=0):
-    """Step 11: keep / (1 - p) of shape (B, Hq, Lq, Lk), or None without dropout."""
-    p, seed = _check_dropout(dropout_p, seed)
-    if p == 0.0:
-        return None
-    return _keep(seed, p, *shape, b0=b0) / (1.0 - p)
-
-
-def _weighted_values(w, live, v4):
-    """out = w @ v, except that a non-finite value only reaches rows that see it."""
-    fin = np.isfinite(v4)
-    out = w @ np.where(fin, v4, 0.0)
-    with np.errstate(invalid="ignore"):
-        for c in np.nonzero(~fin.all(axis=(0, 1, 2)))[0]:
-            out[..., c] = np.where(live, w * v4[:, :, None, :, c], 0.0).sum(axis=-1)
-    return out
-
-
-def _forward(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap, dropout_p,
-             seed, layout, num_threads, b0, q_offset=None, k_offset=None, sinks=None):
-    """(out, lse) in the user's shapes; dropout batch indices start at b0."""
-    lg = _logits(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap, layout,
-                 num_threads, q_offset, k_offset)
-    z = _dropout_factor(dropout_p, seed, lg.s.shape, b0)
-    w, lse, live = _softmax(lg.s, sinks)
-    o = _from_bhsd4(_weighted_values(w if z is None else w * z, live, lg.v4), lg.ndim,
-                    layout)
-    return o, lse.reshape(lse.shape[4 - lg.ndim:])
 
 
 @overload
@@ -431,40 +68,84 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
               num_threads: Any = None, q_offset: int | None = None,
               k_offset: int | None = None,
               sinks: ArrayLike | None = None) -> Union[F64, Tuple[F64, F64]]:
-    """Exact attention ``softmax(scale * q k^T + ...) v`` in float64.
+    """Exact attention ``softmax(scale * q k^T + ...) v``, computed naively in float64.
+
+    The oracle of :func:`fastattn.attention`: it forms the full logits and follows the
+    semantics step by step.  Every input is converted to float64 first.
 
     Parameters
     ----------
-    q : array, (..., Hq, Lq, D) in layout "bhsd", (..., Lq, Hq, D) in "bshd"; 2-D (Lq, D).
-    k : array, (..., Hkv, Lk, D) (layout as for q).
-    v : array, (..., Hkv, Lk, Dv).
-    scale : float, default 1/sqrt(D).
-    causal : False, True, "bottom-right" or "top-left".
-    window : (left, right) pair of ints or None.
-    mask : bool array broadcastable to (..., Hq, Lq, Lk), True = attend.
-    bias : float array broadcastable to (..., Hq, Lq, Lk).
-    alibi_slopes : float array (Hq,) or (B, Hq).
-    softcap : float > 0.
-    dropout_p : float in [0, 1), the probability of dropping a weight (see
-        :func:`dropout_keep`); kept weights are scaled by 1 / (1 - dropout_p).
-    seed : int in [0, 2**64), required when dropout_p > 0.
-    layout : "bhsd" or "bshd".
-    return_lse : bool, also return the log-sum-exp.
-    out, num_threads : accepted for signature compatibility; ``out`` is ignored.
-    q_offset, k_offset : int, optional: the positions of the first query and the first
-        key in one longer sequence (a block of it: chunked prefill).  Given (a missing
-        one is 0), query i sits at q_offset + i and key j at k_offset + j, and the
-        positions decide the diagonal ``a = q_offset + i - k_offset``: causal hides the
-        keys j > a, the window is around a, the ALiBi distance is |a - j|.  causal may
-        then be True (or "bottom-right"), not "top-left".
-    sinks : float array (Hq,), optional: one more logit per head in each row's softmax
-        (not scaled), a key with a zero value; lse includes it.
+    q : array_like
+        ``(..., Hq, Lq, D)`` in layout ``"bhsd"``, ``(..., Lq, Hq, D)`` in ``"bshd"``;
+        2-D ``(Lq, D)`` in either.  Any float dtype.
+    k : array_like
+        ``(..., Hkv, Lk, D)`` (layout as for q); ``Hq`` a multiple of ``Hkv``.
+    v : array_like
+        ``(..., Hkv, Lk, Dv)``.
+    scale : float, optional
+        Default ``1 / sqrt(D)`` (1 for ``D = 0``).
+    causal : {False, True, 'bottom-right', 'top-left'}, optional
+        As in :func:`fastattn.attention`.
+    window : tuple of (int or None, int or None), optional
+        As in :func:`fastattn.attention`.
+    mask : array_like of bool, optional
+        Broadcastable to ``(..., Hq, Lq, Lk)``; True = attend.
+    bias : array_like of float, optional
+        Broadcastable to ``(..., Hq, Lq, Lk)``.
+    alibi_slopes : array_like of float, shape (Hq,) or (B, Hq), optional
+        As in :func:`fastattn.attention`.
+    softcap : float, optional
+        Finite and > 0.
+    dropout_p : float, optional
+        The probability of dropping a weight, in [0, 1) (decided by
+        :func:`dropout_keep`); kept weights are divided by ``1 - dropout_p``.
+    seed : int, optional
+        In [0, 2**64); required when ``dropout_p > 0``.
+    layout : {'bhsd', 'bshd'}, optional
+        The axis order of q, k, v and the output.
+    return_lse : bool, optional
+        Also return the log-sum-exp of each row.
+    out : optional
+        Accepted for the signature's sake and ignored.
+    num_threads : optional
+        Accepted for the signature's sake and ignored.
+    q_offset, k_offset : int, optional
+        The positions of the first query and the first key in one longer sequence (a
+        missing one is 0): query ``i`` sits at ``q_offset + i``, key ``j`` at
+        ``k_offset + j``, and the diagonal is ``a = q_offset + i - k_offset``: causal
+        hides the keys ``j > a``, the window is around ``a``, the ALiBi distance is
+        ``|a - j|``.  Not with ``causal='top-left'``.
+    sinks : array_like of float, shape (Hq,), optional
+        One more logit per head in each row's softmax (not scaled), a key whose value is
+        zero; lse includes it.
 
     Returns
     -------
-    out : float64 array, same layout and ndim as q with Dv last.
-    lse : float64 array (..., Hq, Lq), only if ``return_lse``; that of the softmax
-        before dropout.
+    out : ndarray of float64
+        q's layout and ndim, with ``Dv`` last.
+    lse : ndarray of float64
+        With ``return_lse=True``: shape ``(..., Hq, Lq)``, that of the softmax before
+        dropout.
+
+    Raises
+    ------
+    TypeError, ValueError
+        For arguments :func:`fastattn.attention` refuses too (the messages do not
+        start with the function's name).
+
+    See Also
+    --------
+    fastattn.attention : The compiled function this checks.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from fastattn import reference
+    >>> q = np.zeros((3, 4)); k = np.zeros((3, 4)); v = np.arange(6.0).reshape(3, 2)
+    >>> reference.attention(q, k, v, causal=True)      # row i: the mean of v[:i + 1]
+    array([[0., 1.],
+           [1., 2.],
+           [2., 3.]])
     """
     o, lse = _forward(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap,
                       dropout_p, seed, layout, num_threads, 0, q_offset, k_offset, sinks)
@@ -478,11 +159,38 @@ def attention_weights(q: ArrayLike, k: ArrayLike, *, scale: float | None = None,
                       dropout_p: float = 0.0, seed: Seed = None,
                       layout: Layout = "bhsd", q_offset: int | None = None,
                       k_offset: int | None = None, sinks: ArrayLike | None = None) -> F64:
-    """The attention weight matrix, float64, shape (..., Hq, Lq, Lk) in any layout.
+    """The attention weights, float64, shape ``(..., Hq, Lq, Lk)`` in either layout.
 
-    Arguments as for :func:`attention`.  Rows sum to 1; rows with no visible key are 0.
-    With dropout_p > 0 the weights are those after dropout: dropped entries 0, kept ones
-    scaled by 1 / (1 - dropout_p), so that ``attention(...) == attention_weights(...) @ v``.
+    Parameters
+    ----------
+    q, k : array_like
+        As in :func:`attention` (no values are needed).
+    scale, causal, window, mask, bias, alibi_slopes, softcap : optional
+        As in :func:`attention`.
+    dropout_p, seed : optional
+        As in :func:`attention`: with ``dropout_p > 0`` the weights are those after
+        dropout (dropped entries 0, kept ones divided by ``1 - dropout_p``), so that
+        ``attention(...) == attention_weights(...) @ v``.
+    layout, q_offset, k_offset, sinks : optional
+        As in :func:`attention`.
+
+    Returns
+    -------
+    ndarray of float64
+        Each row sums to 1 (1 minus the sink's weight with `sinks`); a row with no
+        visible key is 0.
+
+    See Also
+    --------
+    fastattn.attention_weights : The compiled function this checks.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from fastattn import reference
+    >>> reference.attention_weights(np.zeros((2, 4)), np.zeros((2, 4)), causal=True)
+    array([[1. , 0. ],
+           [0.5, 0.5]])
     """
     lg = _logits(q, k, None, scale, causal, window, mask, bias, alibi_slopes, softcap,
                  layout, None, q_offset, k_offset)
@@ -500,11 +208,45 @@ def attention_stats(q: ArrayLike, k: ArrayLike, *, scale: float | None = None,
                     layout: Layout = "bhsd", q_offset: int | None = None,
                     k_offset: int | None = None,
                     sinks: ArrayLike | None = None) -> Tuple[F64, F64, F64]:
-    """(entropy, effective_support, max_weight), each (..., Hq, Lq), float64, computed
-    naively from the weights: ``H = -sum p log p`` over the row's weights (0 log 0 = 0),
-    ``exp(H)``, ``max p``; a row with no visible key gets 0 in all three (what
-    ``fastattn.attention(..., return_stats=True)`` documents).  With `sinks`, over the
-    keys and the sink: the sink's weight is one more entry of each row."""
+    """The statistics of :class:`fastattn.AttentionStats`, computed naively from the weights.
+
+    Parameters
+    ----------
+    q, k : array_like
+        As in :func:`attention`.
+    scale, causal, window, mask, bias, alibi_slopes, softcap : optional
+        As in :func:`attention`.
+    layout, q_offset, k_offset : optional
+        As in :func:`attention`.
+    sinks : array_like of float, shape (Hq,), optional
+        As in :func:`attention`: the sink's weight is one more entry of each row.
+
+    Returns
+    -------
+    entropy : ndarray of float64
+        ``H = -sum p log p`` over the row's weights (0 log 0 = 0), shape
+        ``(..., Hq, Lq)``.
+    effective_support : ndarray of float64
+        ``exp(H)``.
+    max_weight : ndarray of float64
+        The row's largest weight.
+
+    See Also
+    --------
+    fastattn.AttentionStats : What ``fastattn.attention(..., return_stats=True)`` returns.
+
+    Notes
+    -----
+    A row with no visible key gets 0 in all three.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from fastattn import reference
+    >>> H, support, top = reference.attention_stats(np.zeros((1, 4)), np.zeros((4, 4)))
+    >>> support, top
+    (array([4.]), array([0.25]))
+    """
     w = attention_weights(q, k, scale=scale, causal=causal, window=window, mask=mask, bias=bias,
                           alibi_slopes=alibi_slopes, softcap=softcap, layout=layout,
                           q_offset=q_offset, k_offset=k_offset, sinks=sinks)
@@ -522,8 +264,33 @@ def key_mass(q: ArrayLike, k: ArrayLike, *, scale: float | None = None, causal: 
              alibi_slopes: ArrayLike | None = None, softcap: float | None = None,
              layout: Layout = "bhsd", q_offset: int | None = None,
              k_offset: int | None = None, sinks: ArrayLike | None = None) -> F64:
-    """For each key the sum of its weights over the query rows, (..., Hq, Lk), float64:
-    the weights' column sums (no dropout)."""
+    """For each key, the sum of its weights over the query rows: the weights' column sums.
+
+    Parameters
+    ----------
+    q, k : array_like
+        As in :func:`attention`.
+    scale, causal, window, mask, bias, alibi_slopes, softcap : optional
+        As in :func:`attention`.
+    layout, q_offset, k_offset, sinks : optional
+        As in :func:`attention`.
+
+    Returns
+    -------
+    ndarray of float64
+        Shape ``(..., Hq, Lk)``; the weights are those without dropout.
+
+    See Also
+    --------
+    fastattn.key_mass : The compiled function this checks.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from fastattn import reference
+    >>> reference.key_mass(np.zeros((3, 4)), np.zeros((3, 4)), causal=True)
+    array([1.83333333, 0.83333333, 0.33333333])
+    """
     w = attention_weights(q, k, scale=scale, causal=causal, window=window, mask=mask, bias=bias,
                           alibi_slopes=alibi_slopes, softcap=softcap, layout=layout,
                           q_offset=q_offset, k_offset=k_offset, sinks=sinks)
@@ -573,34 +340,72 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
                        q_offset: int | None = None, k_offset: int | None = None,
                        sinks: ArrayLike | None = None, return_dsinks: bool = False
                        ) -> Tuple[F64, ...]:
-    """Gradients of :func:`attention` with respect to q, k, v (and bias), float64.
+    """Gradients of :func:`attention`, computed naively in float64.
 
     Recomputes the logits S and the weights P = softmax(S) (0 on rows with no visible
     key), Z = keep / (1 - dropout_p) (or 1), and with dO = dout:
     dV = (P Z)^T dO, dP = (dO V^T) Z, dS = P (dP - rowsum(P dP)),
     dS_raw = dS (1 - tanh(scale q.k / softcap)**2) (dS_raw = dS without softcap),
-    dQ = scale dS_raw K, dK = scale dS_raw^T Q; with GQA dK and dV are summed over the
-    query heads that share a kv head.  ALiBi, mask, causal and window pass dS through.
+    dQ = scale dS_raw K, dK = scale dS_raw^T Q; with grouped-query attention dK and dV
+    are summed over the query heads that share a key/value head.  ALiBi, the mask, causal
+    and the window pass dS through.
 
     Parameters
     ----------
-    dout : float array, the shape of ``out``: the gradient of the loss w.r.t. out.
-    q, k, v : as for :func:`attention`.
-    out : array, attention's output (its shape is checked; otherwise unused).
-    lse : array (..., Hq, Lq), attention's lse (its shape is checked; otherwise unused).
-    return_dbias : bool, also return the gradient w.r.t. ``bias`` (which must be given):
-        dS summed over the axes the bias was broadcast along, in the bias's own shape.
-    sinks : as for :func:`attention` (P is then the softmax with the sink's logit);
-    return_dsinks : bool, also return the sinks' gradient
-        ``-sum_{b,i} p_sink * rowsum(P dP)``, (Hq,).
-    Other arguments as for :func:`attention`; dropout_p and seed must be those of the
-    forward pass.
+    dout : array_like
+        The gradient of the loss with respect to out, of out's shape.
+    q, k, v : array_like
+        As in :func:`attention`.
+    out : array_like
+        The forward's output (its shape is checked; otherwise unused).
+    lse : array_like
+        The forward's lse, ``(..., Hq, Lq)`` (its shape is checked; otherwise unused).
+    scale, causal, window, mask, bias, alibi_slopes, softcap : optional
+        As in :func:`attention`.
+    dropout_p, seed : optional
+        Those of the forward.
+    layout : {'bhsd', 'bshd'}, optional
+        As in :func:`attention`.
+    return_dbias : bool, optional
+        Also return the gradient with respect to `bias` (which must be given): dS summed
+        over the axes along which the bias was broadcast, in the bias's own shape.
+    num_threads : optional
+        Accepted for the signature's sake and ignored.
+    q_offset, k_offset, sinks : optional
+        As in :func:`attention` (with sinks, P is the softmax with the sink's logit).
+    return_dsinks : bool, optional
+        Also return the sinks' gradient ``-sum_{b,i} p_sink * rowsum(P dP)``, shape
+        ``(Hq,)`` (needs `sinks`).
 
     Returns
     -------
-    dq, dk, dv : float64, the shapes of q, k, v.
-    dbias : float64, the shape of bias, only if ``return_dbias``.
-    dsinks : float64 (Hq,), only if ``return_dsinks``.
+    dq, dk, dv : ndarray of float64
+        The shapes of q, k and v.
+    dbias : ndarray of float64
+        With ``return_dbias=True``: the shape of bias.
+    dsinks : ndarray of float64
+        With ``return_dsinks=True``: shape ``(Hq,)``.
+
+    Raises
+    ------
+    ValueError
+        If out, lse or dout has the wrong shape, or ``return_dbias`` / ``return_dsinks``
+        is asked without a bias / sinks.
+
+    See Also
+    --------
+    fastattn.attention_backward : The compiled function this checks.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from fastattn import reference
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((5, 4)) for _ in range(3))
+    >>> out, lse = reference.attention(q, k, v, return_lse=True)
+    >>> dq, dk, dv = reference.attention_backward(np.ones_like(out), q, k, v, out, lse)
+    >>> bool(np.allclose(dv.sum(axis=0), 5.0))          # every row's weights sum to 1
+    True
     """
     if return_dbias and bias is None:
         raise ValueError("return_dbias=True needs a bias, got bias=None")
@@ -659,15 +464,35 @@ def merge(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike], *,
 
     Parameters
     ----------
-    outs : sequence of arrays, all the same shape: (..., H, Lq, Dv) for layout
-        "bhsd", (..., Lq, H, Dv) for "bshd", (Lq, Dv) in either.
-    lses : sequence of arrays (..., H, Lq) in both layouts (as attention returns
-        them); (Lq,) for 2-D outs.
+    outs : sequence of array_like
+        All of one shape: ``(..., H, Lq, Dv)`` for layout ``"bhsd"``,
+        ``(..., Lq, H, Dv)`` for ``"bshd"``, ``(Lq, Dv)`` in either.
+    lses : sequence of array_like
+        ``(..., H, Lq)`` in both layouts, as :func:`attention` returns lse.
+    layout : {'bhsd', 'bshd'}, optional
+        The layout the parts were computed with.
 
     Returns
     -------
-    out : float64, the shape of outs[0]; lse : float64, the shape of lses[0].  A part
-    with lse = -inf contributes nothing; if every part is -inf, out = 0 and lse = -inf.
+    out : ndarray of float64
+        ``sum_p exp(lse_p - lse) out_p``, shape of ``outs[0]``; 0 where every part's lse
+        is -inf.
+    lse : ndarray of float64
+        ``log(sum_p exp(lse_p))``.
+
+    See Also
+    --------
+    fastattn.merge : The compiled function this checks.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from fastattn import reference
+    >>> q = np.zeros((1, 2)); k = np.zeros((4, 2)); v = np.arange(4.0)[:, None]
+    >>> a = reference.attention(q, k[:1], v[:1], return_lse=True)
+    >>> b = reference.attention(q, k[1:], v[1:], return_lse=True)
+    >>> reference.merge([a[0], b[0]], [a[1], b[1]])[0]   # the mean of all four values
+    array([[1.5]])
     """
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
@@ -713,22 +538,58 @@ def varlen_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      alibi_slopes: ArrayLike | None = None, softcap: float | None = None,
                      dropout_p: float = 0.0, seed: Seed = None,
                      return_lse: bool = False) -> Union[F64, Tuple[F64, F64]]:
-    """Attention over packed ragged batches, one independent problem per sequence.
+    """Attention over a packed ragged batch, one independent problem per sequence.
 
     Parameters
     ----------
-    q : array (total_q, Hq, D); k : (total_k, Hkv, D); v : (total_k, Hkv, Dv).
-    cu_seqlens_q, cu_seqlens_k : int arrays (nseq + 1,), starting at 0, non-decreasing,
-        ending at total_q / total_k.  Sequence s uses q rows cu_q[s]:cu_q[s+1] and key
-        rows cu_k[s]:cu_k[s+1]; causal and window are aligned per sequence.
-    alibi_slopes : float array (Hq,).
-    dropout_p, seed : as for :func:`attention`, with b = the sequence index s and i, j
-        the query and key positions within sequence s.
-    Other arguments as for :func:`attention`.
+    q : array_like, shape (total_q, Hq, D)
+        The queries of every sequence, packed.
+    k : array_like, shape (total_k, Hkv, D)
+        The keys, packed.
+    v : array_like, shape (total_k, Hkv, Dv)
+        The values, packed.
+    cu_seqlens_q, cu_seqlens_k : array_like of int, shape (nseq + 1,)
+        Cumulative lengths, starting at 0, non-decreasing, ending at ``total_q`` and
+        ``total_k``.  Sequence ``s`` uses q rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``
+        and key rows ``cu_seqlens_k[s]:cu_seqlens_k[s+1]``.
+    scale : float, optional
+        As in :func:`attention`.
+    causal, window : optional
+        As in :func:`attention`, aligned per sequence.
+    alibi_slopes : array_like of float, shape (Hq,), optional
+        As in :func:`attention`.
+    softcap : float, optional
+        As in :func:`attention`.
+    dropout_p, seed : optional
+        As in :func:`attention`, with ``b`` the sequence's index and ``i, j`` the query
+        and key positions within the sequence.
+    return_lse : bool, optional
+        Also return lse.
 
     Returns
     -------
-    out : float64 (total_q, Hq, Dv); lse : float64 (Hq, total_q), only if ``return_lse``.
+    out : ndarray of float64
+        Shape ``(total_q, Hq, Dv)``.
+    lse : ndarray of float64
+        With ``return_lse=True``: shape ``(Hq, total_q)``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        If the cumulative lengths are not integers valid for the packed arrays, or as
+        :func:`attention` raises them.
+
+    See Also
+    --------
+    fastattn.varlen_attention : The compiled function this checks.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from fastattn import reference
+    >>> x = np.zeros((3, 1, 2)); v = np.arange(3.0).reshape(3, 1, 1)
+    >>> reference.varlen_attention(x, x, v, [0, 1, 3], [0, 1, 3])[:, 0, 0]
+    array([0. , 1.5, 1.5])
     """
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     for name, a in (("q", q), ("k", k), ("v", v)):
