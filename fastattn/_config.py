@@ -56,12 +56,12 @@ def _bf16_line(info: dict[str, Any]) -> str:
             how += ", emulated by SIMDe: a test build, not for speed"
         off = "FASTATTN_DISABLE_CPU_FEATURES=AVX512_BF16 turns it off"
         if "amx-bf16" in _kernels.bf16_paths():
-            off += (" (the AMX model runs where set_bf16_path('amx-bf16') asks)" if _kernels.bf16_emulated()
+            off += (" (the AMX model runs only where a test selects it)" if _kernels.bf16_emulated()
                     else " (the AMX tiles are off: FASTATTN_DISABLE_CPU_FEATURES=AMX)")
         return f"{how}; {cpu}; {off}"
     if "avx512-bf16" in _kernels.bf16_paths() and info.get("bf16_pairs_slow") and kern == "avx512":
         why = (f"{cpu}, whose vdpbf16ps runs at half the float32 FMA rate on Intel's cores, so the "
-               "pairs are not the default here (set_bf16_path('avx512-bf16') takes them)")
+               "pairs are not the default here")
     elif "avx512-bf16" in _kernels.bf16_paths():
         why = (f"{cpu}, whose pairs are off here (FASTATTN_DISABLE_CPU_FEATURES=AVX512_BF16, "
                "or a kernel other than avx512)")
