@@ -70,10 +70,11 @@ IS_X86_64 = platform.machine().lower() in ("x86_64", "amd64")
 # installed into.  FASTATTN_JAX_FFI=0 skips them; FASTATTN_JAX_FFI=1 requires them: where
 # neither environment has jax, JAX_BUILD_REQUIRES goes into the build environment (a
 # PEP 517 frontend such as pip or `python -m build` installs it there), and a build
-# without the handlers fails.  The handlers hold no code of jaxlib and need nothing of it
-# at run time; XLA accepts handlers compiled against older FFI headers than its own (the
-# ABI promise in xla/ffi/api/c_api.h), not newer ones, hence the oldest jax the `jax`
-# extra allows.
+# without the handlers fails.  (pip keeps the wheels it builds from an sdist, and the
+# variable is no part of that cache's key: with pip, add --no-cache-dir.)  The handlers hold no code of jaxlib and need nothing of it
+# at run time.  XLA promises to accept handlers compiled against older FFI headers than
+# its own for at least 12 months (xla/ffi/api/c_api.h) and promises nothing for newer
+# ones: hence the oldest jax the `jax` extra allows.
 JAX_FILE = "jax_ffi.cc"
 JAX_FLAGS = ["-O2", "-g0", "-std=c++17", "-fno-math-errno", "-Wall", "-fvisibility=hidden"]
 JAX_PROBE = "import jax.ffi; print(jax.ffi.include_dir())"
