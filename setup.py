@@ -6,6 +6,7 @@ else (never -march=native); cpu.c picks one at import.  OpenMP is detected by
 compiling and running a test program; without it the build falls back to a serial
 kernel with a warning, or fails if FASTATTN_REQUIRE_OPENMP=1 (set in CI).
 """
+import functools
 import os
 import platform
 import shutil
@@ -65,11 +66,20 @@ void f(const void *cfg, const void *a, const void *b, void *c) {
 """
 IS_X86_64 = platform.machine().lower() in ("x86_64", "amd64")
 # The XLA FFI handlers of fastattn.jax (a C++17 file compiled against the headers jaxlib
-# ships), built when the environment being installed into has jax; FASTATTN_JAX_FFI=0
-# skips them.
+# ships), built when jax is found in the build environment or in the environment being
+# installed into.  FASTATTN_JAX_FFI=0 skips them; FASTATTN_JAX_FFI=1 requires them: where
+# neither environment has jax, JAX_BUILD_REQUIRES goes into the build environment (a
+# PEP 517 frontend such as pip or `python -m build` installs it there), and a build
+# without the handlers fails.  (pip keeps the wheels it builds from an sdist, and the
+# variable is no part of that cache's key: with pip, add --no-cache-dir.)  The handlers hold no code of jaxlib and need nothing of it
+# at run time.  XLA promises to accept handlers compiled against older FFI headers than
+# its own for at least 12 months (xla/ffi/api/c_api.h) and promises nothing for newer
+# ones: hence the oldest jax the `jax` extra allows.
 JAX_FILE = "jax_ffi.cc"
 JAX_FLAGS = ["-O2", "-g0", "-std=c++17", "-fno-math-errno", "-Wall", "-fvisibility=hidden"]
 JAX_PROBE = "import jax.ffi; print(jax.ffi.include_dir())"
+JAX_MODE = os.environ.get("FASTATTN_JAX_FFI", "")
+JAX_BUILD_REQUIRES = ["jax==0.10.2"]
 # Every header a C file may include (a change to one rebuilds them all).
 HEADERS = sorted(os.path.basename(h) for h in os.listdir(SRC) if h.endswith(".h"))
 
@@ -86,19 +96,25 @@ int main(void) {
 """
 
 
+@functools.lru_cache(maxsize=None)
 def _jax_include():
-    """jaxlib's FFI headers in the environment fastattn is being installed into, or None.
-    Asked of this interpreter in isolated mode (-I): it sees that environment's own
-    site-packages, not the isolated build environment pip runs setup.py in."""
-    if os.environ.get("FASTATTN_JAX_FFI", "") == "0":
+    """jaxlib's FFI headers, or None: looked for in the build environment (this
+    interpreter with its environment variables, which is how pip's build isolation
+    adds the build requirements), then in the environment fastattn is being installed
+    into (this interpreter in isolated mode, -I: its own site-packages without the
+    isolated build environment)."""
+    if JAX_MODE == "0":
         return None
-    try:
-        r = subprocess.run([sys.executable, "-I", "-c", JAX_PROBE], capture_output=True,
-                           text=True, timeout=300)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    inc = r.stdout.strip().splitlines()[-1] if r.returncode == 0 and r.stdout.strip() else ""
-    return inc if inc and os.path.isfile(os.path.join(inc, "xla", "ffi", "api", "ffi.h")) else None
+    for isolated in ([], ["-I"]):
+        try:
+            r = subprocess.run([sys.executable, *isolated, "-c", JAX_PROBE], capture_output=True,
+                               text=True, timeout=300)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        inc = r.stdout.strip().splitlines()[-1] if r.returncode == 0 and r.stdout.strip() else ""
+        if inc and os.path.isfile(os.path.join(inc, "xla", "ffi", "api", "ffi.h")):
+            return inc
+    return None
 
 
 def _compiler_cmd(compiler):
@@ -201,9 +217,14 @@ class BuildExt(build_ext):
             ext.define_macros.append(("FA_HAVE_JAX_FFI", "1"))
             ext.extra_link_args.append("-lstdc++")
             print(f"fastattn: the JAX FFI handlers (fastattn.jax) against {jax_inc}")
+        elif JAX_MODE == "1":
+            raise RuntimeError("fastattn: FASTATTN_JAX_FFI=1 but no jaxlib FFI headers were "
+                               "found (jax.ffi.include_dir()) in the build environment or "
+                               "the target environment")
         else:
             print("fastattn: jax is not installed in this environment: no JAX FFI handlers "
-                  "(fastattn.jax needs them; install jax first, then fastattn)")
+                  "(fastattn.jax needs them; install jax first, then fastattn, or build "
+                  "with FASTATTN_JAX_FFI=1)")
 
         def simd_args(name, flags):  # one SIMD file, with its own flags only
             return dict(sources=[os.path.join(SRC, name)], output_dir=self.build_temp,
@@ -275,4 +296,8 @@ setup(
     ext_modules=cythonize([ext], compiler_directives={"language_level": 3},
                           build_dir=os.path.join("build", "cython")),
     cmdclass={"build_ext": BuildExt},
+    # Asked of setup.py by the build backend (setuptools.build_meta's
+    # get_requires_for_build_wheel): jax for the handlers only where it was asked for
+    # and neither environment has it.
+    setup_requires=(JAX_BUILD_REQUIRES if JAX_MODE == "1" and _jax_include() is None else []),
 )

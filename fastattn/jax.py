@@ -24,25 +24,62 @@ from typing import Any, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 
+from . import _kernels
+
+_JAX_REQUIREMENT = "jax[cpu]>=0.10.2"  # pyproject's `jax` extra
+
+
+def _rebuild_command() -> str:
+    """The one shell command that rebuilds this fastattn with its XLA FFI handlers from
+    the source it was installed from (FASTATTN_JAX_FFI=1: the build gets jax into its
+    own environment and fails without the handlers)."""
+    import json
+    import os
+    import shlex
+    import sys
+    from importlib import metadata
+    from urllib.parse import unquote, urlparse
+
+    py = shlex.quote(sys.executable)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.isfile(os.path.join(root, "setup.py")) and os.path.isdir(os.path.join(root, "src_c")):
+        # imported from a source tree: an in-place build or an editable install
+        return f"cd {shlex.quote(root)} && FASTATTN_JAX_FFI=1 {py} setup.py build_ext --inplace"
+    try:
+        dist = metadata.distribution("fastattn")
+        source = shlex.quote(f"fastattn=={dist.version}")
+        url = json.loads(dist.read_text("direct_url.json") or "{}").get("url", "")
+    except (metadata.PackageNotFoundError, ValueError):
+        source, url = "fastattn", ""
+    if url.startswith("file://") and not url.endswith(".whl"):  # a local clone or sdist
+        source = shlex.quote(unquote(urlparse(url).path))
+    else:  # from an index or a wheel: the sdist, built here
+        source = "--no-binary fastattn " + source
+    # --no-cache-dir: not a wheel that pip built earlier from the same sdist and kept
+    return (f"FASTATTN_JAX_FFI=1 {py} -m pip install --force-reinstall --no-deps --no-cache-dir "
+            + source)
+
+
+_TARGETS = _kernels.jax_ffi_targets()
 try:
     import jax
     import jax.numpy as jnp
 except ImportError as _exc:  # jax stays an optional dependency
-    raise ImportError("fastattn.jax needs JAX: pip install 'jax[cpu]', then reinstall fastattn "
-                      f"(importing jax failed: {_exc})") from _exc
-
-from . import _kernels
+    import shlex
+    import sys
+    _fix = f"{shlex.quote(sys.executable)} -m pip install '{_JAX_REQUIREMENT}'"
+    if _TARGETS is None:
+        _fix += " && " + _rebuild_command()
+    raise ImportError(f"fastattn.jax needs JAX (importing jax failed: {_exc}); run: {_fix}") from _exc
+if _TARGETS is None:
+    raise ImportError(
+        "fastattn.jax: this fastattn was built without its XLA FFI handlers (the build did not "
+        "find jax: `pip install \".[jax]\"` builds fastattn before it installs jax); rebuild it "
+        f"with them: {_rebuild_command()}")
 
 __all__ = ["dot_product_attention"]
 
 _FN = "fastattn.jax.dot_product_attention"
-_TARGETS = _kernels.jax_ffi_targets()
-if _TARGETS is None:
-    raise ImportError(
-        "fastattn.jax: this fastattn was built without its XLA FFI handlers (jax was not "
-        "installed in the environment when fastattn was built). Install jax first, then "
-        "rebuild fastattn: pip install 'jax[cpu]' && pip install --force-reinstall --no-deps "
-        "<fastattn source>")
 jax.ffi.register_ffi_target("fastattn_fwd", _TARGETS["forward"], platform="cpu")
 jax.ffi.register_ffi_target("fastattn_bwd", _TARGETS["backward"], platform="cpu")
 
