@@ -60,6 +60,7 @@ from torch import Tensor
 import fastattn
 
 from . import torch as _ft
+from . import _torch_ops
 
 __all__ = ["NAME", "AttentionMask", "attention_forward", "attention_mask", "attention_stats",
            "LayerStats", "register"]
@@ -331,7 +332,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     rec = _recorder()
     grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (query, key, value, sinks, bias))
-    nth = _ft._threads(query.numel() * Lk * 2)
+    nth = _torch_ops._threads(query.numel() * Lk * 2)
     if segments is not None and (grad or dropout or rec is not None):
         # packed sequences with gradients, dropout or stats: the dense mask (the ops
         # and return_stats have no varlen form)
@@ -391,9 +392,9 @@ def _packed(query: Tensor, key: Tensor, value: Tensor, segments: Tensor, causal:
     flat = []
     for t in (query, key, value):  # (B, H, L, D) -> (B * L, H, D): a view of the projections
         t = t.transpose(1, 2).reshape(B * L, t.shape[1], t.shape[-1])
-        flat.append(_ft._np(t if dt in (torch.float32, torch.float64) else t.float()))
+        flat.append(_torch_ops._np(t if dt in (torch.float32, torch.float64) else t.float()))
     out = fastattn.varlen_attention(*flat, cu, cu, causal=causal, num_threads=nth,
-                                    sinks=None if sinks is None else _ft._np(sinks), **kw)
+                                    sinks=None if sinks is None else _torch_ops._np(sinks), **kw)
     return torch.from_numpy(out).to(dt).reshape(B, L, Hq, out.shape[-1])
 
 
