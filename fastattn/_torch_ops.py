@@ -90,12 +90,72 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias:
                   alibi_slopes: Optional[Tensor], scale: float, causal: int, window_left: int,
                   window_right: int, softcap: float, dropout_p: float,
                   seed: Optional[Tensor], sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-    """fastattn.attention on CPU tensors (q, k, v as fastattn takes them: (L, D),
-    (H, L, D) or (B, H, L, D), "bhsd"); returns (out, lse), both written by the kernel.
+    """Run :func:`fastattn.attention` on CPU tensors (the op ``fastattn::attention_fwd``).
 
-    causal: 0 none, 1 bottom-right, 2 top-left; window_left/right: -1 = unbounded;
-    softcap: 0 = off; seed: an int64 tensor in [0, 2**63), needed when dropout_p > 0;
-    sinks: (Hq,) attention sinks or None.
+    The op that :func:`fastattn.torch.scaled_dot_product_attention` calls when it needs
+    the dispatcher (autograd, ``torch.compile``, tensor subclasses); its arguments are
+    what a ``torch.library`` schema carries.
+
+    Parameters
+    ----------
+    q : Tensor
+        Queries as :func:`fastattn.attention` takes them in the "bhsd" layout:
+        (L, D), (H, L, D) or (B, H, L, D); float32, float64, float16 or bfloat16.
+    k : Tensor
+        Keys, of q's dtype and number of dims (their heads may divide q's).
+    v : Tensor
+        Values, of q's dtype and number of dims.
+    mask : Tensor or None
+        A bool mask (True means attend), broadcastable to (B, H, L, S).
+    bias : Tensor or None
+        Float bias added to the logits, broadcastable like `mask`.
+    alibi_slopes : Tensor or None
+        ALiBi slopes, (H,) or (B, H).
+    scale : float
+        Multiplies ``q . k``.
+    causal : int
+        0 none, 1 bottom-right, 2 top-left.
+    window_left : int
+        Keys visible left of the diagonal; -1 means unbounded.
+    window_right : int
+        Keys visible right of the diagonal; -1 means unbounded.
+    softcap : float
+        Logit soft-capping; 0 means off.
+    dropout_p : float
+        Dropout probability in [0, 1).
+    seed : Tensor or None
+        An int64 tensor in [0, 2**63), needed when ``dropout_p > 0``.
+    sinks : Tensor or None, optional
+        Attention sinks, (H,): one logit per query head.
+
+    Returns
+    -------
+    out : Tensor
+        The attention output, shaped as q with v's last dim, written by the kernel.
+    lse : Tensor
+        The log of each row's softmax denominator, float32 (float64 for float64
+        inputs).
+
+    Raises
+    ------
+    ValueError
+        If `causal` is not 0, 1 or 2, `dropout_p` > 0 without a `seed`, or as
+        :func:`fastattn.attention` raises.
+
+    See Also
+    --------
+    fastattn.torch.scaled_dot_product_attention : The user-facing function.
+    attention_bwd : The backward op its autograd formula calls.
+
+    Examples
+    --------
+    >>> import torch
+    >>> import fastattn.torch
+    >>> q = torch.ones(1, 2, 3, 4)
+    >>> out, lse = torch.ops.fastattn.attention_fwd(q, q, q, None, None, None, 0.5, 1, -1, -1,
+    ...                                             0.0, 0.0, None)
+    >>> out.shape, lse.shape
+    (torch.Size([1, 2, 3, 4]), torch.Size([1, 2, 3]))
     """
     kw = _options(q, k, mask, bias, alibi_slopes, scale, causal, window_left, window_right,
                   softcap, dropout_p, seed, sinks)
@@ -145,9 +205,65 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
                   dropout_p: float, seed: Optional[Tensor],
                   need_dbias: bool, sinks: Optional[Tensor] = None,
                   need_dsinks: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """fastattn.attention_backward on CPU tensors: (dq, dk, dv, dbias, dsinks); dbias has
-    the bias's shape and dtype with ``need_dbias``, dsinks the sinks' with
-    ``need_dsinks``; else each is an empty tensor."""
+    """Run :func:`fastattn.attention_backward` on CPU tensors (``fastattn::attention_bwd``).
+
+    The backward of :func:`attention_fwd`, called by its autograd formula.
+
+    Parameters
+    ----------
+    dout : Tensor
+        Gradient of the output, shaped as `out`.
+    q : Tensor
+        The forward's queries.
+    k : Tensor
+        The forward's keys.
+    v : Tensor
+        The forward's values.
+    out : Tensor
+        The forward's output.
+    lse : Tensor
+        The forward's log-sum-exp.
+    mask : Tensor or None
+        As in :func:`attention_fwd`.
+    bias : Tensor or None
+        As in :func:`attention_fwd`.
+    alibi_slopes : Tensor or None
+        As in :func:`attention_fwd`.
+    scale : float
+        As in :func:`attention_fwd`.
+    causal : int
+        As in :func:`attention_fwd`.
+    window_left : int
+        As in :func:`attention_fwd`.
+    window_right : int
+        As in :func:`attention_fwd`.
+    softcap : float
+        As in :func:`attention_fwd`.
+    dropout_p : float
+        As in :func:`attention_fwd`; the same `seed` drops the same weights.
+    seed : Tensor or None
+        As in :func:`attention_fwd`.
+    need_dbias : bool
+        Compute the gradient of `bias`.
+    sinks : Tensor or None, optional
+        As in :func:`attention_fwd`.
+    need_dsinks : bool, default False
+        Compute the gradient of `sinks`.
+
+    Returns
+    -------
+    dq, dk, dv : Tensor
+        Gradients of q, k and v.
+    dbias : Tensor
+        Gradient of `bias` in its shape and dtype with `need_dbias`, else an empty
+        tensor.
+    dsinks : Tensor
+        Gradient of `sinks` in their dtype with `need_dsinks`, else an empty tensor.
+
+    See Also
+    --------
+    attention_fwd : The forward op.
+    """
     kw = _options(q, k, mask, bias, alibi_slopes, scale, causal, window_left, window_right,
                   softcap, dropout_p, seed, sinks)
     res = list(fastattn.attention_backward(_np(dout), _np(q), _np(k), _np(v), _np(out), _np(lse),
