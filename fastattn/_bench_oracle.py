@@ -10,7 +10,40 @@ from fastattn import reference
 
 
 def naive(q, k, v, scale, causal):
-    """softmax(q k^T * scale) v in plain NumPy, max-subtracted, in q's dtype."""
+    """Compute ``softmax(q k^T * scale) v`` in plain NumPy: the bench's naive column.
+
+    Forms the whole score matrix, subtracts each row's maximum, and works in q's
+    dtype throughout.
+
+    Parameters
+    ----------
+    q : ndarray, shape (..., Lq, D)
+        Queries.
+    k : ndarray, shape (..., Lk, D)
+        Keys.
+    v : ndarray, shape (..., Lk, Dv)
+        Values.
+    scale : float
+        Multiplies the scores.
+    causal : bool
+        Hide key j from query i when ``j > i + (Lk - Lq)`` (bottom-right, as
+        fastattn's ``causal=True``).
+
+    Returns
+    -------
+    ndarray, shape (..., Lq, Dv)
+        The attention output.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import fastattn
+    >>> from fastattn import bench
+    >>> q, k, v = np.random.default_rng(0).standard_normal((3, 2, 16, 8))
+    >>> out = bench.naive(q, k, v, 8 ** -0.5, causal=True)
+    >>> bench.rel_err(out, fastattn.attention(q, k, v, causal=True)) < 1e-12
+    True
+    """
     s = q @ k.swapaxes(-1, -2)
     s *= s.dtype.type(scale)
     if causal:  # bottom-right, as fastattn's causal=True (same as top-left when Lq == Lk)
@@ -24,7 +57,31 @@ def naive(q, k, v, scale, causal):
 
 # ---------------------------------------------------------------- the oracle check
 def sample_rows(lq, n_random=6, seed=0):
-    """Query rows to check: the first, the last and n_random others (fixed seed), sorted."""
+    """Choose the query rows to check: the first, the last and `n_random` others.
+
+    Parameters
+    ----------
+    lq : int
+        The number of query rows.
+    n_random : int, default 6
+        How many other rows to draw (all of them when there are fewer).
+    seed : int, default 0
+        Seed of the draw.
+
+    Returns
+    -------
+    ndarray of intp
+        The chosen rows, sorted and distinct; empty when ``lq <= 0``.
+
+    Examples
+    --------
+    >>> from fastattn import bench
+    >>> bench.sample_rows(3)
+    array([0, 1, 2])
+    >>> rows = bench.sample_rows(100)
+    >>> len(rows), int(rows[0]), int(rows[-1])
+    (8, 0, 99)
+    """
     if lq <= 0:
         return np.arange(0)
     rng = np.random.default_rng(seed)
@@ -33,7 +90,26 @@ def sample_rows(lq, n_random=6, seed=0):
 
 
 def rel_err(out, ref):
-    """max |out - ref| / max |ref|, in float64."""
+    """Compute the relative error ``max |out - ref| / max |ref|`` in float64.
+
+    Parameters
+    ----------
+    out : array_like
+        The result to judge.
+    ref : array_like
+        The reference, of `out`'s shape.
+
+    Returns
+    -------
+    float
+        The error; 0.0 for empty arrays, NaN where `out` has NaN.
+
+    Examples
+    --------
+    >>> from fastattn import bench
+    >>> bench.rel_err([1.0, 2.0], [1.0, 2.5])
+    0.2
+    """
     ref = np.asarray(ref, dtype=np.float64)
     if ref.size == 0:
         return 0.0
@@ -49,14 +125,61 @@ def _rows_of(a, rows, lq):
 
 def check_rows(out, q, k, v, rows=None, *, causal=False, window=None, mask=None, bias=None,
                alibi_slopes=None, layout="bhsd", **kw):
-    """Relative error of `out` (fastattn.attention(q, k, v, ...)) on some query rows of
-    every batch and every head, against fastattn.reference computed on just those rows.
+    """Check an attention output against the float64 oracle on a sample of query rows.
 
-    rows: query positions (default sample_rows(Lq)).  The oracle sees q[..., rows, :] and
-    all the keys; the causal/window alignment, ALiBi's distances and the mask/bias rows
-    of the original positions become an explicit mask and bias, so a query keeps the keys
-    it had in the full problem (both causal alignments, Lq != Lk).  Other keywords
-    (scale, softcap) pass through to the oracle.
+    The relative error of `out` (``fastattn.attention(q, k, v, ...)``) on some query
+    rows of every batch and every head, against :func:`fastattn.reference.attention`
+    computed on just those rows, one (batch, K/V head) at a time.
+
+    Parameters
+    ----------
+    out : array_like
+        The output to check, of q's shape with v's last dim.
+    q : array_like
+        Queries, 2-D, 3-D or 4-D in `layout`.
+    k : array_like
+        Keys.
+    v : array_like
+        Values.
+    rows : array_like of int, optional
+        Query positions to check; default ``sample_rows(Lq)``.
+    causal : {False, True, 'bottom-right', 'top-left'}, default False
+        As in :func:`fastattn.attention`.
+    window : tuple of (int or None, int or None), optional
+        As in :func:`fastattn.attention`.
+    mask : array_like of bool, optional
+        As in :func:`fastattn.attention`.
+    bias : array_like, optional
+        As in :func:`fastattn.attention`.
+    alibi_slopes : array_like, optional
+        As in :func:`fastattn.attention`.
+    layout : {"bhsd", "bshd"}, default "bhsd"
+        The layout of `out`, `q`, `k` and `v`.
+    **kw
+        Other keywords of the oracle (`scale`, `softcap`).
+
+    Returns
+    -------
+    float
+        ``max |out - ref| / max |ref|`` over the checked rows; inf if `out` has a NaN
+        where the reference has a value.
+
+    Notes
+    -----
+    The oracle sees ``q[..., rows, :]`` and all the keys; the causal/window
+    alignment, ALiBi's distances and the mask/bias rows of the original positions
+    become an explicit mask and bias, so a query keeps the keys it had in the full
+    problem (both causal alignments, Lq != Lk).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import fastattn
+    >>> from fastattn import bench
+    >>> q, k, v = np.random.default_rng(0).standard_normal((3, 2, 64, 16)).astype(np.float32)
+    >>> out = fastattn.attention(q, k, v, causal=True)
+    >>> bench.check_rows(out, q, k, v, causal=True) < bench.TOL["float32"]
+    True
     """
     def bhsd(a):  # a (B, H, L, D) view of a 2-D, 3-D or 4-D array in `layout`
         a = np.asarray(a)

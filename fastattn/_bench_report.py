@@ -20,23 +20,78 @@ def _times_ms(r):
 
 
 def ratio_text(num, den):
-    """Two samples of times as 'best / median' ratios: min(num)/min(den) and the medians'."""
+    """Format two samples of times as 'best / median' ratios.
+
+    Parameters
+    ----------
+    num : sequence of float
+        The numerator's times.
+    den : sequence of float
+        The denominator's times.
+
+    Returns
+    -------
+    str
+        ``min(num) / min(den)`` and ``median(num) / median(den)``, each as ``"%5.2fx"``,
+        joined by " / ".
+
+    Examples
+    --------
+    >>> from fastattn import bench
+    >>> bench.ratio_text([2.0, 2.2, 2.4], [1.0, 1.1, 1.3])
+    ' 2.00x /  2.00x'
+    """
     return f"{min(num) / min(den):5.2f}x / {np.median(num) / np.median(den):5.2f}x"
 
 
 def spread(xs):
-    """(median, Q1, Q3, (Q3 - Q1) / median) of a list of positive numbers: the quartiles
-    interpolated between the rounds (statistics.quantiles, "inclusive")."""
+    """Compute the median, quartiles and relative interquartile range of some rounds.
+
+    Parameters
+    ----------
+    xs : sequence of float
+        Positive numbers, one a round.
+
+    Returns
+    -------
+    tuple of float
+        ``(median, Q1, Q3, (Q3 - Q1) / median)``: the quartiles interpolated between
+        the rounds (``statistics.quantiles``, "inclusive"); one round gives Q1 = Q3 =
+        the round, and a median of 0 a spread of 0.
+
+    Examples
+    --------
+    >>> from fastattn import bench
+    >>> bench.spread([1.0, 2.0, 3.0, 4.0])
+    (2.5, 1.75, 3.25, 0.6)
+    """
     med = statistics.median(xs)
     q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else xs * 3
     return med, q1, q3, (q3 - q1) / med if med > 0 else 0.0
 
 
 def derive(row, ceil):
-    """Throughput (of the median round), fraction of the ceiling and speed ratios (the
-    median of the per-round ratios, with their quartiles and range) for one row (None
-    where missing); `noisy` flags the cells whose interquartile range exceeds
-    NOISY_SPREAD of their median."""
+    """Derive a row's throughput, fraction of the ceiling and speed ratios.
+
+    Parameters
+    ----------
+    row : dict
+        One row of :func:`run_shape`.
+    ceil : dict
+        The ceilings of :func:`measure_ceilings` (missing keys give None figures).
+
+    Returns
+    -------
+    dict
+        ``rate`` (of fastattn's median round, GFLOP/s for prefill rows, GB/s of K/V
+        read for decode rows) and ``rate_best``, ``unit``, ``rates`` of every
+        implementation, ``pct_ceiling`` (of the FMA peak or the read bandwidth) and
+        ``pct_gemm`` (of sgemm or dgemm), fastattn's median, quartiles and range in
+        ms, and ``x_vs_torch``/``x_vs_numpy``: the median of the per-round ratios
+        (the other's time / fastattn's), with their quartiles and range (None where
+        the implementation did not run).  ``noisy`` flags the cells whose
+        interquartile range exceeds ``NOISY_SPREAD`` of their median.
+    """
     fa_t = _times_ms(row["fastattn"])
     med, q1, q3, sp = spread(fa_t)
     f64 = row["dtype"] == "float64"
@@ -99,7 +154,27 @@ def _cell(med, iqr, noisy, x=""):
 
 
 def ceiling_lines(c):
-    """The report's lines about the ceilings: where and how they were measured."""
+    """Write the report's lines about the ceilings: where and how they were measured.
+
+    Parameters
+    ----------
+    c : dict
+        The ceilings of :func:`measure_ceilings`.
+
+    Returns
+    -------
+    list of str
+        A line with the values and their source (a child process, with the BLAS
+        settings it ran without, or this process and why the child failed), then a
+        note for each gemm whose in-process throughput differs from the child's by
+        more than ``CEILING_GAP``.
+
+    Examples
+    --------
+    >>> from fastattn import bench
+    >>> bench.ceiling_lines({"fma_peak_gflops": 100.0, "read_gbps": 20.0})
+    ['ceilings (this run): FMA peak 100.0 GFLOP/s, read bandwidth 20.0 GB/s']
+    """
     vals = ", ".join(f"{label} {c[k]:.1f} {unit}" for k, label, unit in CEILINGS if c.get(k))
     blas = f" ({c['blas']} kernels)" if c.get("blas") else ""
     src = c.get("source")
@@ -127,7 +202,20 @@ def ceiling_lines(c):
 
 
 def format_table(result):
-    """The printed report: a header, the ceilings and one line per row."""
+    """Format the printed report: a header, the ceilings and one line per row.
+
+    Parameters
+    ----------
+    result : dict
+        What ``python -m fastattn.bench --json`` writes: ``date``, ``machine``,
+        ``versions``, ``env_note``, ``ceilings`` and ``rows`` (each with its
+        ``derived`` figures).
+
+    Returns
+    -------
+    str
+        The report, ending with the oracle check's verdict.
+    """
     m, c = result["machine"], result["ceilings"]
     ver = result["versions"]
     env_note = result.get("env_note")
@@ -172,6 +260,24 @@ def format_table(result):
 
 
 def plot(result, path):
+    """Draw the report's throughput plot into a PNG file.
+
+    Two panels: prefill GFLOP/s against L and decode GB/s against Lk, one line per
+    implementation over the rows of the plotted sweeps, each under its ceiling (the
+    FMA peak, the read bandwidth) as a dashed line.
+
+    Parameters
+    ----------
+    result : dict
+        As for :func:`format_table`.
+    path : str
+        The file to write.
+
+    Raises
+    ------
+    SystemExit
+        If matplotlib is not installed (the message names the ``bench`` extra).
+    """
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -215,6 +321,31 @@ def plot(result, path):
 
 
 def progress(i, n, label, stream=sys.stderr):
+    """Write a progress bar line: `i` of `n` steps done, then `label`.
+
+    On a terminal the line is redrawn in place (a newline after the last step);
+    otherwise each call writes its own line.
+
+    Parameters
+    ----------
+    i : int
+        Steps done.
+    n : int
+        Steps in all, >= 1.
+    label : str
+        What runs now.
+    stream : file, default sys.stderr
+        Where to write.
+
+    Examples
+    --------
+    >>> import io
+    >>> from fastattn import bench
+    >>> out = io.StringIO()
+    >>> bench.progress(1, 4, "prefill L=512", out)
+    >>> out.getvalue()
+    '[=====               ] 1/4 prefill L=512\\n'
+    """
     bar = "=" * round(20 * i / n)
     line = f"[{bar:<20}] {i}/{n} {label}"
     tty = stream.isatty()

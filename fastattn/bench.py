@@ -88,6 +88,29 @@ def _shape(kind, L, D=None, H=None, dtype="float32", kv="float32", causal=False,
 
 
 def grid(which):
+    """List the benchmark's shapes.
+
+    Parameters
+    ----------
+    which : {"full", "quick", "tiny"}
+        "full": prefill L = 256 to 4096, causal, D=128 and float64 variants, decode
+        Lk = 1024 to 8192 and a float16 K/V one; "quick" (``--quick``): a subset that
+        runs in seconds; "tiny": one prefill and one decode shape (tests).  Any other
+        value gives the full grid.
+
+    Returns
+    -------
+    list of dict
+        One dict a shape: ``name``, ``kind`` ("prefill" or "decode"), ``B``, ``H``,
+        ``Lq``, ``Lk``, ``D``, ``dtype``, ``kv_dtype``, ``causal`` and ``series``
+        (whether the row belongs to the plotted sweeps).
+
+    Examples
+    --------
+    >>> from fastattn import bench
+    >>> [s["name"] for s in bench.grid("tiny")]
+    ['prefill L=64', 'decode Lk=128']
+    """
     if which == "tiny":
         return [_shape("prefill", 64), _shape("decode", 128)]
     if which == "quick":
@@ -104,6 +127,23 @@ def grid(which):
 
 # ---------------------------------------------------------------- machine and ceilings
 def cpu_info():
+    """Read the CPU's model name and the instruction-set flags the report shows.
+
+    Returns
+    -------
+    model : str
+        The model name of /proc/cpuinfo, else what ``platform`` says.
+    flags : dict of str to bool
+        Whether the CPU has ``avx2``, ``avx512f``, ``fma`` and ``f16c`` (all False
+        where /proc/cpuinfo cannot be read).
+
+    Examples
+    --------
+    >>> from fastattn import bench
+    >>> model, flags = bench.cpu_info()
+    >>> sorted(flags)
+    ['avx2', 'avx512f', 'f16c', 'fma']
+    """
     model, flags = None, set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -120,6 +160,27 @@ def cpu_info():
 
 
 def blas_limit(threads):
+    """Limit the threads of NumPy's BLAS inside a ``with`` block.
+
+    Parameters
+    ----------
+    threads : int
+        The BLAS thread limit.
+
+    Returns
+    -------
+    contextlib.AbstractContextManager
+        ``threadpoolctl.threadpool_limits`` for the BLAS, or a context that does
+        nothing where threadpoolctl is not installed.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from fastattn import bench
+    >>> with bench.blas_limit(1):
+    ...     float(np.ones((2, 2)) @ np.ones(2) @ np.ones(2))
+    4.0
+    """
     try:
         from threadpoolctl import threadpool_limits
     except ImportError:
@@ -128,8 +189,14 @@ def blas_limit(threads):
 
 
 def blas_info():
-    """The BLAS NumPy calls in this process and the kernels it picked, e.g.
-    "openblas 0.3.31 Haswell" (None without threadpoolctl)."""
+    """Name the BLAS NumPy calls in this process and the kernels it picked.
+
+    Returns
+    -------
+    str or None
+        E.g. "openblas 0.3.31 Haswell" (several libraries joined by "; "); None
+        without threadpoolctl or when it finds no BLAS.
+    """
     try:
         from threadpoolctl import threadpool_info
     except ImportError:
@@ -140,7 +207,29 @@ def blas_info():
 
 
 def gemm_gflops(dtype, n=2048, repeats=3):
-    """GFLOP/s of NumPy's n x n x n matmul in this process (best of `repeats`)."""
+    """Measure the GFLOP/s of NumPy's n x n x n matmul in this process.
+
+    Parameters
+    ----------
+    dtype : numpy.dtype or type
+        The matrices' dtype (float32 for sgemm, float64 for dgemm).
+    n : int, default 2048
+        The matrices' size.
+    repeats : int, default 3
+        Timed calls after a warm-up of about 0.3 s; the best counts.
+
+    Returns
+    -------
+    float
+        ``2 n**3`` flops over the best call's time, in GFLOP/s.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from fastattn import bench
+    >>> bench.gemm_gflops(np.float32, n=64, repeats=1) > 0
+    True
+    """
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((n, n)).astype(dtype) for _ in range(2))
     c = np.matmul(a, b)
@@ -164,8 +253,28 @@ def _is_kernel_knob(name):
 
 
 def blas_env_note(environ=None):
-    """One line naming the kernel-selecting BLAS settings of the environment (None if
-    there are none): the report's and bench/'s pytest header print it."""
+    """Name the kernel-selecting BLAS settings of the environment in one line.
+
+    The report's header and bench/'s pytest header print it.
+
+    Parameters
+    ----------
+    environ : mapping of str to str, optional
+        The environment; default ``os.environ``.
+
+    Returns
+    -------
+    str or None
+        The note, or None when none of ``NOTE_ENV_NAMES`` is set.
+
+    Examples
+    --------
+    >>> from fastattn import bench
+    >>> bench.blas_env_note({"OPENBLAS_CORETYPE": "Haswell"})[:41]
+    'note: OPENBLAS_CORETYPE=Haswell is set: N'
+    >>> bench.blas_env_note({}) is None
+    True
+    """
     environ = os.environ if environ is None else environ
     knobs = [f"{n}={environ[n]}" for n in NOTE_ENV_NAMES if environ.get(n)]
     if not knobs:
@@ -177,8 +286,29 @@ def blas_env_note(environ=None):
 
 
 def clean_env(threads, environ=None):
-    """The ceilings' child environment: `environ` without the kernel-selecting BLAS
-    settings, with the thread limit, and this fastattn first on the path."""
+    """Make the environment of the ceilings' child process.
+
+    Parameters
+    ----------
+    threads : int
+        The thread limit, set for OpenBLAS, OpenMP and MKL.
+    environ : mapping of str to str, optional
+        The environment to start from; default ``os.environ``.
+
+    Returns
+    -------
+    dict of str to str
+        `environ` without the kernel-selecting BLAS settings (every ``OPENBLAS_*``
+        and ``GOTO*`` variable and ``KERNEL_ENV_NAMES``), with the thread limits, and
+        the folder above this fastattn first on ``PYTHONPATH``.
+
+    Examples
+    --------
+    >>> from fastattn import bench
+    >>> env = bench.clean_env(2, {"OPENBLAS_CORETYPE": "Haswell", "HOME": "/root"})
+    >>> "OPENBLAS_CORETYPE" in env, env["OMP_NUM_THREADS"], env["HOME"]
+    (False, '2', '/root')
+    """
     environ = os.environ if environ is None else environ
     env = {k: v for k, v in environ.items() if not _is_kernel_knob(k)}
     env.update(OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
@@ -189,8 +319,31 @@ def clean_env(threads, environ=None):
 
 
 def child_ceilings(threads, n32=2048, n64=0, timeout=120):
-    """sgemm (and dgemm if n64) GFLOP/s measured by `python -m fastattn.bench --_ceilings`
-    in clean_env(threads).  Returns (result dict, None), or (None, why it failed)."""
+    """Measure sgemm (and dgemm) GFLOP/s in a child process with a clean environment.
+
+    Runs ``python -m fastattn.bench --_ceilings`` in ``clean_env(threads)``.
+
+    Parameters
+    ----------
+    threads : int
+        The child's thread limit.
+    n32 : int, default 2048
+        The sgemm's size.
+    n64 : int, default 0
+        The dgemm's size; 0 skips it.
+    timeout : float, default 120
+        Seconds the child may run.
+
+    Returns
+    -------
+    result : dict or None
+        ``sgemm_gflops``, ``blas`` (see :func:`blas_info`), ``dgemm_gflops`` (with
+        `n64`) and ``env_removed`` (the settings the child ran without); None if the
+        child failed.
+    why : str or None
+        None on success, else why the child failed (the exception, its exit status
+        and last line of stderr, or its unreadable output).
+    """
     env = clean_env(threads)
     root = env["PYTHONPATH"].split(os.pathsep)[0]
     args = [sys.executable, "-m", "fastattn.bench", "--_ceilings", f"{threads},{n32},{n64}"]
@@ -226,9 +379,29 @@ def _ceilings_child(spec):
 
 
 def measure_ceilings(threads, n32=2048, n64=0, read_mib=256):
-    """The ceilings dict of a report: the FMA peak (float32, and float64 if n64) on
-    `threads` threads, gemm from the clean child process (or, if it fails, this process),
-    the same gemms in this process, and the read bandwidth."""
+    """Measure the ceilings of a report.
+
+    Parameters
+    ----------
+    threads : int
+        Threads of every measurement.
+    n32 : int, default 2048
+        The sgemm's size.
+    n64 : int, default 0
+        The dgemm's size; 0 skips dgemm and the float64 FMA peak.
+    read_mib : int, default 256
+        MiB read by :func:`read_gbps`.
+
+    Returns
+    -------
+    dict
+        ``fma_peak_gflops`` (and ``fma_peak_f64_gflops``), ``fma_kernel``,
+        ``sgemm_gflops`` (and ``dgemm_gflops``) from the clean child process of
+        :func:`child_ceilings` (or, if it fails, from this process, with
+        ``child_error``), ``source`` ("child" or "in-process"), ``blas``,
+        ``in_process`` (the same gemms timed in this process), ``gemm_n`` and
+        ``read_gbps``.
+    """
     child, why = child_ceilings(threads, n32, n64)
     c = dict(gemm_n=dict(float32=n32, float64=n64 or None))
     inproc = dict(sgemm_gflops=gemm_gflops(np.float32, n32), blas=blas_info())
@@ -251,7 +424,31 @@ def measure_ceilings(threads, n32=2048, n64=0, read_mib=256):
 
 
 def read_gbps(threads, mib=256, repeats=5):
-    """Read bandwidth: `threads` Python threads each take np.max of a slice (GIL released)."""
+    """Measure the read bandwidth in GB/s.
+
+    `threads` Python threads each take ``np.max`` of their slice of one float32
+    array (NumPy releases the GIL), after one warm-up pass.
+
+    Parameters
+    ----------
+    threads : int
+        Threads reading, each its own slice.
+    mib : int, default 256
+        Size of the array read, in MiB.
+    repeats : int, default 5
+        Timed passes; the best counts.
+
+    Returns
+    -------
+    float
+        Bytes read over the best pass's time, in GB/s.
+
+    Examples
+    --------
+    >>> from fastattn import bench
+    >>> bench.read_gbps(1, mib=1, repeats=1) > 0
+    True
+    """
     a = np.ones(mib * 2**20 // 4, dtype=np.float32)
     parts = np.array_split(a, threads)
 
@@ -272,9 +469,31 @@ def read_gbps(threads, mib=256, repeats=5):
 
 # ---------------------------------------------------------------- implementations
 def interleaved(benchmark, ours, base, rounds):
-    """Time `ours` with pytest-benchmark, running `base` (untimed by the benchmark,
-    timed here) just before every round with 0.1 s idle around it, so both see the
-    same machine.  Returns (ours' last result, base's best, base's median seconds)."""
+    """Time two callables in alternation with pytest-benchmark, for bench/'s tests.
+
+    `ours` is timed by the benchmark; `base` runs (timed here) just before every
+    round with 0.1 s idle around it, so both see the same machine.
+
+    Parameters
+    ----------
+    benchmark : pytest_benchmark.fixture.BenchmarkFixture
+        The ``benchmark`` fixture.
+    ours : callable
+        Timed by the benchmark, called without arguments.
+    base : callable
+        The comparison, called without arguments.
+    rounds : int
+        Rounds of each (plus one warm-up round).
+
+    Returns
+    -------
+    result : object
+        What `ours` returned last.
+    best : float
+        `base`'s best time in seconds.
+    median : float
+        `base`'s median time in seconds.
+    """
     import time
     times = []
 
@@ -340,7 +559,40 @@ def _warm_up(f, min_s=0.05, max_calls=50):
 
 
 def run_shape(sh, threads, torch=None, use_numpy=True, seed=0):
-    """Time every implementation on one shape; returns the row dict."""
+    """Time every implementation on one shape and check fastattn's output.
+
+    The implementations run interleaved, 7 to 15 rounds (fewer for slow shapes),
+    each call after an idle of ``SETTLE_S`` (``SETTLE_AFTER_NUMPY_S`` after NumPy's);
+    fastattn's output is checked with :func:`check_rows`.
+
+    Parameters
+    ----------
+    sh : dict
+        A shape of :func:`grid`.
+    threads : int
+        Threads of fastattn's calls (PyTorch's are set by the caller).
+    torch : module, optional
+        The imported ``torch`` module to time its SDPA; None skips it.
+    use_numpy : bool, default True
+        Time :func:`naive` too (skipped beyond a ``SCORE_LIMIT``-byte score matrix).
+    seed : int, default 0
+        Seed of the random inputs and the checked rows.
+
+    Returns
+    -------
+    dict
+        The shape's keys plus ``flops``, ``bytes`` (of K and V), ``rounds``,
+        ``rel_err``, ``tol``, ``check_ok``, ``checked_rows``, ``score_bytes`` and,
+        per implementation, its ``best_ms``, ``median_ms`` and ``times_ms`` (None
+        where it did not run).
+
+    Examples
+    --------
+    >>> from fastattn import bench
+    >>> row = bench.run_shape(bench.grid("tiny")[0], 1)
+    >>> row["check_ok"], row["torch"], len(row["fastattn"]["times_ms"]) == row["rounds"]
+    (True, None, True)
+    """
     rng = np.random.default_rng(seed)
     qs, ks = (sh["B"], sh["H"], sh["Lq"], sh["D"]), (sh["B"], sh["H"], sh["Lk"], sh["D"])
     q = rng.standard_normal(qs).astype(sh["dtype"])
@@ -382,6 +634,26 @@ def run_shape(sh, threads, torch=None, use_numpy=True, seed=0):
 
 
 def main(argv=None):
+    """Run ``python -m fastattn.bench``: measure, print the report, write JSON and plot.
+
+    Parameters
+    ----------
+    argv : sequence of str, optional
+        The command-line arguments; default ``sys.argv[1:]``.  ``--quick``,
+        ``--threads N``, ``--json FILE``, ``--plot FILE.png``, ``--no-torch``,
+        ``--no-numpy`` (``python -m fastattn.bench --help`` describes them).
+
+    Returns
+    -------
+    int
+        The exit status: 0, or 1 if fastattn's output failed the oracle check on
+        some shape.
+
+    Raises
+    ------
+    SystemExit
+        From argparse for bad options, and from :func:`plot` without matplotlib.
+    """
     p = argparse.ArgumentParser(prog="python -m fastattn.bench", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a subset of the grid (seconds)")
     p.add_argument("--threads", type=int, default=_kernels.max_threads(),
