@@ -8,6 +8,7 @@ re-exports ``attention_fwd`` and ``attention_bwd``.
 """
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any, Optional, Tuple
 
@@ -325,3 +326,11 @@ def _backward(ctx, dout, dlse):
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+# help(), Sphinx and numpydoc read an op's docstring and signature from the CustomOpDef
+# object, which otherwise shows its class's docstring and (*args, **kwargs): give each
+# op those of the function it was made from (nothing else reads them)
+for _op in (attention_fwd, attention_bwd):
+    _op.__doc__ = _op._init_fn.__doc__
+    _op.__signature__ = inspect.signature(_op._init_fn)
+del _op

@@ -20,7 +20,7 @@
 
 Dtypes: float32 and float64 are computed in their own precision; bfloat16 tensors
 are read in place as ``ml_dtypes.bfloat16`` arrays and computed with float32
-accumulation (their gradients through float32 copies); float16 is read in place in
+accumulation (their gradients too, rounded to bfloat16); float16 is read in place in
 inference and computed on float32 copies when a gradient is needed.  :func:`attention`
 also takes int8 :class:`fastattn.QuantizedKV` caches for the keys and values.
 
@@ -74,8 +74,8 @@ def scaled_dot_product_attention(
     query : Tensor, shape (..., L, E)
         CPU tensor of float32, float64, bfloat16 or float16.  float32 and float64 are
         computed in their own precision; bfloat16 is read in place (as
-        ``ml_dtypes.bfloat16``) and accumulated in float32, its gradients computed by
-        fastattn's float32 backward and rounded to bfloat16; float16 is read in place
+        ``ml_dtypes.bfloat16``) and accumulated in float32, its gradients computed
+        with float32 accumulation and rounded to bfloat16; float16 is read in place
         in inference and computed on float32 copies when a gradient is needed.
     key : Tensor, shape (..., S, E)
         CPU tensor of the query's dtype.

@@ -387,7 +387,8 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     Registered in transformers' ``AttentionInterface`` under ``"fastattn"``; the
     model's attention modules call it.  Inference (no gradient, no dropout) runs
     :func:`fastattn.torch.attention` on the tensors' memory (the KV cache read in
-    place); training runs :func:`fastattn.torch.scaled_dot_product_attention`.
+    place; packed sequences through :func:`fastattn.varlen_attention`); training
+    runs :func:`fastattn.torch.scaled_dot_product_attention`.
 
     Parameters
     ----------
