@@ -1,6 +1,8 @@
-"""The machine under the benchmark: the CPU and BLAS it reports, the BLAS settings
-that choose kernels, the gemm throughput, the clean child process that times it, and
-the timing helpers every measurement uses.
+"""The machine under the benchmark: its CPU and BLAS, their settings and gemm speed.
+
+The CPU and BLAS the report names, the BLAS settings that choose kernels, the gemm
+throughput, the clean child process that times it, and the timing helpers every
+measurement uses.
 
 Private: :mod:`fastattn.bench` re-exports every public name.
 """

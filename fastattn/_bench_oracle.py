@@ -1,6 +1,7 @@
-"""The benchmark's correctness check: fastattn's output against the float64 oracle
-(:mod:`fastattn.reference`) on a sample of query rows, and the naive NumPy formula that
-the report times.
+"""The benchmark's correctness check against the float64 oracle.
+
+fastattn's output against :mod:`fastattn.reference` on a sample of query rows, and
+the naive NumPy formula that the report times.
 
 Private: :mod:`fastattn.bench` re-exports every public name.
 """

@@ -1,6 +1,7 @@
-"""What the machine and fastattn's schedule allow, measured without running attention:
-the FMA peak, the bfloat16 product instruction's peak, and the balance of the forward's
-plan over the threads.
+"""The machine's peaks and the balance of the forward's schedule, without attention.
+
+The FMA peak, the bfloat16 product instruction's peak, and how evenly the forward's
+plan spreads over the threads.
 
 Private: :mod:`fastattn.bench` re-exports :func:`fma_peak`, :func:`bf16_peak` and
 :func:`plan_balance`.

@@ -1,5 +1,7 @@
-"""The benchmark's report: the statistics of the rounds (medians, quartiles, ratios
-round by round), the printed table, the ceilings' lines, the plot and the progress bar.
+"""The benchmark's report: statistics of the rounds, table, plot and progress bar.
+
+Medians, quartiles and ratios taken round by round, the printed table, the
+ceilings' lines, the plot and the progress bar.
 
 Private: :mod:`fastattn.bench` re-exports every public name.
 """

@@ -1,5 +1,7 @@
-"""Drawing for :mod:`fastattn.geometry`: the ``plot_*`` functions, the built-in demo
-example and ``python -m fastattn.geometry``.
+"""Drawing for :mod:`fastattn.geometry`: the plots, the demo and its command line.
+
+The ``plot_*`` functions, the built-in demo example and
+``python -m fastattn.geometry``.
 
 Private: :mod:`fastattn.geometry` re-exports every public name.  matplotlib (the
 ``plot`` extra) is imported only when a function draws.

@@ -1,7 +1,9 @@
-"""The registered ops of :mod:`fastattn.torch`: ``torch.ops.fastattn.attention_fwd`` and
-``torch.ops.fastattn.attention_bwd`` (``torch.library.custom_op``, CPU), their fake
-implementations and the forward's autograd formula, and the zero-copy conversions
-between CPU tensors and NumPy arrays that every entry point of fastattn.torch uses.
+"""The registered ops of :mod:`fastattn.torch`, their autograd, and tensor views.
+
+``torch.ops.fastattn.attention_fwd`` and ``torch.ops.fastattn.attention_bwd``
+(``torch.library.custom_op``, CPU), their fake implementations and the forward's
+autograd formula, and the zero-copy conversions between CPU tensors and NumPy arrays
+that every entry point of fastattn.torch uses.
 
 Private: :mod:`fastattn.torch` imports it (after checking that PyTorch imports) and
 re-exports ``attention_fwd`` and ``attention_bwd``.

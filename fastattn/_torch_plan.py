@@ -1,7 +1,9 @@
-"""The checks of :func:`fastattn.torch.scaled_dot_product_attention`: a call's arguments
-made into a :class:`_Plan` in the ops' terms (broadcast leading dims, the mask split into
-a bool mask or a float bias, the options parsed, float32 copies where fastattn does not
-compute in the dtype), or the exception that describes what is wrong with it.
+"""The checks of :func:`fastattn.torch.scaled_dot_product_attention`.
+
+A call's arguments made into a :class:`_Plan` in the ops' terms (broadcast leading
+dims, the mask split into a bool mask or a float bias, the options parsed, float32
+copies where fastattn does not compute in the dtype), or the exception that describes
+what is wrong with it.
 
 Private: used by :mod:`fastattn.torch` and by the routing in :mod:`fastattn._torch_route`.
 """

@@ -1,6 +1,8 @@
-"""Routing ``torch.nn.functional.scaled_dot_product_attention`` through fastattn: the
-function that stands in for PyTorch's while routing is on, its TorchScript registration,
-and how it treats CausalBias masks, ``__torch_function__`` subclasses and unbacked sizes.
+"""Routing ``torch.nn.functional.scaled_dot_product_attention`` through fastattn.
+
+The function that stands in for PyTorch's while routing is on, its TorchScript
+registration, and how it treats CausalBias masks, ``__torch_function__`` subclasses
+and unbacked sizes.
 
 Private: :func:`fastattn.torch.enable`, :func:`~fastattn.torch.disable` and
 :func:`~fastattn.torch.sdpa_kernel` switch it on and off.
