@@ -1,4 +1,4 @@
-"""fastattn.dask: exact attention over dask arrays, on one machine or a cluster.
+"""Exact attention over dask arrays, on one machine or a cluster.
 
 ``fastattn.dask.attention(q, k, v, ...)`` takes the arguments of
 :func:`fastattn.attention` as ``dask.array`` arrays (NumPy arrays are wrapped as one
@@ -272,8 +272,12 @@ def attention(q, k, v, *, scale: float | None = None, causal=False, window=None,
 
     Parameters
     ----------
-    q, k, v : dask.array.Array (or NumPy arrays, wrapped as one chunk each)
-        Shapes, dtypes and layouts as for :func:`fastattn.attention`.  Chunks:
+    q, k, v : dask.array.Array or numpy.ndarray
+        Shapes, dtypes and layouts as for :func:`fastattn.attention` (float32,
+        float64, float16 K/V with float32 or float16 q, bfloat16 via ``ml_dtypes``;
+        not the int8 :class:`fastattn.QuantizedKV` cache, which raises TypeError:
+        pass ``fastattn.dequantize_kv(k)``).  NumPy arrays are wrapped as one chunk
+        each.  Chunks:
 
         - the feature axes (D, Dv) must be one chunk each (a ValueError otherwise);
         - q's chunks along batch, heads and queries define the output's chunks;
@@ -282,45 +286,79 @@ def attention(q, k, v, *, scale: float | None = None, causal=False, window=None,
         - k and v are rechunked to q's batch chunks, and along heads so that the kv
           heads each q head chunk reads (``h // (Hq // Hkv)``) form whole chunks:
           one-to-one when q's head chunk boundaries are multiples of ``Hq // Hkv``.
-    mask, bias : dask or NumPy arrays, optional
+    scale : float, optional
+        As for :func:`fastattn.attention`; default ``1 / sqrt(D)``.
+    causal : {False, True, 'bottom-right', 'top-left'}, default False
+        As for :func:`fastattn.attention`.  Causal, window and ALiBi align on the
+        whole problem's ``Lq`` and ``Lk``.
+    window : tuple of (int or None, int or None), optional
+        As for :func:`fastattn.attention`.
+    mask, bias : dask.array.Array or numpy.ndarray, optional
         As for :func:`fastattn.attention` (broadcastable to ``(B, Hq, Lq, Lk)`` of
         the inputs' ndim); rechunked to the logits' blocks along their full-size axes
         (q's batch, head and query chunks, k's key chunks); broadcast axes stay
         size 1 and are never expanded.
     alibi_slopes : array, shape (Hq,) or (B, Hq), optional
         Small; a dask array is computed when the graph is built.
+    softcap : float, optional
+        As for :func:`fastattn.attention`.
+    dropout_p : float, default 0.0
+        Must be 0.  Dropout's keep decisions are keyed by positions within one call;
+        the blocks' calls have no way to key them by global positions, so
+        ``dropout_p > 0`` raises NotImplementedError.
+    seed : int, optional
+        Checked as :func:`fastattn.attention` checks it; unused, as there is no
+        dropout.
     seqlens_k : int array (B,), optional
         As for :func:`fastattn.attention` (sequence b sees keys [0, seqlens_k[b]),
         causal/window/ALiBi aligned to that length); known when the graph is built
         (a dask array is computed), so key chunks past a sequence's length are not
         scheduled for it.
-    scale, causal, window, softcap, layout : as for :func:`fastattn.attention`
-        Causal, window and ALiBi align on the whole problem's ``Lq`` and ``Lk``.
-    dropout_p : must be 0
-        Dropout's keep decisions are keyed by positions within one call; the blocks'
-        calls have no way to key them by global positions, so ``dropout_p > 0``
-        raises NotImplementedError.
-    return_lse : bool, optional
+    layout : {"bhsd", "bshd"}, default "bhsd"
+        As for :func:`fastattn.attention`.
+    return_lse : bool, default False
         Also return the lse as a dask array ``(..., Hq, Lq)`` (chunked like q's
         batch, head and query axes).
-    return_stats : bool, optional
+    return_stats : bool, default False
         Also return a :class:`fastattn.AttentionStats` of dask arrays shaped like the
         lse: the blocks' entropies and largest weights are merged across key chunks
         exactly (``H = lse - sum_p a_p (lse_p - H_p)``, ``a_p = exp(lse_p - lse)``),
         in float64.
-    out : must be None
-        Dask arrays are immutable; store results with ``dask.array.store``.
+    out : None
+        Must be None (a TypeError otherwise): dask arrays are immutable; store
+        results with ``dask.array.store``.
     num_threads : int, optional
         OpenMP threads of each block's call; default 1 (run one worker thread per core
         and let dask spread the blocks).  The bits do not depend on it.
-    split_every : int, optional
-        Partial results merged per task of the key reduction tree (default 4).
+    split_every : int, default 4
+        Partial results merged per task of the key reduction tree, >= 2.
 
     Returns
     -------
-    out : dask.array.Array, q's shape with the last axis Dv, q's dtype
-    lse : dask.array.Array, only with ``return_lse=True``
-    stats : fastattn.AttentionStats of dask arrays, only with ``return_stats=True``
+    out : dask.array.Array
+        The attention output: q's shape with the last axis Dv, in q's dtype,
+        chunked like q along the batch, head and query axes.
+    lse : dask.array.Array
+        The log-sum-exp ``(..., Hq, Lq)``, only with ``return_lse=True``.
+    stats : fastattn.AttentionStats
+        The row statistics, only with ``return_stats=True``: its fields are dask
+        arrays shaped like the lse.
+
+    Raises
+    ------
+    TypeError
+        If an input is not a dask or NumPy array (a QuantizedKV among them), `out`
+        is given, or as :func:`fastattn.attention` raises.
+    ValueError
+        If a feature axis is split into several chunks, chunk sizes are unknown,
+        `split_every` is not an int >= 2, or as :func:`fastattn.attention` raises.
+    NotImplementedError
+        If ``dropout_p > 0``.
+
+    See Also
+    --------
+    fastattn.attention : The call each block runs.
+    fastattn.merge : How the key chunks' partial results combine.
 
     Notes
     -----
@@ -337,6 +375,27 @@ def attention(q, k, v, *, scale: float | None = None, causal=False, window=None,
     and keys sit in the whole problem (``q_offset``/``k_offset``), so the kernel
     applies causal, the window and ALiBi as it does on the whole problem: no mask or
     bias is made for them.
+
+    Examples
+    --------
+    Queries in chunks of 32 rows, keys in chunks of 16, on the synchronous scheduler
+    (a ``distributed.Client`` runs the same graph on a cluster):
+
+    >>> import numpy as np
+    >>> import dask.array as da
+    >>> import fastattn
+    >>> import fastattn.dask
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((2, 4, 64, 16)).astype(np.float32)
+    >>> kv = rng.standard_normal((2, 2, 64, 16)).astype(np.float32)
+    >>> out = fastattn.dask.attention(da.from_array(q, chunks=(1, 4, 32, 16)),
+    ...                               da.from_array(kv, chunks=(1, 2, 16, 16)),
+    ...                               da.from_array(kv, chunks=(1, 2, 16, 16)), causal=True)
+    >>> out.chunks
+    ((1, 1), (4,), (32, 32), (16,))
+    >>> ref = fastattn.attention(q, kv, kv, causal=True)
+    >>> bool(np.allclose(out.compute(scheduler="sync"), ref, atol=1e-6))
+    True
     """
     c = _check_args(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap,
                     dropout_p, seed, seqlens_k, layout, return_lse, return_stats, out,

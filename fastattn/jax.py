@@ -1,4 +1,4 @@
-"""fastattn for JAX: ``jax.nn.dot_product_attention`` computed by fastattn's kernels.
+"""Fastattn for JAX: ``jax.nn.dot_product_attention`` computed by fastattn's kernels.
 
 :func:`dot_product_attention` takes ``jax.nn.dot_product_attention``'s arguments with
 their meaning (layout ``(B, T, N, H)``, grouped-query heads by head count, its mask,
@@ -207,67 +207,113 @@ def dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, ma
                           alibi_slopes: Any = None, softcap: Optional[float] = None,
                           sinks: Any = None, seqlens_k: Any = None,
                           num_threads: Optional[int] = None) -> Any:
-    """``jax.nn.dot_product_attention`` computed by fastattn (an XLA FFI call).
+    """Compute ``jax.nn.dot_product_attention`` with fastattn (an XLA FFI call).
 
-    The arguments it shares with ``jax.nn.dot_product_attention`` have its meaning:
+    The arguments shared with ``jax.nn.dot_product_attention`` (`query` to
+    `implementation`) have its meaning; the keyword-only ones after them are
+    fastattn's (see :func:`fastattn.attention`) and combine with the above.
 
     Parameters
     ----------
-    query : (B, T, N, H) or (T, N, H)
-    key : (B, S, K, H) or (S, K, H); N must be a multiple of K (grouped-query heads:
-        query head n reads key/value head n // (N / K), without repeating them)
-    value : (B, S, K, Hv) or (S, K, Hv) (Hv may differ from H)
-        One dtype: float32, float64 (with ``jax_enable_x64``), bfloat16 or float16
-        (16-bit types computed in float32; their gradients too).
-    bias : broadcastable to (B, N, T, S), optional
-        Added to the scaled logits; differentiable (its gradient is summed over the
-        axes it was broadcast along).  Fewer than 4 dims are right-aligned, as jax's
-        (a (T, S) bias is every batch's and head's).
-    mask : bool, broadcastable to (B, N, T, S), optional
-        True = attend; fewer than 4 dims right-aligned too (``(1, 1, S)`` masks keys).
-    scale : float, default 1 / sqrt(H)
-    is_causal : bool
+    query : array_like, shape (B, T, N, H) or (T, N, H)
+        Queries of float32, float64 (with ``jax_enable_x64``), bfloat16 or float16;
+        the 16-bit types are computed in float32, their gradients too.
+    key : array_like, shape (B, S, K, H) or (S, K, H)
+        Keys of the query's dtype.  N must be a multiple of K (grouped-query heads:
+        query head n reads key/value head ``n // (N / K)``, without repeating them).
+    value : array_like, shape (B, S, K, Hv) or (S, K, Hv)
+        Values of the query's dtype; Hv may differ from H.
+    bias : array_like, optional
+        Float, broadcastable to (B, N, T, S): added to the scaled logits;
+        differentiable (its gradient is summed over the axes it was broadcast along).
+        Fewer than 4 dims are right-aligned, as jax's (a (T, S) bias is every batch's
+        and head's).
+    mask : array_like of bool, optional
+        Broadcastable to (B, N, T, S), True means attend; fewer than 4 dims are
+        right-aligned too (``(1, 1, S)`` masks keys).
+    scale : float, optional
+        Multiplies the logits; default ``1 / sqrt(H)``.
+    is_causal : bool, default False
         Key s is visible to query t iff s <= t (top-left, as jax's).
-    query_seq_lengths, key_value_seq_lengths : int32 (B,), optional
-        Padding: query rows t >= query_seq_lengths[b] give 0 (as jax's); keys s >=
-        key_value_seq_lengths[b] are hidden and never read.
-    local_window_size : int or (left, right), optional
-        Query t sees keys t - left <= s <= t + right (an int w is (w, w)).
-    implementation : None
-        None runs fastattn; 'xla' or 'cudnn' hand the call to jax.nn.dot_product_attention.
-
-    fastattn's keywords (see ``fastattn.attention``; they combine with the above):
-
-    causal : True / 'bottom-right' / 'top-left', optional
+    query_seq_lengths : array_like of int32, shape (B,), optional
+        Padding: query rows t >= ``query_seq_lengths[b]`` give 0 (as jax's).
+    key_value_seq_lengths : array_like of int32, shape (B,), optional
+        Padding: keys s >= ``key_value_seq_lengths[b]`` are hidden and never read.
+    local_window_size : int or tuple of (int, int), optional
+        Query t sees keys ``t - left <= s <= t + right``; an int w is ``(w, w)``.
+    implementation : {None, 'xla', 'cudnn'}, optional
+        None runs fastattn; 'xla' or 'cudnn' hand the call to
+        ``jax.nn.dot_product_attention``.
+    causal : {None, True, 'bottom-right', 'top-left'}, optional
         fastattn's causal keyword ('bottom-right' aligns the last query with the last
-        key: decoding against a cache).  Not with is_causal or local_window_size, which
-        are top-left.
-    window : (left, right), optional
-        fastattn's window, around the diagonal of `causal`'s convention.
-    alibi_slopes : (N,) or (B, N), optional
+        key: decoding against a cache).  Not with `is_causal` or
+        `local_window_size`, which are top-left.
+    window : tuple of (int or None, int or None), optional
+        The sliding window ``(left, right)`` of :func:`fastattn.attention`, around
+        the diagonal of `causal`'s convention.
+    alibi_slopes : array_like, shape (N,) or (B, N), optional
+        ALiBi slopes, as in :func:`fastattn.attention`.
     softcap : float, optional
-    sinks : (N,), optional
-        Attention sinks (gpt-oss); differentiable.
-    seqlens_k : int (B,), optional
-        fastattn's per-sequence key lengths (causal and window align to them).
+        Logit soft-capping, finite and > 0.
+    sinks : array_like, shape (N,), optional
+        Attention sinks (gpt-oss): one logit per query head; differentiable.
+    seqlens_k : array_like of int, shape (B,), optional
+        Per-sequence key lengths, as in :func:`fastattn.attention` (causal and
+        window align to them); not with `key_value_seq_lengths`.
     num_threads : int, optional
-        fastattn's threads (default OpenMP's).
+        Threads of the call (default OpenMP's).
 
     Returns
     -------
-    The output, query's shape with Hv last, in query's dtype.
+    jax.Array
+        The output: the query's shape with Hv last, in the query's dtype.
+
+    Raises
+    ------
+    TypeError
+        If an argument is not an array, the dtypes differ or are not among the four
+        above, `bias` is not float or `mask` not bool, or `scale` or `is_causal` has
+        the wrong type.
+    ValueError
+        If the shapes do not fit or broadcast, an option is out of range, fastattn's
+        `causal` or `window` is combined with `is_causal` or `local_window_size`, or
+        `implementation` is another string.
+
+    See Also
+    --------
+    fastattn.attention : The same computation on NumPy arrays (layout "bhsd").
 
     Notes
     -----
-    - A query row that sees no key gives 0 (jax's XLA implementation gives the mean of
-      the values there, from a large negative logit instead of -inf).
+    - A query row that sees no key gives 0 (jax's XLA implementation gives the mean
+      of the values there, from a large negative logit instead of -inf).
     - The bias's gradient is computed for any batch size (jax's cuDNN implementation
       raises for B > 1).
-    - ``return_residual`` is not taken.  (docs/semantics.md §19 lists the differences
-      from jax's function with their reasons.)
-    - jit, vmap (the FFI handlers loop over the vmapped axes; unbatched arguments are
-      not copied) and grad work; contiguous inputs reach the kernel in place.
+    - ``return_residual`` is not taken.
+    - ``jit``, ``vmap`` (the FFI handlers loop over the vmapped axes; unbatched
+      arguments are not copied) and ``grad`` work; contiguous inputs reach the kernel
+      in place.
     - Results are bitwise identical for any thread count.
+
+    Examples
+    --------
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import fastattn.jax
+    >>> kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    >>> q = jax.random.normal(kq, (2, 8, 4, 16))
+    >>> k = jax.random.normal(kk, (2, 8, 2, 16))
+    >>> v = jax.random.normal(kv, (2, 8, 2, 16))
+    >>> out = jax.jit(fastattn.jax.dot_product_attention, static_argnames="is_causal")(
+    ...     q, k, v, is_causal=True)
+    >>> out.shape, out.dtype
+    ((2, 8, 4, 16), dtype('float32'))
+    >>> ref = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    >>> bool(jnp.allclose(out, ref, atol=1e-5))
+    True
+    >>> grad = jax.grad(lambda q: fastattn.jax.dot_product_attention(q, k, v).sum())(q)
+    >>> grad.shape
+    (2, 8, 4, 16)
     """
     if implementation is not None:
         if implementation in ("xla", "cudnn"):

@@ -1,4 +1,4 @@
-"""fastattn inside Hugging Face transformers: ``attn_implementation="fastattn"``.
+"""Fastattn in Hugging Face transformers: ``attn_implementation="fastattn"``.
 
 Importing this module registers the name ``"fastattn"`` with transformers'
 ``AttentionInterface`` (the attention function) and ``AttentionMaskInterface`` (the
@@ -37,7 +37,25 @@ memory), and the profiler shows every call as ``fastattn::attention_fwd`` /
 ``fastattn::attention_bwd``.
 
 Tested with transformers 5.24; needs ``transformers >= 5.0`` (the attention and mask
-interfaces) and PyTorch.
+interfaces) and PyTorch.  Dtypes are those of :func:`fastattn.torch.scaled_dot_product_attention`:
+float32, float64, bfloat16 and float16 models (bfloat16 read in place; float16 and
+bfloat16 packed sequences computed on float32 copies).
+
+Examples
+--------
+A randomly initialised two-layer Llama (no download) on fastattn:
+
+>>> import torch
+>>> import transformers
+>>> import fastattn.transformers
+>>> cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+...                                num_hidden_layers=2, num_attention_heads=4,
+...                                num_key_value_heads=2)
+>>> model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="fastattn")
+>>> with torch.no_grad():
+...     logits = model(torch.tensor([[1, 2, 3, 4, 5]])).logits
+>>> logits.shape
+torch.Size([1, 5, 64])
 """
 from __future__ import annotations
 
@@ -60,6 +78,7 @@ from torch import Tensor
 import fastattn
 
 from . import torch as _ft
+from . import _torch_ops
 
 __all__ = ["NAME", "AttentionMask", "attention_forward", "attention_mask", "attention_stats",
            "LayerStats", "register"]
@@ -71,30 +90,58 @@ NAME = "fastattn"
 # The mask: what transformers' mask builders describe, kept compact
 
 class AttentionMask(Tensor):
-    """The mask of one layer type in fastattn's terms (what :func:`attention_mask`
-    returns to transformers and the model hands to :func:`attention_forward`).
+    """The mask of one layer type in fastattn's terms.
 
-    A 4-D bool tensor (B, 1, Lq, Lk), so that transformers passes it along as a
-    prepared mask (``generate()`` builds static caches' masks ahead of the model): its
-    values are the padding part only, a broadcast view (no Lq x Lk memory); the
-    causal and window parts are in the attributes, which only
-    :func:`attention_forward` reads.  Operations on it give plain tensors, except
-    ``.contiguous()``, which returns it.
+    What :func:`attention_mask` returns to transformers and the model hands to
+    :func:`attention_forward`.  A 4-D bool tensor (B, 1, Lq, Lk), so that
+    transformers passes it along as a prepared mask (``generate()`` builds static
+    caches' masks ahead of the model): its values are the padding part only, a
+    broadcast view (no Lq x Lk memory); the causal and window parts are in the
+    attributes, which only :func:`attention_forward` reads.  Operations on it give
+    plain tensors, except ``.contiguous()``, which returns it.
 
+    Parameters
+    ----------
     causal : bool
         Key j is visible to query i iff ``kv_offset + j <= q_offset + i``.
     window : int or None
-        A sliding window of this many keys, the query's own included.
-    q_offset, kv_offset : int
-        The positions of query row 0 and key row 0 in the sequence.
-    lengths : Tensor (B,) int64 or None
+        A sliding window of this many keys, the query's own included (with
+        `causal`).
+    q_offset : int
+        The position of query row 0 in the sequence.
+    kv_offset : int
+        The position of key row 0 in the sequence.
+    shape : tuple of int
+        ``(B, 1, Lq, Lk)``.
+    lengths : Tensor, shape (B,), int64, optional
         Right padding: sequence b sees keys [0, lengths[b]).
-    keys : Tensor (B, 1, 1, Lk) bool or None
-        Any other padding: True = the key is a token.
-    segments : Tensor (B, L) or None
+    keys : Tensor, shape (B, 1, 1, Lk), bool, optional
+        Any other padding: True means the key is a token.
+    device : str or torch.device, default "cpu"
+        The device of the tensor's values.
+    segments : Tensor, shape (B, L), optional
         Packed sequences (no padding, Lq = Lk): rows with equal numbers are one
         sequence, whose positions run consecutively; computed as
         :func:`fastattn.varlen_attention` over the flattened batch.
+
+    Attributes
+    ----------
+    causal, window, q_offset, kv_offset, lengths, keys, segments
+        The parameters of the same names (`causal` a bool, the offsets ints).
+
+    See Also
+    --------
+    attention_mask : The builder that makes it.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from fastattn.transformers import AttentionMask
+    >>> m = AttentionMask(True, None, 0, 0, (2, 1, 3, 3), lengths=torch.tensor([3, 2]))
+    >>> m  # doctest: +ELLIPSIS
+    fastattn.transformers.AttentionMask(shape=(2, 1, 3, 3), causal=True, ..., padding=lengths)
+    >>> m[1, 0, 0].tolist()  # the values are the padding part only
+    [True, True, False]
     """
     causal: bool
     window: Optional[int]
@@ -199,11 +246,56 @@ def _int(x: Any) -> Optional[int]:
 def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
                    kv_offset: int = 0, mask_function: Any = _mu.causal_mask_function,
                    attention_mask: Optional[Tensor] = None, **kwargs: Any) -> Any:
-    """transformers' mask builder for ``"fastattn"`` (registered in
-    ``AttentionMaskInterface``): an :class:`AttentionMask` where the mask function is
-    causal, sliding-window causal or bidirectional and the 2-D attention_mask only
-    marks padding; otherwise the 4-D bool mask transformers' SDPA backend builds
-    (``sdpa_mask`` with no causal skip), or None where that mask hides nothing."""
+    """Build the attention mask transformers hands to ``"fastattn"`` layers.
+
+    Registered in transformers' ``AttentionMaskInterface`` under ``"fastattn"``;
+    transformers calls it with the arguments of its own mask builders.
+
+    Parameters
+    ----------
+    batch_size : int
+        B.
+    q_length : int
+        Lq, the number of query rows.
+    kv_length : int
+        Lk, the number of key rows.
+    q_offset : int or Tensor, default 0
+        The position of query row 0 in the sequence (a one-element integer tensor
+        for static caches).
+    kv_offset : int or Tensor, default 0
+        The position of key row 0 in the sequence.
+    mask_function : callable, default transformers' ``causal_mask_function``
+        The mask as transformers describes it, ``(b, h, q_idx, kv_idx) -> bool``.
+    attention_mask : Tensor, shape (B, Lk), optional
+        The 2-D padding mask of the inputs (1 marks a token).
+    **kwargs
+        The other arguments of transformers' ``sdpa_mask`` (``device``,
+        ``cache_position``, ...), passed on to it on the general path.
+
+    Returns
+    -------
+    AttentionMask or Tensor or None
+        An :class:`AttentionMask` where `mask_function` is causal, sliding-window
+        causal or bidirectional (alone or as packed sequences) and `attention_mask`
+        only marks padding; otherwise the 4-D bool mask transformers' SDPA backend
+        builds (``sdpa_mask`` with no causal skip), or None where that mask hides
+        nothing.
+
+    See Also
+    --------
+    attention_forward : The attention function that reads the mask.
+
+    Examples
+    --------
+    Right padding becomes per-sequence key lengths, with no Lq x Lk mask:
+
+    >>> import torch
+    >>> import fastattn.transformers
+    >>> pad = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    >>> m = fastattn.transformers.attention_mask(2, 4, 4, attention_mask=pad)
+    >>> m.causal, m.lengths.tolist()
+    (True, [4, 2])
+    """
     pattern = _pattern(mask_function)
     q_offset, kv_offset = _int(q_offset), _int(kv_offset)  # (a static cache's are tensors)
     if pattern is None or q_offset is None or kv_offset is None:
@@ -290,18 +382,70 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                       attention_mask: Any, dropout: float = 0.0, scaling: Optional[float] = None,
                       softcap: Optional[float] = None, s_aux: Optional[Tensor] = None,
                       is_causal: Optional[bool] = None, **kwargs: Any) -> Tuple[Tensor, None]:
-    """transformers' attention function for ``"fastattn"`` (registered in
-    ``AttentionInterface``).
+    """Compute one attention layer for transformers' ``"fastattn"`` implementation.
 
-    query (B, Hq, Lq, D), key and value (B, Hkv, Lk, D) as the attention modules pass
-    them (views; Hkv may divide Hq); `attention_mask` what :func:`attention_mask`
-    built (an :class:`AttentionMask`, a 4-D bool mask, or None), or a 4-D mask the
-    caller passed (bool: True = attend; float: added to the logits).  `scaling`
-    (default 1/sqrt(D)), `dropout` (applied when > 0, fastattn's draws), `softcap`
-    (Gemma 2), `s_aux` (gpt-oss' sinks, (Hq,)), `is_causal` (else
-    ``module.is_causal``; used only when the mask is None, with SDPA's rule: causal
-    top-left when Lq > 1).  Returns ``(out (B, Lq, Hq, Dv), None)``: fastattn computes
-    no weight matrix.
+    Registered in transformers' ``AttentionInterface`` under ``"fastattn"``; the
+    model's attention modules call it.  Inference (no gradient, no dropout) runs
+    :func:`fastattn.torch.attention` on the tensors' memory (the KV cache read in
+    place; packed sequences through :func:`fastattn.varlen_attention`); training
+    runs :func:`fastattn.torch.scaled_dot_product_attention`.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The calling attention module (its ``is_causal`` and ``layer_idx`` are read).
+    query : Tensor, shape (B, Hq, Lq, D)
+        Queries as the attention modules pass them (views).
+    key : Tensor, shape (B, Hkv, Lk, D)
+        Keys; Hkv may divide Hq (read without ``repeat_kv``).
+    value : Tensor, shape (B, Hkv, Lk, Dv)
+        Values.
+    attention_mask : AttentionMask or Tensor or None
+        What :func:`attention_mask` built (an :class:`AttentionMask`, a 4-D bool mask,
+        or None), or a 4-D mask the caller passed (bool: True means attend; float:
+        added to the logits).
+    dropout : float, default 0.0
+        Attention dropout, applied when > 0 (fastattn's draws, not PyTorch's).
+    scaling : float, optional
+        Multiplies the logits; default ``1 / sqrt(D)``.
+    softcap : float, optional
+        Logit soft-capping (Gemma 2).
+    s_aux : Tensor, shape (Hq,), optional
+        Attention sinks (gpt-oss), fastattn's `sinks`.
+    is_causal : bool, optional
+        Used only when `attention_mask` is None, with SDPA's rule (causal top-left
+        when Lq > 1); default ``module.is_causal``.
+    **kwargs
+        Other arguments of transformers' attention functions, ignored.
+
+    Returns
+    -------
+    out : Tensor, shape (B, Lq, Hq, Dv)
+        The attention output, in the query's dtype.
+    weights : None
+        Always None: fastattn computes no weight matrix.
+
+    Raises
+    ------
+    TypeError
+        If `attention_mask` is not a tensor, None or an :class:`AttentionMask`.
+
+    See Also
+    --------
+    attention_mask : The mask builder registered with it.
+    attention_stats : Record each call's row statistics.
+
+    Examples
+    --------
+    >>> import torch
+    >>> import fastattn.transformers
+    >>> q = torch.randn(1, 4, 3, 8)
+    >>> kv = torch.randn(1, 2, 3, 8)
+    >>> layer = torch.nn.Module()
+    >>> out, weights = fastattn.transformers.attention_forward(layer, q, kv, kv, None,
+    ...                                                        is_causal=True)
+    >>> out.shape, weights
+    (torch.Size([1, 3, 4, 8]), None)
     """
     B, Hq, Lq, _ = query.shape
     Lk = key.shape[-2]
@@ -331,7 +475,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     rec = _recorder()
     grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (query, key, value, sinks, bias))
-    nth = _ft._threads(query.numel() * Lk * 2)
+    nth = _torch_ops._threads(query.numel() * Lk * 2)
     if segments is not None and (grad or dropout or rec is not None):
         # packed sequences with gradients, dropout or stats: the dense mask (the ops
         # and return_stats have no varlen form)
@@ -391,9 +535,9 @@ def _packed(query: Tensor, key: Tensor, value: Tensor, segments: Tensor, causal:
     flat = []
     for t in (query, key, value):  # (B, H, L, D) -> (B * L, H, D): a view of the projections
         t = t.transpose(1, 2).reshape(B * L, t.shape[1], t.shape[-1])
-        flat.append(_ft._np(t if dt in (torch.float32, torch.float64) else t.float()))
+        flat.append(_torch_ops._np(t if dt in (torch.float32, torch.float64) else t.float()))
     out = fastattn.varlen_attention(*flat, cu, cu, causal=causal, num_threads=nth,
-                                    sinks=None if sinks is None else _ft._np(sinks), **kw)
+                                    sinks=None if sinks is None else _torch_ops._np(sinks), **kw)
     return torch.from_numpy(out).to(dt).reshape(B, L, Hq, out.shape[-1])
 
 
@@ -412,14 +556,25 @@ def _stats_args(kw, causal, attn, sinks) -> Dict[str, Any]:
 # Per-layer statistics
 
 class LayerStats:
-    """The statistics :func:`attention_stats` recorded.
+    """The row statistics :func:`attention_stats` recorded.
 
-    calls : list of (layer_idx, fastattn.AttentionStats), in call order.
-    entropy, effective_support, max_weight : ndarray (layers, B, Hq, Lq_total)
-        Each layer's calls joined along the query axis (a forward pass: one call a
-        layer; ``generate()``: the prefill and then one row a step), layers in index
-        order.  Rows are those of the distribution over the keys (and the sink, with
-        sinks); a row that sees nothing has 0 in all three.
+    Attributes
+    ----------
+    calls : list of tuple
+        ``(layer_idx, fastattn.AttentionStats)`` for each call, in call order.
+
+    See Also
+    --------
+    attention_stats : The context manager that fills it.
+    fastattn.AttentionStats : One call's statistics.
+
+    Notes
+    -----
+    The array properties join each layer's calls along the query axis (a forward
+    pass: one call a layer; ``generate()``: the prefill and then one row a step),
+    layers in index order.  Rows are those of the distribution over the keys (and the
+    sink, with sinks); a row that sees nothing has 0 in all three.  Reading one raises
+    ``ValueError`` if no call was recorded.
     """
 
     def __init__(self) -> None:
@@ -437,31 +592,62 @@ class LayerStats:
 
     @property
     def layers(self) -> List[Any]:
+        """The recorded layers' ``layer_idx`` values, sorted (None last)."""
         return sorted({i for i, _ in self.calls}, key=lambda i: (i is None, i))
 
     @property
     def entropy(self) -> np.ndarray:
+        """Row entropies (nats), an ndarray (layers, B, Hq, Lq_total)."""
         return self._stacked("entropy")
 
     @property
     def effective_support(self) -> np.ndarray:
+        """Effective supports ``exp(entropy)``, an ndarray (layers, B, Hq, Lq_total)."""
         return self._stacked("effective_support")
 
     @property
     def max_weight(self) -> np.ndarray:
+        """Each row's largest weight, an ndarray (layers, B, Hq, Lq_total)."""
         return self._stacked("max_weight")
 
 
 @contextlib.contextmanager
 def attention_stats() -> Iterator[LayerStats]:
-    """Record every ``"fastattn"`` attention call's row statistics in this thread:
+    """Record the row statistics of every ``"fastattn"`` attention call in this thread.
 
-    >>> with fastattn.transformers.attention_stats() as st:
-    ...     model(input_ids)
-    >>> st.entropy.shape      # (layers, B, Hq, L)
+    A context manager; the statistics of calls made inside the block are in the
+    :class:`LayerStats` it yields.  Blocks nest: the innermost one records.
 
+    Yields
+    ------
+    LayerStats
+        Filled as the calls run; read its arrays after the forward pass.
+
+    See Also
+    --------
+    fastattn.attention : Its ``return_stats`` gives the statistics of one call.
+
+    Notes
+    -----
     The stats come from the kernel's ``return_stats`` in the same pass (inference) or
-    one more pass without gradients (training): no L x L weights at any length."""
+    one more pass without gradients (training): no L x L weights at any length.
+
+    Examples
+    --------
+    >>> import torch
+    >>> import transformers
+    >>> import fastattn.transformers
+    >>> cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+    ...                                num_hidden_layers=2, num_attention_heads=4,
+    ...                                num_key_value_heads=2)
+    >>> model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="fastattn")
+    >>> with torch.no_grad(), fastattn.transformers.attention_stats() as st:
+    ...     _ = model(torch.tensor([[1, 2, 3, 4, 5]]))
+    >>> st.layers, st.entropy.shape
+    ([0, 1], (2, 1, 4, 5))
+    >>> float(st.entropy[0, 0, 0, 0])  # the first token sees only itself
+    0.0
+    """
     rec = LayerStats()
     before = _recorder()
     _recording.current = rec
@@ -472,9 +658,30 @@ def attention_stats() -> Iterator[LayerStats]:
 
 
 def register(name: str = NAME) -> None:
-    """Register fastattn's attention and mask functions with transformers under `name`
-    (done for ``"fastattn"`` on import).  The name must not contain "flash" (transformers
-    reads such names as FlashAttention requests)."""
+    """Register fastattn's attention and mask functions with transformers.
+
+    Importing :mod:`fastattn.transformers` registers them under ``"fastattn"``;
+    call it to register them under another name too.
+
+    Parameters
+    ----------
+    name : str, default "fastattn"
+        The ``attn_implementation`` name.
+
+    Raises
+    ------
+    ValueError
+        If `name` contains "flash" or "/" (transformers reads such names as
+        FlashAttention requests or Hub kernels).
+
+    Examples
+    --------
+    >>> import transformers
+    >>> import fastattn.transformers
+    >>> fastattn.transformers.register("fastattn-cpu")
+    >>> "fastattn-cpu" in transformers.AttentionInterface()
+    True
+    """
     if "flash" in name or "/" in name:
         raise ValueError(f"fastattn.transformers.register: transformers reads a name with "
                          f"'flash' or '/' as another backend, got {name!r}")
