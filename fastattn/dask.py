@@ -14,7 +14,7 @@ chunk) and returns dask arrays.  Attention splits exactly:
 Each (query chunk, key chunk) block is a task of one :func:`fastattn.attention` call
 (one per kv head when q's head chunks split a GQA group, one per stretch of sequences
 with ``seqlens_k``) whose ``causal``, ``window`` and ALiBi are re-expressed in the
-block's own coordinates (:func:`fastattn._blocks.plan_block`), so every logit is the one the whole
+block's own coordinates (``fastattn._blocks.plan_block``), so every logit is the one the whole
 problem defines.  Blocks that causal/window hide entirely are never put in the graph.
 
 Requires the extra ``pip install "fastattn[dask]"`` (``dask[array]``,
