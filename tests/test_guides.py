@@ -28,9 +28,6 @@ NEEDS = {
     "architecture.md": (),
     "troubleshooting.md": (),
 }
-# Pages produced by a command rather than written by hand (the benchmark report); a
-# link to one is allowed before it has been generated in this checkout.
-GENERATED = {DOCS / "performance.md"}
 
 
 def _doc(name):
@@ -86,7 +83,7 @@ def test_relative_links_exist(page):
         if re.match(r"[a-z]+:", target) or target.startswith("#"):
             continue
         dest = (path.parent / target.split("#")[0]).resolve()
-        if not dest.exists() and dest not in GENERATED:
+        if not dest.exists():
             missing.append(target)
     assert not missing, f"{page}: links to files that do not exist: {missing}"
 
