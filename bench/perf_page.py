@@ -171,21 +171,19 @@ class Peers:
             return leaves[0].grad.float().numpy()
         return call
 
-    def _ort(self, q, k, v, causal, grad, bf16):
-        if self.ort is None:
+    def _graph(self, runtime, make, q, k, v, causal):
+        """A one-node graph of an inference runtime for this shape (bench/peers.py)."""
+        if runtime is None:
             return None
         B, Hq, Lq, D = q.shape
-        Hkv, Lk = k.shape[1], k.shape[2]
-        run = self._graphs.make_onnxruntime(B, Hq, Hkv, Lq, Lk, D, self.threads, causal=causal)
-        return lambda: run(q, k, v)
+        run = make(B, Hq, k.shape[1], Lq, k.shape[2], D, self.threads, causal=causal)
+        return lambda: np.asarray(run(q, k, v))
+
+    def _ort(self, q, k, v, causal, grad, bf16):
+        return self._graph(self.ort, self._graphs.make_onnxruntime, q, k, v, causal)
 
     def _ov(self, q, k, v, causal, grad, bf16):
-        if self.ov is None:
-            return None
-        B, Hq, Lq, D = q.shape
-        Hkv, Lk = k.shape[1], k.shape[2]
-        run = self._graphs.make_openvino(B, Hq, Hkv, Lq, Lk, D, self.threads, causal=causal)
-        return lambda: np.asarray(run(q, k, v))
+        return self._graph(self.ov, self._graphs.make_openvino, q, k, v, causal)
 
     def _jax(self, q, k, v, causal, grad, bf16):
         jax = self.jax
