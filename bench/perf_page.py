@@ -14,7 +14,8 @@ the median over the rounds of (the peer's time / fastattn's time in the same rou
 in the same process: GFLOP/s against the FMA peak (fastattn.bench.fma_peak: independent FMA
 chains of the kernel fastattn runs), the bfloat16 rows against the peak of the bfloat16
 product instruction fastattn uses (bench.bf16_peak), decoding's GB/s of cache read against
-the read bandwidth over an array as large as the cache (bench.read_gbps).  fastattn's
+the read bandwidth over an array as large as the cache (bench.read_bandwidth: the
+extension's vector loads on the same threads).  fastattn's
 output is checked against the float64 oracle on sampled rows of every case, and each
 peer's output against fastattn's: a case whose check fails stops the run (exit code 1).
 """
@@ -249,8 +250,8 @@ def ceilings(threads, read_bytes):
         c["bf16_path"] = _kernels.bf16_path()
     except ValueError:  # no bfloat16 product instruction here: bfloat16 runs on the float32 path
         c["bf16_peak_gflops"], c["bf16_path"] = c["fma_peak_gflops"], "float32"
-    c["read_gbps"] = max(bench.read_gbps(threads, mib=max(64, read_bytes // 2**20)) for _ in range(3))
-    c["read_mib"] = max(64, read_bytes // 2**20)
+    c["read_mib"] = min(2048, max(64, read_bytes // 2**20))
+    c["read_gbps"] = max(bench.read_bandwidth(threads, mib=c["read_mib"]) for _ in range(3))
     return c
 
 

@@ -3,8 +3,8 @@
 The FMA peak, the bfloat16 product instruction's peak, and how evenly the forward's
 plan spreads over the threads.
 
-Private: :mod:`fastattn.bench` re-exports :func:`fma_peak`, :func:`bf16_peak` and
-:func:`plan_balance`.
+Private: :mod:`fastattn.bench` re-exports :func:`fma_peak`, :func:`read_bandwidth`,
+:func:`bf16_peak` and :func:`plan_balance`.
 """
 import numpy as np
 
@@ -82,6 +82,68 @@ def fma_peak(dtype="float32", num_threads=None, *, kernel=None):
     dt = _float_dtype(dtype, fn)
     num_threads = parse_threads(num_threads, fn) or _kernels.max_threads()
     return _kernels.fma_peak(_kernel_arg(kernel, fn), dt == np.float64, num_threads)
+
+
+def read_bandwidth(num_threads=None, *, mib=256, passes=5, kernel=None):
+    """Measure the machine's streaming read bandwidth in GB/s.
+
+    `num_threads` threads each read their share of a float32 array of `mib` MiB with
+    `kernel`'s vector loads, four runs of the share side by side (as a decode call
+    reads its K and V rows), nothing else in the loop: an untimed pass, then the best
+    of `passes` timed ones.  This is the ceiling every decoding GB/s is quoted against
+    (:func:`fma_peak` is the ceiling of the products).
+
+    Parameters
+    ----------
+    num_threads : int, optional
+        Threads that read; default as many as a fastattn call would use.
+    mib : int, default 256
+        The array's size in MiB, 1 to 2048: far more than the last-level cache a core
+        sees, or the figure is the cache's.  NumPy allocates so large an array on huge pages
+        where the kernel allows, as it does the arrays a decode call reads.
+    passes : int, default 5
+        Timed passes; the fastest counts.
+    kernel : {"generic", "avx2", "avx512"}, optional
+        Whose vector loads read; default the kernel fastattn runs.
+
+    Returns
+    -------
+    float
+        GB/s (10**9 bytes a second) over all the threads.
+
+    Raises
+    ------
+    TypeError
+        If `num_threads`, `mib` or `passes` is not an int.
+    ValueError
+        If ``num_threads < 1``, `mib` is not in 1 to 2048, ``passes < 1``, or this CPU
+        cannot run `kernel`.
+
+    See Also
+    --------
+    fma_peak : The ceiling of the products.
+
+    Examples
+    --------
+    >>> from fastattn import bench
+    >>> bench.read_bandwidth(1, mib=8, passes=1) > 0
+    True
+    """
+    fn = "bench.read_bandwidth"
+    num_threads = parse_threads(num_threads, fn) or _kernels.max_threads()
+    # (at most 2048 MiB: each float32 lane of the loop then adds at most 2**24 ones, a
+    # sum float32 holds exactly, so the check below is exact)
+    for name, val, top in (("mib", mib, 2048), ("passes", passes, None)):
+        if isinstance(val, bool) or not isinstance(val, (int, np.integer)):
+            raise TypeError(f"fastattn.{fn}: {name} must be an int, got {type(val).__name__}")
+        if val < 1 or (top is not None and val > top):
+            raise ValueError(f"fastattn.{fn}: {name} must be >= 1" + (f" and <= {top}" if top else "")
+                             + f", got {val}")
+    buf = np.ones(int(mib) * 2**20 // 4, dtype=np.float32)
+    nbytes, seconds, total = _kernels.read_bandwidth(buf, _kernel_arg(kernel, fn), num_threads, int(passes))
+    if total != nbytes // 4:  # every element read once in the pass that counts (they are all 1)
+        raise RuntimeError(f"fastattn.{fn}: the pass read a sum of {total}, not {nbytes // 4}")
+    return nbytes / seconds / 1e9
 
 
 def bf16_peak(num_threads=None, *, path=None):

@@ -109,6 +109,8 @@ cdef extern from "fastattn.h" nogil:
     void fa_bf16_to_f32(const uint16_t *src, uint32_t *dst, int64_t n, int nthreads)
     int fa_fma_peak(int isa, int dtype, int nthreads, double *gflops)
     int fa_bf16_peak(int path, int nthreads, double *gflops)
+    int fa_read_bandwidth(int isa, int dtype, const void *buf, int64_t n, int nthreads, int passes,
+                          int64_t *bytes, double *seconds, double *sum)
     int fa_plan_balance(const fa_params *p, int nthreads, double *work, int64_t *nitems)
 
 

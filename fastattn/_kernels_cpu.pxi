@@ -168,6 +168,27 @@ def fma_peak(kernel, bint float64, int num_threads):
     return gf
 
 
+def read_bandwidth(cnp.ndarray buf, kernel, int num_threads, int passes):
+    """(bytes a pass reads, the fastest pass's seconds, the sum of what it read) of
+    `kernel`'s vector loads over the 1-D contiguous float32 or float64 array `buf`, on
+    `num_threads` OpenMP threads: an untimed pass, then `passes` timed ones, GIL
+    released (fastattn.bench.read_bandwidth checks the arguments)."""
+    if cnp.PyArray_NDIM(buf) != 1 or not cnp.PyArray_IS_C_CONTIGUOUS(buf) or \
+            cnp.PyArray_TYPE(buf) not in (cnp.NPY_FLOAT32, cnp.NPY_FLOAT64):
+        raise TypeError("buf must be a 1-D contiguous float32 or float64 array")
+    cdef int dt = FA_F32 if cnp.PyArray_TYPE(buf) == cnp.NPY_FLOAT32 else FA_F64
+    cdef int isa = _isa_index(kernel)
+    cdef int64_t nbytes = 0
+    cdef double seconds = 0.0, total = 0.0
+    cdef int rc
+    with nogil:
+        rc = fa_read_bandwidth(isa, dt, cnp.PyArray_DATA(buf), cnp.PyArray_SIZE(buf), num_threads, passes,
+                               &nbytes, &seconds, &total)
+    if rc != FA_OK:
+        raise ValueError(f"kernel {kernel!r} cannot run on this CPU, or num_threads/passes < 1")
+    return nbytes, seconds, total
+
+
 def bf16_peak(path, int num_threads):
     """GFLOP/s of the bfloat16 pair path's independent chains (4 flops a lane) on
     `num_threads` threads, GIL released."""

@@ -52,13 +52,13 @@ from fastattn._bench_machine import (KERNEL_ENV_NAMES, KERNEL_ENV_PREFIXES, NOTE
                                      _ceilings_child, _timed, _warm_up, blas_env_note, blas_info,
                                      blas_limit, child_ceilings, clean_env, cpu_info, gemm_gflops)
 from fastattn._bench_oracle import check_rows, naive, rel_err, sample_rows
-from fastattn._bench_peaks import bf16_peak, fma_peak, plan_balance
+from fastattn._bench_peaks import bf16_peak, fma_peak, plan_balance, read_bandwidth
 from fastattn._bench_report import (CEILING_GAP, CEILINGS, COLS, IMPLS, NOISY_SPREAD, ceiling_lines,
                                     derive, format_table, plot, progress, ratio_text, spread)
 
 __all__ = [
     # the machine's peaks and the forward's schedule (fastattn._bench_peaks)
-    "fma_peak", "bf16_peak", "plan_balance",
+    "fma_peak", "read_bandwidth", "bf16_peak", "plan_balance",
     # the CPU, the BLAS and its clean child process (fastattn._bench_machine)
     "cpu_info", "blas_limit", "blas_info", "gemm_gflops", "blas_env_note", "clean_env",
     "child_ceilings",

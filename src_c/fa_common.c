@@ -175,6 +175,61 @@ int fa_bf16_peak(int path, int nthreads, double *gflops)
     return FA_OK;
 }
 
+/* The read bandwidth: nthreads threads each read their share of the n elements of buf
+ * (FA_READ_STREAMS runs side by side, fa_read_streams) between two barriers; a first
+ * untimed pass, then the best of `passes`.  *bytes: what a pass reads (each thread's
+ * share rounded down to FA_READ_STREAMS x FA_READ_STEP elements), *seconds: the best
+ * pass, *sum: the sum of what the best pass read. */
+int fa_read_bandwidth(int isa, int dtype, const void *buf, int64_t n, int nthreads, int passes,
+                      int64_t *bytes, double *seconds, double *sum)
+{
+    const fa_kernel *kern = fa_kernel_for_isa(isa);
+    if (!kern || !(fa_cpu_supported_isas() & (1u << isa))) return FA_ERR_ARG;
+    if ((dtype != FA_F32 && dtype != FA_F64) || nthreads < 1 || passes < 1 || n < 0 || !buf)
+        return FA_ERR_ARG;
+    const size_t item = dtype == FA_F64 ? sizeof(double) : sizeof(float);
+    const int64_t unit = (int64_t)FA_READ_STREAMS * FA_READ_STEP;
+    const fa_read_fn read = kern->read_streams[dtype];
+    double best = 0.0, best_sum = 0.0;
+    int64_t share = 0;
+    int ran_threads = 1;
+    for (int pass = 0; pass <= passes; pass++) {
+        double t0 = 0.0, t1 = 0.0, s = 0.0;
+        int ran = 0;
+#pragma omp parallel num_threads(nthreads) reduction(+ : s, ran)
+        {
+            int nt = 1, t = 0;
+#ifdef _OPENMP
+            nt = omp_get_num_threads();
+            t = omp_get_thread_num();
+#endif
+            const int64_t per = n / nt / unit * unit;
+#pragma omp barrier
+#pragma omp master
+            t0 = fa_seconds();
+            s += read((const char *)buf + (size_t)(t * per) * item, per / FA_READ_STREAMS,
+                      per / FA_READ_STREAMS);
+            ran += 1;
+#pragma omp barrier
+#pragma omp master
+            {
+                t1 = fa_seconds();
+                share = per;
+            }
+        }
+        if (pass == 0) continue; /* first touch of the pages' translations */
+        if (best == 0.0 || t1 - t0 < best) {
+            best = t1 - t0;
+            best_sum = s;
+            ran_threads = ran;
+        }
+    }
+    *bytes = share * ran_threads * (int64_t)item;
+    *seconds = best;
+    *sum = best_sum;
+    return FA_OK;
+}
+
 /* One merged row: parts in index order, part q's row at out + q*ostride, its lse at
  * lse[q*lstride] (the online merge of fa_internal.h). */
 #define FA_MERGE_ROW(NAME, T, SUF)                                                           \

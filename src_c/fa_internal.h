@@ -411,6 +411,12 @@ typedef void (*fa_exp_fn)(const void *x, void *y, int64_t n, int logit);
 /* iters rounds of FA_PEAK_CHAINS vector FMAs (fa_fma_peak) */
 #define FA_PEAK_CHAINS 12
 typedef double (*fa_peak_fn)(int64_t iters, double m, double a);
+/* FA_READ_STREAMS runs of n elements, stride elements apart, read side by side; returns
+ * their sum (fa_read_bandwidth).  n: a multiple of FA_READ_STEP, which covers two
+ * vectors of every kernel's widest type. */
+#define FA_READ_STREAMS 4
+#define FA_READ_STEP 32
+typedef double (*fa_read_fn)(const void *src, int64_t n, int64_t stride);
 
 /* The micro-kernels of one instruction set, for each dtype (index enum fa_dtype;
  * FA_KV16 = float32 compute with float16 K/V, FA_KVB16 with bfloat16 K/V). */
@@ -423,6 +429,7 @@ typedef struct fa_kernel {
     fa_scratch_fn scratch_bytes[4];
     fa_exp_fn exp_array[2];
     fa_peak_fn fma_chains[2];      /* float32, float64 */
+    fa_read_fn read_streams[2];    /* float32, float64 */
     fa_bwd_kv_fn bwd_kv[2];        /* float32, float64 */
     fa_bwd_q_fn bwd_q[2];
     fa_bwd_scratch_fn bwd_scratch[2];

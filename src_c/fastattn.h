@@ -301,6 +301,13 @@ int fa_fma_peak(int isa, int dtype, int nthreads, double *gflops);
 /* The same for a bfloat16 pair path's instruction (FA_BF16_AVX512: vdpbf16ps chains,
  * 4 flops a lane); FA_ERR_ARG for FA_BF16_FLOAT32 or a path that cannot run here. */
 int fa_bf16_peak(int path, int nthreads, double *gflops);
+/* The read bandwidth with an ISA's vector loads: nthreads OpenMP threads each read a
+ * share of the n float32 or float64 elements of buf (4 runs side by side), an untimed
+ * pass and then `passes` timed ones.  *bytes: read by a pass (each share rounded down to
+ * 128 elements), *seconds: the fastest pass, *sum: the sum of what it read.  FA_ERR_ARG
+ * for an ISA this CPU cannot run, another dtype, nthreads or passes < 1, n < 0. */
+int fa_read_bandwidth(int isa, int dtype, const void *buf, int64_t n, int nthreads, int passes,
+                      int64_t *bytes, double *seconds, double *sum);
 
 /* ---- the forward's load balance on nthreads threads, without running it
  * (fa_forward.c): work[t] for t < nthreads, the flops (2 (D + Dv) per visible

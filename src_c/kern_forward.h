@@ -12,6 +12,7 @@
  *   fa_dropout_apply the Philox keep/scale decisions on a tile of probabilities
  *   fa_exp_array     the vector exp over an array (for the ULP test)
  *   fa_fma_chains    FA_PEAK_CHAINS independent FMA chains (fastattn.bench.fma_peak)
+ *   fa_read_streams  FA_READ_STREAMS runs read side by side (fastattn.bench.read_bandwidth)
  *
  * Needs from the including ISA file: everything the other pieces need, and FA_VSTOREU,
  * FA_VLOADU_N; for 16-bit outputs, FA_FLOAT_TO_16.
@@ -489,5 +490,25 @@ static double FA_NAME(fa_fma_chains)(int64_t iters, double m, double a)
     FA_V s = acc[0];
     for (int c = 1; c < FA_PEAK_CHAINS; c++) s = FA_VADD(s, acc[c]);
     return (double)FA_VREDUCE(s);
+}
+
+/* The read bandwidth's loop (fa_read_bandwidth): FA_READ_STREAMS runs of n elements,
+ * `stride` elements apart, read side by side with the ISA's vector loads (two
+ * accumulators a run: the adds never wait on each other), returning the sum of every
+ * element read, so the loads are kept and a test can see that each was read once.
+ * n is a multiple of FA_READ_STEP. */
+static double FA_NAME(fa_read_streams)(const void *src, int64_t n, int64_t stride)
+{
+    const FA_T *p = (const FA_T *)src;
+    FA_V acc[2 * FA_READ_STREAMS];
+    for (int c = 0; c < 2 * FA_READ_STREAMS; c++) acc[c] = FA_VZERO();
+    for (int64_t i = 0; i < n; i += 2 * FA_VL)
+        for (int r = 0; r < FA_READ_STREAMS; r++) {
+            acc[2 * r] = FA_VADD(acc[2 * r], FA_VLOADU(p + r * stride + i));
+            acc[2 * r + 1] = FA_VADD(acc[2 * r + 1], FA_VLOADU(p + r * stride + i + FA_VL));
+        }
+    double s = 0.0;
+    for (int c = 0; c < 2 * FA_READ_STREAMS; c++) s += (double)FA_VREDUCE(acc[c]);
+    return s;
 }
 #endif

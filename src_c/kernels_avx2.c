@@ -457,6 +457,7 @@ const fa_kernel fa_kernel_avx2 = {
      fa_scratch_bytes_kvb16_avx2},
     {fa_exp_array_f32_avx2, fa_exp_array_f64_avx2},
     {fa_fma_chains_f32_avx2, fa_fma_chains_f64_avx2},
+    {fa_read_streams_f32_avx2, fa_read_streams_f64_avx2},
     {fa_bwd_kv_f32_avx2, fa_bwd_kv_f64_avx2},
     {fa_bwd_q_f32_avx2, fa_bwd_q_f64_avx2},
     {fa_bwd_scratch_bytes_f32_avx2, fa_bwd_scratch_bytes_f64_avx2},

@@ -212,6 +212,7 @@ const fa_kernel fa_kernel_generic = {
      fa_scratch_bytes_kvb16_generic},
     {fa_exp_array_f32_generic, fa_exp_array_f64_generic},
     {fa_fma_chains_f32_generic, fa_fma_chains_f64_generic},
+    {fa_read_streams_f32_generic, fa_read_streams_f64_generic},
     {fa_bwd_kv_f32_generic, fa_bwd_kv_f64_generic},
     {fa_bwd_q_f32_generic, fa_bwd_q_f64_generic},
     {fa_bwd_scratch_bytes_f32_generic, fa_bwd_scratch_bytes_f64_generic},

@@ -187,6 +187,51 @@ def test_ceiling_lines():
 
 
 @pytest.mark.parametrize("kernel", fastattn._kernels.supported_kernels())
+def test_read_bandwidth_reads_every_element_once(kernel):
+    """The read loop of each kernel, float32 and float64, on 1 to 3 threads (3: shares
+    that are not the array's halves), sums exactly the elements of each thread's share,
+    once each: the shares are the first `bytes` of the array."""
+    from fastattn import _kernels
+    for dt in (np.float64, np.float32):
+        for n in (128, 128 * 3 + 5, 100_003, 1_000_000):
+            buf = (np.arange(n) % 7).astype(dt)   # small integers: every sum exact
+            for t in (1, 2, 3):
+                nbytes, seconds, total = _kernels.read_bandwidth(buf, kernel, t, 2)
+                item = buf.itemsize
+                ran = nbytes // item
+                assert nbytes % item == 0 and seconds > 0 and ran <= n
+                assert n - ran < t * 4 * 32  # at most a step of 4 x 32 elements a thread left out
+                assert total == float(buf[:ran].astype(np.float64).sum())
+    g = bench.read_bandwidth(2, mib=4, passes=2, kernel=kernel)
+    assert isinstance(g, float) and np.isfinite(g) and g > 0
+
+
+def test_read_bandwidth_arguments():
+    from fastattn import _kernels
+    assert bench.read_bandwidth(mib=8, passes=1) > 0  # the default kernel and thread count
+    with pytest.raises(ValueError, match="num_threads must be >= 1, got 0"):
+        bench.read_bandwidth(0)
+    for bad in (1.5, True, "2"):
+        with pytest.raises(TypeError, match="num_threads must be an int"):
+            bench.read_bandwidth(bad)
+    for name in ("mib", "passes"):
+        with pytest.raises(ValueError, match=f"{name} must be >= 1"):
+            bench.read_bandwidth(1, **{name: 0})
+        with pytest.raises(TypeError, match=f"{name} must be an int"):
+            bench.read_bandwidth(1, **{name: 2.0})
+    with pytest.raises(ValueError, match="mib must be >= 1 and <= 2048, got 2049"):
+        bench.read_bandwidth(1, mib=2049)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        bench.read_bandwidth(1, mib=1, kernel="sse9")
+    with pytest.raises(TypeError, match="1-D contiguous float32 or float64"):
+        _kernels.read_bandwidth(np.ones(256, np.int32), "generic", 1, 1)
+    with pytest.raises(TypeError, match="1-D contiguous float32 or float64"):
+        _kernels.read_bandwidth(np.ones(512, np.float32)[::2], "generic", 1, 1)
+    with pytest.raises(ValueError, match="num_threads/passes < 1"):
+        _kernels.read_bandwidth(np.ones(256, np.float32), "generic", 1, 0)
+
+
+@pytest.mark.parametrize("kernel", fastattn._kernels.supported_kernels())
 def test_fma_peak_every_kernel(kernel):
     """Each kernel's FMA chains run, on 1 and 2 threads, float32 and float64."""
     for dtype in ("float32", np.float64):
