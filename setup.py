@@ -71,8 +71,8 @@ IS_X86_64 = platform.machine().lower() in ("x86_64", "amd64")
 # neither environment has jax, JAX_BUILD_REQUIRES goes into the build environment (a
 # PEP 517 frontend such as pip or `python -m build` installs it there), and a build
 # without the handlers fails.  (pip keeps the wheels it builds from an sdist, and the
-# variable is no part of that cache's key: with pip, add --no-cache-dir.)  The handlers hold no code of jaxlib and need nothing of it
-# at run time.  XLA promises to accept handlers compiled against older FFI headers than
+# variable is no part of that cache's key: with pip, add --no-cache-dir.)  The handlers
+# hold no code of jaxlib and need nothing of it at run time.  XLA promises to accept handlers compiled against older FFI headers than
 # its own for at least 12 months (xla/ffi/api/c_api.h) and promises nothing for newer
 # ones: hence the oldest jax the `jax` extra allows.
 JAX_FILE = "jax_ffi.cc"
