@@ -7,7 +7,8 @@
 
 Every case times fastattn and every peer installed (PyTorch's scaled_dot_product_attention,
 ONNX Runtime's Attention operator, OpenVINO's ScaledDotProductAttention, jax.nn's
-dot_product_attention under jit) interleaved in rounds, 30 ms of idle before each call so
+dot_product_attention under jit; in the decode rows llama.cpp's flash attention from the
+ggml-python package, on the same cache type) interleaved in rounds, 30 ms of idle before each call so
 that no library's spinning worker threads share the cores with the next call.  A ratio is
 the median over the rounds of (the peer's time / fastattn's time in the same round): above
 1, fastattn is faster.  Each figure is also quoted against the machine's own limit measured
@@ -37,6 +38,10 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAUSE_S = 0.03
 PEERS = ("PyTorch", "ONNX Runtime", "OpenVINO", "JAX")
+LLAMA = "llama.cpp"  # ggml's flash_attn_ext on the same cache type: the decode rows only
+# its error against fastattn's float32 output on each cache type (it also rounds q to
+# the cache's type for the products: float16, bfloat16, or q8_0 for both int8 ones)
+GGML_TOL = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 2e-2, "int8": 5e-2}
 README_START, README_END = "<!-- performance:start -->", "<!-- performance:end -->"
 
 # (label, B, Hq, Hkv, L, D, causal); the FLOP count is 4*B*Hq*Lq*Lk*D, halved for causal
@@ -119,11 +124,16 @@ class Peers:
         self.ort = self._try("onnxruntime")
         self.ov = self._try("openvino")
         self.jax = self._try("jax")
+        self.ggml = self._try("ggml")  # ggml-python: llama.cpp's kernels, for the decode rows
+        if self.ggml is not None:
+            from importlib import metadata
+            with contextlib.suppress(metadata.PackageNotFoundError):
+                self.versions["ggml"] = metadata.version("ggml-python")
         if self.jax is not None:
             self.jax.config.update("jax_platforms", "cpu")
         sys.path.insert(0, str(ROOT / "bench"))
-        import peers as _peers  # bench/peers.py: the ONNX Runtime and OpenVINO graphs
-        self._graphs = _peers
+        import peers as _peers  # bench/peers.py: the ONNX Runtime, OpenVINO and ggml graphs
+        self.graphs = _peers
 
     def _try(self, name):
         try:
@@ -134,9 +144,12 @@ class Peers:
         return mod
 
     def available(self):
-        return [p for p, m in zip(PEERS, (self.torch, self.ort, self.ov, self.jax)) if m is not None]
+        mods = (self.torch, self.ort, self.ov, self.jax, self.ggml)
+        return [p for p, m in zip(PEERS + (LLAMA,), mods) if m is not None]
 
     def make(self, peer, q, k, v, causal, *, grad=False, bf16=False):
+        if peer == LLAMA:
+            return None  # run_decode builds it for each cache type
         fn = {"PyTorch": self._torch, "ONNX Runtime": self._ort, "OpenVINO": self._ov,
               "JAX": self._jax}[peer]
         if peer in ("ONNX Runtime", "OpenVINO") and (grad or bf16):
@@ -181,10 +194,10 @@ class Peers:
         return lambda: np.asarray(run(q, k, v))
 
     def _ort(self, q, k, v, causal, grad, bf16):
-        return self._graph(self.ort, self._graphs.make_onnxruntime, q, k, v, causal)
+        return self._graph(self.ort, self.graphs.make_onnxruntime, q, k, v, causal)
 
     def _ov(self, q, k, v, causal, grad, bf16):
-        return self._graph(self.ov, self._graphs.make_openvino, q, k, v, causal)
+        return self._graph(self.ov, self.graphs.make_openvino, q, k, v, causal)
 
     def _jax(self, q, k, v, causal, grad, bf16):
         jax = self.jax
@@ -404,13 +417,22 @@ def run_decode(cases, peers, threads, bandwidth, quick):
                 impls[p] = call
                 outs[p] = call()
         _check_peers(f"decode {label}", outs, ref, 1e-3)
+        same = {}  # llama.cpp on the same cache type: its own quantization of the same values
+        if LLAMA in peers:
+            for cache, tol in GGML_TOL.items():
+                impls[f"{LLAMA} {cache}"] = peers_obj.graphs.make_ggml(q, k, v, threads, cache)
+                _check_peers(f"decode {label} {cache}", {LLAMA: impls[f"{LLAMA} {cache}"]()}, ref, tol)
+                same[cache] = f"{LLAMA} {cache}"
         times = interleave(impls, rounds_for(_timed_once(impls["float32"]), quick))
         for cache in CACHES:
             t = statistics.median(times[cache])
             gbps = nbytes[cache] / t / 1e9
+            ratios = {p: ratio(times, p, cache) for p in peers if p in times}
+            if cache in same:
+                ratios[LLAMA] = ratio(times, same[cache], cache)
             rows.append(dict(case=label, cache=cache, ms=t * 1e3, spread=quartile_spread(times[cache]),
                              rate=gbps, unit="GB/s", pct=gbps / bandwidth, mib=nbytes[cache] / 2**20,
-                             ratios={p: ratio(times, p, cache) for p in peers if p in times}))
+                             ratios=ratios))
         progress("decode", label)
     return rows
 
@@ -448,11 +470,12 @@ def _table(rows, peers, first_cols, limit_name):
 
 def page(result, figure_rel):
     m, c, peers = result["machine"], result["ceilings"], result["peers"]
+    fwd = [p for p in peers if p != LLAMA]
     vers = ", ".join(f"{k} {v}" for k, v in
                      [("fastattn", m["fastattn"]), ("Python", m["python"]), ("NumPy", m["numpy"])]
                      + sorted(result["peer_versions"].items()))
     fam = f" (family {m['family']}, model {m['model']})" if m["family"] else ""
-    missing = [p for p in PEERS if p not in peers]
+    missing = [p for p in PEERS + (LLAMA,) if p not in peers]
     out = [
         "# Performance",
         "",
@@ -480,18 +503,21 @@ def page(result, figure_rel):
         "",
         "## Prefill, float32",
         "",
-        _table(result["prefill"], peers, ["case"], "FMA peak"),
+        _table(result["prefill"], fwd, ["case"], "FMA peak"),
         "",
         "## Short sequences, many heads (float32)",
         "",
-        _table(result["short"], peers, ["case"], "FMA peak"),
+        _table(result["short"], fwd, ["case"], "FMA peak"),
         "",
         "## Decoding: one query against a cache",
         "",
-        "Each cache type of fastattn on the same keys and values; the peers read the float32 cache",
-        "(none of them reads an int8 or a paged cache), so their column compares their float32",
-        "call with fastattn's call on that cache. GB/s counts the bytes the call reads (int8: data",
-        "and scales).",
+        "Each cache type of fastattn on the same keys and values; PyTorch, ONNX Runtime, OpenVINO",
+        "and JAX read the float32 cache (none of them reads an int8 or a paged cache), so their",
+        "column compares their float32 call with fastattn's call on that cache. llama.cpp",
+        "(ggml's `flash_attn_ext`, built from source by the `ggml-python` package) reads the",
+        "same cache type, quantized by ggml itself from the same values (int8: its q8_0, blocks",
+        "of 32 with a float16 scale); it has no paged row here. GB/s counts the bytes the call",
+        "reads (int8: data and scales).",
         "",
         _table(result["decode"], peers, ["case", "cache"], "read bandwidth"),
         "",
@@ -523,7 +549,7 @@ def page(result, figure_rel):
 def headline(result, page_rel, figure_rel):
     """The README's table and the page's figure: rows of each section, from the same run."""
     m = result["machine"]
-    peers = [p for p in result["peers"] if p in ("PyTorch", "ONNX Runtime", "OpenVINO")]
+    peers = [p for p in result["peers"] if p in ("PyTorch", "ONNX Runtime", "OpenVINO", LLAMA)]
     picks = [("prefill", result["prefill"], lambda r: "causal" in r["case"]),
              ("short", result["short"], lambda r: True),
              ("decode", result["decode"], lambda r: r["cache"] in ("float32", "int8")),
@@ -604,8 +630,9 @@ def main(argv=None):
     ap.add_argument("--json", default=None,
                     help="the raw results (default bench/results/perf-<cpu>-<date>.json; none with --quick)")
     ap.add_argument("--no-readme", action="store_true", help="leave README.md's headline table alone")
-    ap.add_argument("--peers", default=",".join(PEERS),
-                    help=f"comma-separated subset of {', '.join(PEERS)} (default: every one installed)")
+    ap.add_argument("--peers", default=",".join(PEERS + (LLAMA,)),
+                    help=f"comma-separated subset of {', '.join(PEERS + (LLAMA,))} (default: every one "
+                         "installed)")
     args = ap.parse_args(argv)
     threads = args.threads or len(os.sched_getaffinity(0))
     # every library sees the same cores: JAX's and OpenVINO's pools size themselves from them
