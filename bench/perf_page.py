@@ -39,9 +39,11 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAUSE_S = 0.03
 PEERS = ("PyTorch", "ONNX Runtime", "OpenVINO", "JAX")
 LLAMA = "llama.cpp"  # ggml's flash_attn_ext on the same cache type: the decode rows only
-# its error against fastattn's float32 output on each cache type (it also rounds q to
-# the cache's type for the products: float16, bfloat16, or q8_0 for both int8 ones)
-GGML_TOL = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 2e-2, "int8": 5e-2}
+# its error against fastattn's float32 output on each cache type: it rounds q to the
+# cache's type for the products (float16, bfloat16, or q8_0 for int8) and sums the values
+# of a 16-bit cache in float16 (3.2e-2 at Lk 32768 with float16, Emerald Rapids): a check
+# that it computes the same attention, not of its accuracy
+GGML_TOL = {"float32": 1e-4, "float16": 8e-2, "bfloat16": 8e-2, "int8": 1.5e-1}
 README_START, README_END = "<!-- performance:start -->", "<!-- performance:end -->"
 
 # (label, B, Hq, Hkv, L, D, causal); the FLOP count is 4*B*Hq*Lq*Lk*D, halved for causal
