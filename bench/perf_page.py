@@ -590,7 +590,7 @@ def plot(result, path):
     a.barh(y, [100 * r["pct"] for _, r in rows], color="tab:orange")
     a.set_yticks(y, [n for n, _ in rows], fontsize=8)
     a.invert_yaxis()
-    a.set_xlabel("fastattn, % of the machine's limit (FMA peak; read bandwidth for decode)")
+    a.set_xlabel("fastattn, % of the machine's limit\n(FMA peak; read bandwidth for decode; bf16 product peak for bf16)")
     w = 0.8 / max(1, len(peers))
     for i, p in enumerate(peers):
         b.barh(y - 0.4 + w * (i + 0.5), [r["ratios"].get(p, np.nan) for _, r in rows], height=w, label=p)
