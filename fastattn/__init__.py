@@ -39,11 +39,12 @@ from ._api import AttentionStats, attention, attention_backward, attention_weigh
 from ._varlen import merge, varlen_attention
 from ._cache import dequantize_kv, quantize_kv
 from ._qkv import QuantizedKV
+from ._kvcache import KVCache
 from ._config import show_config
 
 __version__ = "0.1.0"
 __all__ = ["attention", "attention_backward", "attention_weights", "key_mass", "AttentionStats", "merge", "varlen_attention", "show_config",
-           "QuantizedKV", "quantize_kv", "dequantize_kv",
+           "QuantizedKV", "quantize_kv", "dequantize_kv", "KVCache",
            "reference", "__version__"]
 
 _kernels.select_kernel(_os.environ.get("FASTATTN_DISABLE_CPU_FEATURES", ""))

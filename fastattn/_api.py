@@ -13,6 +13,7 @@ import numpy as np
 from . import _kernels
 from ._args import F32, Problem, bf16, is_bf16, as_array, fresh, in_place, parse_flag, parse_threads
 from ._cache import Source, kv_source
+from ._kvcache import KVCache
 from ._checks import backward_flags, check_out, grad_inputs
 from ._typing import Array, ArrayLike, Causal, FloatArray, Layout, Window
 
@@ -75,7 +76,7 @@ def _stats(entropy, max_weight, lse):
     return AttentionStats(entropy, support, max_weight)
 
 @overload
-def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None = ...,
+def attention(q: ArrayLike, k: Any, v: ArrayLike | None = None, *, scale: float | None = ...,
               causal: Causal = ..., window: Window = ..., mask: ArrayLike | None = ...,
               bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
               softcap: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
@@ -88,7 +89,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
 
 
 @overload
-def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None = ...,
+def attention(q: ArrayLike, k: Any, v: ArrayLike | None = None, *, scale: float | None = ...,
               causal: Causal = ..., window: Window = ..., mask: ArrayLike | None = ...,
               bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
               softcap: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
@@ -102,7 +103,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
 
 
 @overload
-def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None = ...,
+def attention(q: ArrayLike, k: Any, v: ArrayLike | None = None, *, scale: float | None = ...,
               causal: Causal = ..., window: Window = ..., mask: ArrayLike | None = ...,
               bias: ArrayLike | None = ..., alibi_slopes: ArrayLike | None = ...,
               softcap: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
@@ -115,7 +116,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
               ) -> Union[FloatArray, Tuple[Any, ...]]: ...
 
 
-def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None = None,
+def attention(q: ArrayLike, k: Any, v: ArrayLike | None = None, *, scale: float | None = None,
               causal: Causal = False, window: Window = None, mask: ArrayLike | None = None,
               bias: ArrayLike | None = None, alibi_slopes: ArrayLike | None = None,
               softcap: float | None = None, dropout_p: float = 0.0, seed: int | None = None,
@@ -139,7 +140,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
         Queries (with ``layout="bshd"``: (Lq, Hq, D) or (B, Lq, Hq, D)).  float32 or
         float64; float16 or bfloat16 (``ml_dtypes.bfloat16``) with k and v of the same
         type.
-    k : array_like or QuantizedKV, shape (Lk, D), (Hkv, Lk, D) or (B, Hkv, Lk, D)
+    k : array_like, QuantizedKV or KVCache, shape (Lk, D), (Hkv, Lk, D) or (B, Hkv, Lk, D)
         Keys, of q's ndim and layout.  Their dtype is q's, or, for a KV cache read at
         fewer bytes, float16 or bfloat16 under a float32 q (converted to float32 in
         registers; everything accumulates in float32).  ``Hq`` must be a multiple of
@@ -149,8 +150,17 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
         a tile at a time: the result has the bits of attention over
         ``dequantize_kv(k)`` and ``dequantize_kv(v)``, and q may then be float32,
         float16 or bfloat16 (computed in float32, output in q's dtype).
+        A :class:`KVCache` holds both keys and values (omit `v`): q, of shape
+        ``(batch, Hq, Lq, head_dim)``, holds the queries of each slot's last ``Lq``
+        tokens (bottom-right), each slot attends over its ``cache.lengths[b]`` keys
+        (`mask` and `bias` then cover ``Lk = max(cache.lengths)`` keys, slot b's first
+        ``lengths[b]``), and q may be float32, float16 or bfloat16 (with an int8 or
+        int4 cache computed in float32, output in q's dtype; with a float16 or bfloat16
+        cache float32 or the cache's type).  Every variant applies; not with
+        `seqlens_k`, `block_table`, `q_offset`, `k_offset` or ``layout='bshd'``.
     v : array_like or QuantizedKV, shape (Lk, Dv), (Hkv, Lk, Dv) or (B, Hkv, Lk, Dv)
-        Values, of k's dtype, ndim and layout; ``Dv`` may differ from ``D``.
+        Values, of k's dtype, ndim and layout; ``Dv`` may differ from ``D``.  Omitted
+        when k is a :class:`KVCache`.
     scale : float, optional
         Multiplies ``q . k``; default ``1 / sqrt(D)``.  Any finite value: 0 gives the
         plain mean of the visible values, and negative values are allowed.
@@ -292,6 +302,13 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
     >>> fastattn.attention(q[:, :, -1:], kc, vc, causal=True).shape
     (2, 8, 1, 64)
     """
+    if isinstance(k, KVCache):
+        return _cache_call(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap,
+                           dropout_p, seed, seqlens_k, layout, return_lse, return_stats, out,
+                           num_threads, q_offset, k_offset, sinks, block_table)
+    if v is None:
+        raise TypeError("fastattn.attention: v is required (only a fastattn.KVCache as k holds "
+                        "the values too)")
     # The common call is checked and run in compiled code (a short call must cost a few
     # microseconds); anything else, and every error, takes _attention.
     if (out is None and scale is None and (causal is False or causal is True)
@@ -313,6 +330,23 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None =
     return _attention(q, k, v, scale, causal, window, mask, bias, alibi_slopes, softcap, dropout_p,
                       seed, seqlens_k, layout, return_lse, return_stats, out, num_threads,
                       (q_offset, k_offset, 0), sinks)
+
+
+def _cache_call(q, cache, v, scale, causal, window, mask, bias, alibi_slopes, softcap, dropout_p,
+                seed, seqlens_k, layout, return_lse, return_stats, out, num_threads, q_offset,
+                k_offset, sinks, block_table):
+    """:func:`attention` with a :class:`KVCache` as k."""
+    given = [name for name, val in (("v", v), ("seqlens_k", seqlens_k), ("block_table", block_table),
+                                    ("q_offset", q_offset), ("k_offset", k_offset)) if val is not None]
+    if given:
+        raise TypeError(f"fastattn.attention: with a KVCache as k, {', '.join(given)} must not be "
+                        "given (the cache holds the values, the lengths and the positions)")
+    if layout != "bhsd":
+        raise ValueError(f"fastattn.attention: with a KVCache, layout must be 'bhsd', got {layout!r}")
+    src = cache._source(q, "attention")
+    return cache_attention(src, q, scale, causal, window, mask, bias, alibi_slopes, softcap,
+                           dropout_p, seed, cache.lengths, layout, return_lse, return_stats, out,
+                           num_threads, (None, None, 0), sinks)
 
 
 def attention_block(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, q_offset: int, k_offset: int,

@@ -19,6 +19,15 @@ class Variants:
     max_weight: Any
     seqlens_k: Any
     sinks: Any
+    k_scale: Any
+    v_scale: Any
+    k_zero: Any
+    block_table: Any
+    num_pages: int
+    k_lanes: int
+    v_dim: int
+    k_bits: int
+    v_bits: int
     def __init__(self, mask: Any = ..., bias: Any = ..., alibi: Any = ..., softcap: float = ...,
                  window_left: int = ..., window_right: int = ..., cu_q: Any = ...,
                  cu_k: Any = ..., weights: Any = ..., dropout_p: float = ...,
@@ -52,6 +61,7 @@ def forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, lse_ob
             scale: float, causal: int, num_threads: int, block_q: int = ..., block_k: int = ...,
             variants: Variants | None = ...) -> bool: ...
 def set_bf16_dtype(dtype: Any) -> None: ...
+def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray, out: np.ndarray) -> None: ...
 def jax_ffi_targets() -> dict[str, Any] | None: ...
 def attention_common(q: Any, k: Any, v: Any, causal: bool, return_lse: bool,
                      num_threads: int) -> Any: ...

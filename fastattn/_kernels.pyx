@@ -60,6 +60,9 @@ cdef extern from "fastattn.h" nogil:
         int64_t ks_sb, ks_sh, ks_sl, vs_sb, vs_sh, vs_sl, k_group, v_group
         const int32_t *block_table
         int64_t bt_sb, max_blocks, page_size, num_pages
+        int64_t k_lanes
+        const float *k_zero
+        int k_bits, v_bits
     ctypedef struct fa_bwd_params:
         fa_params f
         const void *dout

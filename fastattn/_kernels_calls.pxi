@@ -214,3 +214,20 @@ def key_mass(cnp.ndarray q, cnp.ndarray k, cnp.ndarray lse, cnp.ndarray mass, do
         rc = fa_key_mass(&p, cnp.PyArray_DATA(mass), cnp.PyArray_STRIDES(mass)[0] // item,
                          cnp.PyArray_STRIDES(mass)[1] // item)
     _check_rc(rc, &p)
+
+
+from libc.math cimport fmaf
+
+
+def fma32(cnp.ndarray a, cnp.ndarray b, cnp.ndarray c, cnp.ndarray out):
+    """out = fmaf(a, b, c) elementwise, one rounding (the dequantization of a
+    fastattn.KVCache's quantized keys, as the kernels compute it): float32 C-contiguous
+    arrays of one size, checked by the caller."""
+    cdef const float *pa = <const float *>cnp.PyArray_DATA(a)
+    cdef const float *pb = <const float *>cnp.PyArray_DATA(b)
+    cdef const float *pc = <const float *>cnp.PyArray_DATA(c)
+    cdef float *po = <float *>cnp.PyArray_DATA(out)
+    cdef int64_t n = cnp.PyArray_SIZE(out), i
+    with nogil:
+        for i in range(n):
+            po[i] = fmaf(pa[i], pb[i], pc[i])

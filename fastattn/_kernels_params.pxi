@@ -127,11 +127,16 @@ cdef class Variants:
     (an int in [0, 2**64)); k_scale, v_scale (float32, int8 K/V: laid out like k and
     v with the group axis last) and block_table (int32 (B, max_blocks), contiguous
     rows; k and v are then (pages, Hkv, page_size, D) views of the pools) with the
-    pool's page count num_pages, all checked by fastattn._cache."""
+    pool's page count num_pages, all checked by fastattn._cache; k_lanes, k_zero,
+    k_bits, v_bits (fastattn.KVCache: K in blocks of k_lanes keys on the lanes, k a
+    (B, Hkv, blocks, D * k_lanes) view of them (int4: half the bytes), its zero points
+    laid out as k_scale; int4 V rows of ceil(Dv / 2) bytes, v_dim then Dv), checked by
+    fastattn._kvcache."""
     cdef public object mask, bias, alibi, cu_q, cu_k, weights, entropy, max_weight, seqlens_k
     cdef public object sinks
-    cdef public object k_scale, v_scale, block_table
-    cdef public int64_t num_pages
+    cdef public object k_scale, v_scale, block_table, k_zero
+    cdef public int64_t num_pages, k_lanes, v_dim
+    cdef public int k_bits, v_bits
     cdef public double softcap, dropout_p
     cdef public int64_t window_left, window_right, q_pos0, k_pos0, alibi_shift
     cdef public bint positions
@@ -145,8 +150,9 @@ cdef class Variants:
         self.max_weight = None
         self.seqlens_k = None
         self.sinks = None
-        self.k_scale = self.v_scale = self.block_table = None
-        self.num_pages = 0
+        self.k_scale = self.v_scale = self.block_table = self.k_zero = None
+        self.num_pages = self.k_lanes = self.v_dim = 0
+        self.k_bits = self.v_bits = 0
         self.positions = False  # q_pos0, k_pos0 give the positions (fastattn.h)
         self.q_pos0 = self.k_pos0 = self.alibi_shift = 0
         self.mask = mask
@@ -211,7 +217,16 @@ cdef void _set_variants(fa_params *p, Variants va, int64_t item) except *:
         p.v_scale = <const float *>cnp.PyArray_DATA(a)
         _dims(a, 4, sh, st)
         p.vs_sb = st[0]; p.vs_sh = st[1]; p.vs_sl = st[2]
+        p.k_bits = va.k_bits
+        p.v_bits = va.v_bits
+        if va.v_bits == 4:  # two channels a byte: v's last axis is ceil(Dv / 2) bytes
+            p.Dv = va.v_dim
         p.v_group = p.Dv // sh[3]
+    if va.k_zero is not None:  # float32, laid out as k_scale
+        p.k_zero = <const float *>cnp.PyArray_DATA(<cnp.ndarray>va.k_zero)
+    if va.k_lanes:  # k: (B, Hkv, blocks, D * k_lanes) on the lanes
+        p.k_lanes = va.k_lanes
+        p.Lk = p.Lk * p.k_lanes
     if va.block_table is not None:  # int32 (B, max_blocks): k, v are the pools' pages
         a = <cnp.ndarray>va.block_table
         p.block_table = <const int32_t *>cnp.PyArray_DATA(a)

@@ -236,7 +236,7 @@ static void fa_prefetch_item(const fa_params *p, const fa_item *it, int64_t kmax
         a = (const char *)p->out + (it->b * p->o_sb + h * p->o_sh + row * p->o_sl) * (int64_t)osz;
         for (size_t o = 0; o < ob; o += 64) __builtin_prefetch(a + o, 0, 2);
     }
-    if (it->kv1 - it->kv0 > kmax) return;
+    if (it->kv1 - it->kv0 > kmax || p->k_lanes) return; /* (K on the lanes: no rows k_sl apart) */
     for (int64_t j = it->kv0; j < it->kv1; j++) {
         const int64_t kr = it->koff + j;
         const char *a = (const char *)p->k + (it->b * p->k_sb + it->g * p->k_sh + kr * p->k_sl) * (int64_t)ksz;

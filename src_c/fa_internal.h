@@ -266,11 +266,12 @@ static inline int64_t fa_alibi0(const fa_params *p, int64_t Lq, int64_t Lk)
 /* Is an array stored in one of the 16-bit types (enum fa_storage)? */
 static inline int fa_store16(int store) { return store == FA_STORE_F16 || store == FA_STORE_BF16; }
 
-/* K/V that the kernels stage tile by tile rather than read in place: int8 (dequantized)
- * or paged (rows gathered from pages), see kern_source.h. */
+/* K/V that the kernels stage tile by tile rather than read in place: int8 (dequantized),
+ * paged (rows gathered from pages) or K on the lanes (fastattn.KVCache), see
+ * kern_source.h. */
 static inline int fa_kv_staged(const fa_params *p)
 {
-    return p->kv_store == FA_STORE_I8 || p->block_table != NULL;
+    return p->kv_store == FA_STORE_I8 || p->block_table != NULL || p->k_lanes > 0;
 }
 
 /* Does a call's forward take AMX's row-major block (kern_amx_rows.h) when it runs on

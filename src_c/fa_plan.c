@@ -244,6 +244,15 @@ int fa_check(const fa_params *p)
             if (stores[a] != p->dtype &&
                 !(p->dtype == FA_F32 && fa_store16(stores[a]) && stores[a] == p->kv_store))
                 return FA_ERR_ARG;
+    if (p->k_bits != 0 && p->k_bits != 8 && p->k_bits != 4) return FA_ERR_ARG;
+    if (p->v_bits != 0 && p->v_bits != 8 && p->v_bits != 4) return FA_ERR_ARG;
+    if ((p->k_bits == 4 || p->v_bits == 4) && p->kv_store != FA_STORE_I8) return FA_ERR_ARG;
+    if (p->k_lanes) { /* K on the lanes: whole blocks of a multiple of 16 keys, no pages */
+        if (p->k_lanes < 0 || p->k_lanes % 16 || p->Lk % p->k_lanes || p->block_table || p->cu_k)
+            return FA_ERR_ARG;
+        if (p->kv_store == FA_STORE_I8 && !p->k_zero) return FA_ERR_ARG;
+    } else if (p->k_zero || p->k_bits == 4)
+        return FA_ERR_ARG;
     if (p->block_table) { /* every page a sequence reads is in the pool */
         if (p->cu_k || p->page_size < 1 || p->max_blocks < 0 || p->Lk != p->max_blocks * p->page_size)
             return FA_ERR_ARG;

@@ -151,6 +151,23 @@ typedef struct fa_params {
                            max_blocks * page_size; each sequence's pages below its key
                            length (seqlens_k, else Lk) must be in [0, num_pages)   */
     int64_t bt_sb, max_blocks, page_size, num_pages;
+    int64_t k_lanes;    /* > 0: K stored in blocks of k_lanes keys with the keys on the
+                           lanes (fastattn.KVCache): element d of key j of (b, g) is
+                           element d * k_lanes + j % k_lanes of block j / k_lanes, the
+                           block at k + b * k_sb + g * k_sh + (j / k_lanes) * k_sl (in
+                           elements of k's storage; with k_bits 4, in bytes, two codes
+                           a byte).  Lk is then the blocks times k_lanes; a multiple of
+                           16.  0: K in rows, as above                              */
+    const float *k_zero;/* with k_lanes and kv_store FA_STORE_I8: K's codes are per
+                           channel within a block, element = fmaf(code, scale, zero)
+                           (one rounding), scale and zero of (b, g, block, d) at
+                           b * ks_sb + g * ks_sh + block * ks_sl + d; codes int8, or
+                           with k_bits 4 unsigned 0..15, lanes 2i (low nibble) and
+                           2i + 1 (high) in byte i of a channel's k_lanes / 2 bytes   */
+    int k_bits, v_bits; /* kv_store FA_STORE_I8: 0 or 8, one code a byte; 4: two codes
+                           a byte.  V with v_bits 4: channels 2c (low nibble) and 2c + 1
+                           (high) in byte c of a row (ceil(Dv / 2) bytes, v_sl in bytes),
+                           element = (nibble - 8) * scale                           */
 } fa_params;
 
 /* The backward pass: gradients of sum(dout * out) with respect to q, k, v (and the

@@ -285,7 +285,10 @@ static int FA_NAME(fa_scores)(const fa_params *p, const fa_item *it, int64_t nr,
                     !p->bias;
     const int64_t ksx = sc->key_major ? 1 : brp; /* where logit (row r, key j) goes */
     const int64_t rsx = sc->key_major ? sc->bcp : 1;
-    if (FA_NAME(fa_few_rows)(nr, sc) && sc->kst && FA_NAME(fa_by_segment)(p, 0)) {
+    if (FA_NAME(fa_few_rows)(nr, sc) && p->k_lanes && (it->koff + j0) % FA_VL == 0) {
+        /* K on the lanes (fastattn.KVCache): the blocks read in place, as they are */
+        FA_NAME(fa_qk_lanes)(p, it, sc->qt, brp, nr, j0, nk, sc->s, ksx, rsx);
+    } else if (FA_NAME(fa_few_rows)(nr, sc) && sc->kst && FA_NAME(fa_by_segment)(p, 0)) {
         /* a paged or int8 cache's tile, page by page in place */
         int64_t len, next_len = 0;
         const char *kr = FA_NAME(fa_kv_segment)(p, it, j0, nk, 0, 0, &len);

@@ -318,6 +318,136 @@ static void FA_NAME(fa_qk_keys_i8)(const FA_T *FA_RESTRICT qt, int64_t brp, int6
 }
 #endif
 
+/* One vector of K stored on the lanes (p->k_lanes, fastattn.KVCache): channel d of the
+ * keys at lanes lane .. lane+FA_VL-1 of a block of bs (lane a multiple of FA_VL, bs a
+ * multiple of 16, so every lane read is in the block).  Q 0: the stored values (float
+ * or 16-bit); 8: int8 codes, 4: int4 codes (two a byte, lane 2i in byte i's low
+ * nibble), dequantized as fmaf(code, s[d], z[d]): one rounding, the value
+ * fa_lanes_tile stages. */
+FA_ALWAYS_INLINE FA_V FA_NAME(fa_lane_vec)(const int Q, const char *blk, int64_t d, int64_t lane, int64_t bs,
+                                           const float *s, const float *z)
+{
+    if (Q == 0) return FA_KV_LOADU((const FA_KV *)(const void *)blk + d * bs + lane);
+    int8_t c[16];
+    const int8_t *cp = (const int8_t *)blk + d * bs + lane;
+    if (Q == 4) {
+        const uint8_t *row = (const uint8_t *)blk + d * (bs / 2) + lane / 2;
+#if defined(FA_HAVE_SSE2) && defined(FA_I8_LOADU)
+        /* FA_VL / 2 bytes, each two codes: low nibbles and high, interleaved back */
+        __m128i x = FA_VL == 16 ? _mm_loadl_epi64((const __m128i *)(const void *)row)
+                                : _mm_cvtsi32_si128(*(const int *)(const void *)row);
+        const __m128i m = _mm_set1_epi8(15);
+        x = _mm_unpacklo_epi8(_mm_and_si128(x, m), _mm_and_si128(_mm_srli_epi16(x, 4), m));
+        _mm_storeu_si128((__m128i *)(void *)c, x);
+#else
+        for (int i = 0; i < FA_VL / 2; i++) {
+            c[2 * i] = (int8_t)(row[i] & 15);
+            c[2 * i + 1] = (int8_t)(row[i] >> 4);
+        }
+#endif
+        cp = c;
+    }
+#if defined(FA_I8_LOADU)
+    return FA_VFMA(FA_I8_LOADU(cp), FA_VSET1(s[d]), FA_VSET1(z[d]));
+#else
+    FA_T t[FA_VL];
+    for (int i = 0; i < FA_VL; i++) t[i] = (FA_T)fmaf((float)cp[i], s[d], z[d]);
+    return FA_VLOADU(t);
+#endif
+}
+
+/* R rows x G groups of FA_VL keys on the lanes: lane i of acc[g][r] accumulates feature
+ * d of key i of group g times qt[d][r], d in order (one FMA chain a key and a row, as
+ * fa_qk_keys after its transpose: the same bits).  The G groups' chains are
+ * independent: interleaved, each hides the latency of the others.  Group g's keys go
+ * to s (key i at i * ks, row r at r * rs) for its first nj[g] lanes. */
+FA_ALWAYS_INLINE void FA_NAME(fa_qk_lanes_micro)(const int R, const int G, const int Q, const FA_T *FA_RESTRICT qt,
+                                                 int64_t brp, const char *const *blk, const int64_t *lane,
+                                                 const float *const *sp, const float *const *zp, int64_t bs,
+                                                 int64_t D, const int64_t *nj, FA_T *FA_RESTRICT s, int64_t ks,
+                                                 int64_t rs)
+{
+    FA_V acc[4][FA_DOT_ROWS];
+    FA_PRAGMA_UNROLL(4)
+    for (int g = 0; g < G; g++)
+        FA_PRAGMA_UNROLL(8)
+        for (int r = 0; r < R; r++) acc[g][r] = FA_VZERO();
+    for (int64_t d = 0; d < D; d++) {
+        const FA_T *q = qt + d * brp;
+        FA_PRAGMA_UNROLL(4)
+        for (int g = 0; g < G; g++) {
+            const FA_V x = FA_NAME(fa_lane_vec)(Q, blk[g], d, lane[g], bs, sp[g], zp[g]);
+            FA_PRAGMA_UNROLL(8)
+            for (int r = 0; r < R; r++) acc[g][r] = FA_VFMA(x, FA_VSET1(q[r]), acc[g][r]);
+        }
+    }
+    FA_PRAGMA_UNROLL(4)
+    for (int g = 0; g < G; g++)
+        FA_PRAGMA_UNROLL(8)
+        for (int r = 0; r < R; r++) {
+            FA_T *dst = s + g * FA_VL * ks + r * rs;
+            if (ks == 1 && nj[g] == FA_VL) {
+                FA_VSTOREU(dst, acc[g][r]);
+                continue;
+            }
+            FA_T lanes[FA_VL];
+            FA_VSTOREU(lanes, acc[g][r]);
+            for (int64_t i = 0; i < nj[g]; i++) dst[i * ks] = lanes[i];
+        }
+}
+
+/* The decode logits of keys j0 .. j0+nk-1 of the item (nr <= FA_DOT_ROWS rows, K on the
+ * lanes, j0 a multiple of FA_VL) from the blocks in place: no transpose, no staging.
+ * Groups of FA_VL keys, up to 4 at once (fewer with more rows: the accumulators stay in
+ * registers); a missing group repeats the first (computed, not stored). */
+static void FA_NAME(fa_qk_lanes)(const fa_params *p, const fa_item *it, const FA_T *FA_RESTRICT qt, int64_t brp,
+                                 int64_t nr, int64_t j0, int64_t nk, FA_T *FA_RESTRICT s, int64_t ks, int64_t rs)
+{
+    const int Q = p->kv_store != FA_STORE_I8 ? 0 : p->k_bits == 4 ? 4 : 8;
+    const int G = nr <= 2 ? 4 : nr <= 4 ? 2 : 1;
+    const int64_t bs = p->k_lanes;
+    for (int64_t a = 0; a < nk; a += G * FA_VL) {
+        const char *blk[4];
+        const float *sp[4] = {NULL, NULL, NULL, NULL}, *zp[4] = {NULL, NULL, NULL, NULL};
+        int64_t lane[4], nj[4];
+        for (int g = 0; g < G; g++) {
+            const int64_t off = a + g * FA_VL < nk ? a + g * FA_VL : a;
+            const int64_t j = it->koff + j0 + off, b = j / bs;
+            blk[g] = FA_NAME(fa_lanes_block)(p, it, b);
+            lane[g] = j % bs;
+            if (Q) {
+                sp[g] = FA_NAME(fa_lanes_param)(p, it, b, 0);
+                zp[g] = FA_NAME(fa_lanes_param)(p, it, b, 1);
+            }
+            nj[g] = a + g * FA_VL >= nk ? 0 : nk - off < FA_VL ? nk - off : FA_VL;
+        }
+        FA_T *sa = s + a * ks;
+#define FA_LANES_CASE(R, G_, Q_) \
+    FA_NAME(fa_qk_lanes_micro)(R, G_, Q_, qt, brp, blk, lane, sp, zp, bs, p->D, nj, sa, ks, rs)
+#define FA_LANES_ROWS(Q_)                                                                          \
+    switch (nr) {                                                                                  \
+        case 1: FA_LANES_CASE(1, 4, Q_); break;                                                    \
+        case 2: FA_LANES_CASE(2, 4, Q_); break;                                                    \
+        case 3: FA_LANES_CASE(3, 2, Q_); break;                                                    \
+        case 4: FA_LANES_CASE(4, 2, Q_); break;                                                    \
+        case 5: FA_LANES_CASE(5, 1, Q_); break;                                                    \
+        case 6: FA_LANES_CASE(6, 1, Q_); break;                                                    \
+        case 7: FA_LANES_CASE(7, 1, Q_); break;                                                    \
+        case 8: FA_LANES_CASE(8, 1, Q_); break;                                                    \
+        default: break;                                                                            \
+    }
+        if (Q == 0) {
+            FA_LANES_ROWS(0)
+        } else if (Q == 8) {
+            FA_LANES_ROWS(8)
+        } else {
+            FA_LANES_ROWS(4)
+        }
+#undef FA_LANES_ROWS
+#undef FA_LANES_CASE
+    }
+}
+
 /* R rows x NC vectors of the running output o (rows dvp apart) into acc, times each
  * row's alpha unless every alpha is 1 (no row's max changed). */
 FA_ALWAYS_INLINE void FA_NAME(fa_pv_load)(const int R, const int NC, FA_V acc[FA_PV_R][2 * FA_PV_NC],

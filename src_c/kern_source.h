@@ -15,6 +15,10 @@
  *   fa_by_segment, fa_kv_segment   decode rows instead read a paged or int8 tile in
  *                    place, page by page (int8 in registers: fa_qk_keys_i8,
  *                    fa_pv_rows_i8 of kern_products.h): the same values, no staging
+ *   fa_lanes_tile    K stored with the keys on the lanes (p->k_lanes, fastattn.KVCache)
+ *                    as rows: float and 16-bit copied, int8 and int4 codes dequantized
+ *                    (fmaf(code, scale, zero)); decode rows read the blocks in place
+ *                    instead (fa_qk_lanes of kern_products.h), with the same values
  *
  * A staged tile holds exactly the values the in-place read would give (for int8: the
  * dequantized cache's), so the products, the softmax and the merge see the same
@@ -47,10 +51,66 @@ static const char *FA_NAME(fa_kv_segment)(const fa_params *p, const fa_item *it,
                                 kv ? p->v_sl : p->k_sl) * item;
 }
 
+/* Code l (0 .. 15) of a row of int4 codes, two a byte: l even in the low nibble. */
+static inline int FA_NAME(fa_nibble)(const uint8_t *row, int64_t l)
+{
+    return (row[l >> 1] >> ((l & 1) << 2)) & 15;
+}
+
+/* The scale (zero: 1, the zero point) of channel d of the lanes block `blk` of the item
+ * (K quantized on the lanes: per channel within a block). */
+static inline const float *FA_NAME(fa_lanes_param)(const fa_params *p, const fa_item *it, int64_t blk, int zero)
+{
+    return (zero ? p->k_zero : p->k_scale) + it->b * p->ks_sb + it->g * p->ks_sh + blk * p->ks_sl;
+}
+
+/* Block `blk` of the item's K on the lanes: its first element (its codes' first byte). */
+static inline const char *FA_NAME(fa_lanes_block)(const fa_params *p, const fa_item *it, int64_t blk)
+{
+    const size_t item = p->kv_store == FA_STORE_I8 ? 1 : sizeof(FA_KV);
+    return (const char *)p->k + (size_t)(it->b * p->k_sb + it->g * p->k_sh + blk * p->k_sl) * item;
+}
+
+/* Rows j0 .. j0+nk-1 of an item's K stored on the lanes (p->k_lanes), as rows of D in
+ * buf: float and 16-bit values copied, codes dequantized with one fmaf(code, scale,
+ * zero) each (the values fa_qk_lanes computes in registers). */
+static const FA_KV *FA_NAME(fa_lanes_tile)(const fa_params *p, const fa_item *it, int64_t j0, int64_t nk,
+                                           FA_KV *FA_RESTRICT buf, int64_t *stride)
+{
+    const int64_t D = p->D, bs = p->k_lanes;
+    *stride = D;
+    for (int64_t r0 = 0, n; r0 < nk; r0 += n) {
+        const int64_t j = it->koff + j0 + r0, blk = j / bs, lane0 = j % bs;
+        n = bs - lane0 < nk - r0 ? bs - lane0 : nk - r0;
+        FA_KV *FA_RESTRICT dst = buf + r0 * D;
+        const char *base = FA_NAME(fa_lanes_block)(p, it, blk);
+        if (p->kv_store != FA_STORE_I8) {
+            const FA_KV *FA_RESTRICT src = (const FA_KV *)(const void *)base + lane0;
+            for (int64_t d = 0; d < D; d++)
+                for (int64_t l = 0; l < n; l++) dst[l * D + d] = src[d * bs + l];
+            continue;
+        }
+        const float *sc = FA_NAME(fa_lanes_param)(p, it, blk, 0), *zp = FA_NAME(fa_lanes_param)(p, it, blk, 1);
+        for (int64_t d = 0; d < D; d++) {
+            const float s = sc[d], z = zp[d];
+            if (p->k_bits == 4) {
+                const uint8_t *row = (const uint8_t *)base + d * (bs / 2);
+                for (int64_t l = 0; l < n; l++)
+                    dst[l * D + d] = (FA_KV)fmaf((float)FA_NAME(fa_nibble)(row, lane0 + l), s, z);
+            } else {
+                const int8_t *row = (const int8_t *)base + d * bs + lane0;
+                for (int64_t l = 0; l < n; l++) dst[l * D + d] = (FA_KV)fmaf((float)row[l], s, z);
+            }
+        }
+    }
+    return buf;
+}
+
 static const FA_KV *FA_NAME(fa_kv_tile)(const fa_params *p, const fa_item *it, int64_t j0,
                                         int64_t nk, int kv, FA_KV *FA_RESTRICT buf,
                                         int64_t *stride)
 {
+    if (!kv && p->k_lanes) return FA_NAME(fa_lanes_tile)(p, it, j0, nk, buf, stride);
     const int64_t width = kv ? p->Dv : p->D;
     const int quant = p->kv_store == FA_STORE_I8;
     int64_t len;
@@ -63,7 +123,8 @@ static const FA_KV *FA_NAME(fa_kv_tile)(const fa_params *p, const fa_item *it, i
     /* row j0 + r + FA_STAGE_AHEAD is asked for as row j0 + r is copied (the rows of a
      * paged or strided cache are too far apart for the hardware to follow), and the
      * first FA_STAGE_AHEAD rows at the item's first tile */
-    const size_t bytes = (size_t)width * (quant ? 1 : sizeof(FA_KV));
+    const size_t bytes = quant && kv && p->v_bits == 4 ? (size_t)(width + 1) / 2
+                                                       : (size_t)width * (quant ? 1 : sizeof(FA_KV));
     for (int64_t r = j0 <= it->kv0 ? -FA_STAGE_AHEAD : 0; r < nk; r++) {
         const int64_t ja = j0 + r + FA_STAGE_AHEAD;
         if (ja < it->kv1) {
@@ -82,6 +143,11 @@ static const FA_KV *FA_NAME(fa_kv_tile)(const fa_params *p, const fa_item *it, i
         const float *FA_RESTRICT scale =
             (const float *)(const void *)FA_NAME(fa_kv_segment)(p, it, j0 + r, 1, kv, 1, &len);
         const int64_t group = kv ? p->v_group : p->k_group;
+        if (kv && p->v_bits == 4) { /* two codes a byte, (nibble - 8) * scale */
+            for (int64_t c = 0; c < width; c++)
+                dst[c] = (FA_KV)((float)(FA_NAME(fa_nibble)((const uint8_t *)src, c) - 8) * scale[c / group]);
+            continue;
+        }
         for (int64_t c0 = 0, gi = 0; c0 < width; c0 += group, gi++) {
             const float f = scale[gi];
             for (int64_t c = c0; c < c0 + group; c++) dst[c] = (FA_KV)((float)src[c] * f);
@@ -99,6 +165,7 @@ static const FA_KV *FA_NAME(fa_kv_tile)(const fa_params *p, const fa_item *it, i
  * a staged tile would hold, in the same order, so the bits do not change. */
 static int FA_NAME(fa_by_segment)(const fa_params *p, int kv)
 {
+    if (kv ? p->v_bits == 4 : p->k_lanes > 0) return 0; /* (int4 V staged; lanes: fa_qk_lanes) */
     if (p->block_table && p->page_size < FA_VL) return 0;
     if (p->kv_store != FA_STORE_I8) return p->block_table != NULL;
 #if defined(FA_I8_LOADU) && defined(FA_HAVE_TRANSPOSE)
