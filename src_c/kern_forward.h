@@ -338,7 +338,7 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
                         const float *sr = (const float *)(const void *)FA_NAME(fa_kv_segment)(p, it, j0 + a, nk - a, 1, 1, &len);
                         FA_NAME(fa_pv_rows_i8)(sc.s + a * ksx, nr, len, (const int8_t *)vr, p->v_sl, sr,
                                                p->vs_sl, FA_NAME(fa_group_shift)(p, 1), Dv, sc.o, dvp, al,
-                                               ksx, rsx);
+                                               ksx, rsx, p->v_bits);
                         continue;
                     }
 #endif

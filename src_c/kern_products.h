@@ -108,10 +108,36 @@ static void FA_NAME(fa_qk_tile)(const FA_T *FA_RESTRICT qt, int nv, const FA_KV 
  * after inlining) int8 times the scale of its channel group, srow[c >> gshift] (groups
  * of a power of two >= FA_VL channels): the float32 multiply of dequantize_kv, so the
  * products see the values a staged tile (kern_source.h) holds. */
+/* FA_VL int4 codes (two a byte, code 2i in byte i's low nibble) from byte b, minus
+ * `sub`, as int8 in c[0 .. FA_VL). */
+FA_ALWAYS_INLINE void FA_NAME(fa_nibbles)(const uint8_t *b, int sub, int8_t *c)
+{
+#if defined(FA_HAVE_SSE2) && defined(FA_I8_LOADU)
+    __m128i x = FA_VL == 16 ? _mm_loadl_epi64((const __m128i *)(const void *)b)
+                            : _mm_cvtsi32_si128(*(const int *)(const void *)b);
+    const __m128i m = _mm_set1_epi8(15);
+    x = _mm_unpacklo_epi8(_mm_and_si128(x, m), _mm_and_si128(_mm_srli_epi16(x, 4), m));
+    _mm_storeu_si128((__m128i *)(void *)c, _mm_sub_epi8(x, _mm_set1_epi8((char)sub)));
+#else
+    for (int i = 0; i < FA_VL / 2; i++) {
+        c[2 * i] = (int8_t)((b[i] & 15) - sub);
+        c[2 * i + 1] = (int8_t)((b[i] >> 4) - sub);
+    }
+#endif
+}
+
+/* FA_VL values of a row from channel c (a multiple of FA_VL): the stored values (I8
+ * 0), int8 codes (1) or int4 codes (2: two a byte, nibble - 8) times the scale of
+ * their group (srow[c >> gshift]) */
 FA_ALWAYS_INLINE FA_V FA_NAME(fa_row_load)(const int I8, const void *row, int64_t c,
                                            const float *srow, int gshift)
 {
 #ifdef FA_I8_LOADU
+    if (I8 == 2) {
+        int8_t codes[16];
+        FA_NAME(fa_nibbles)((const uint8_t *)row + c / 2, 8, codes);
+        return FA_VMUL(FA_I8_LOADU(codes), FA_VSET1(srow[c >> gshift]));
+    }
     if (I8) return FA_VMUL(FA_I8_LOADU((const int8_t *)row + c), FA_VSET1(srow[c >> gshift]));
 #endif
     (void)I8;
@@ -331,20 +357,7 @@ FA_ALWAYS_INLINE FA_V FA_NAME(fa_lane_vec)(const int Q, const char *blk, int64_t
     int8_t c[16];
     const int8_t *cp = (const int8_t *)blk + d * bs + lane;
     if (Q == 4) {
-        const uint8_t *row = (const uint8_t *)blk + d * (bs / 2) + lane / 2;
-#if defined(FA_HAVE_SSE2) && defined(FA_I8_LOADU)
-        /* FA_VL / 2 bytes, each two codes: low nibbles and high, interleaved back */
-        __m128i x = FA_VL == 16 ? _mm_loadl_epi64((const __m128i *)(const void *)row)
-                                : _mm_cvtsi32_si128(*(const int *)(const void *)row);
-        const __m128i m = _mm_set1_epi8(15);
-        x = _mm_unpacklo_epi8(_mm_and_si128(x, m), _mm_and_si128(_mm_srli_epi16(x, 4), m));
-        _mm_storeu_si128((__m128i *)(void *)c, x);
-#else
-        for (int i = 0; i < FA_VL / 2; i++) {
-            c[2 * i] = (int8_t)(row[i] & 15);
-            c[2 * i + 1] = (int8_t)(row[i] >> 4);
-        }
-#endif
+        FA_NAME(fa_nibbles)((const uint8_t *)blk + d * (bs / 2) + lane / 2, 0, c);
         cp = c;
     }
 #if defined(FA_I8_LOADU)
@@ -583,9 +596,13 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_rows_seq)(const int I8, const FA_T *FA_RESTR
 static void FA_NAME(fa_pv_rows_i8)(const FA_T *FA_RESTRICT p, int64_t nq, int64_t nk,
                                    const int8_t *FA_RESTRICT v8, int64_t v_sl, const float *vs8,
                                    int64_t vs8_sl, int gshift, int64_t Dv, FA_T *FA_RESTRICT o,
-                                   int64_t dvp, const FA_T *FA_RESTRICT alpha, int64_t ks, int64_t rs)
+                                   int64_t dvp, const FA_T *FA_RESTRICT alpha, int64_t ks, int64_t rs,
+                                   int bits)
 {
-    FA_NAME(fa_pv_rows_seq)(1, p, nq, nk, v8, v_sl, vs8, vs8_sl, gshift, Dv, o, dvp, alpha, ks, rs);
+    if (bits == 4) /* int4 rows (fastattn.KVCache's values) */
+        FA_NAME(fa_pv_rows_seq)(2, p, nq, nk, v8, v_sl, vs8, vs8_sl, gshift, Dv, o, dvp, alpha, ks, rs);
+    else
+        FA_NAME(fa_pv_rows_seq)(1, p, nq, nk, v8, v_sl, vs8, vs8_sl, gshift, Dv, o, dvp, alpha, ks, rs);
 }
 #endif
 

@@ -165,7 +165,7 @@ static const FA_KV *FA_NAME(fa_kv_tile)(const fa_params *p, const fa_item *it, i
  * a staged tile would hold, in the same order, so the bits do not change. */
 static int FA_NAME(fa_by_segment)(const fa_params *p, int kv)
 {
-    if (kv ? p->v_bits == 4 : p->k_lanes > 0) return 0; /* (int4 V staged; lanes: fa_qk_lanes) */
+    if (!kv && p->k_lanes > 0) return 0; /* (K on the lanes: fa_qk_lanes) */
     if (p->block_table && p->page_size < FA_VL) return 0;
     if (p->kv_store != FA_STORE_I8) return p->block_table != NULL;
 #if defined(FA_I8_LOADU) && defined(FA_HAVE_TRANSPOSE)
