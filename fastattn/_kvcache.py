@@ -266,6 +266,12 @@ class KVCache:
         return s.astype(np.int64)
 
     def _input(self, x, name, width, n_slots):
+        if type(x).__module__.startswith("torch"):  # a CPU tensor: a view of its memory
+            from ._torch_ops import _np
+            if x.device.type != "cpu":
+                raise ValueError(f"fastattn.KVCache.append: {name} is on {x.device}; fastattn runs "
+                                 "on CPU tensors")
+            x = _np(x.detach())
         a = np.asarray(as_array(x, name, "KVCache.append"))
         if not (a.dtype == F32 or a.dtype == F16 or is_bf16(a.dtype)):
             raise TypeError(f"fastattn.KVCache.append: {name} must be float32, float16 or "
@@ -283,7 +289,8 @@ class KVCache:
         Parameters
         ----------
         k : array_like, shape (S, kv_heads, n, head_dim)
-            float32, float16 or bfloat16; S = ``len(slots)`` (or ``batch``).
+            float32, float16 or bfloat16 (arrays, or CPU torch tensors, read in place);
+            S = ``len(slots)`` (or ``batch``).
         v : array_like, shape (S, kv_heads, n, v_head_dim)
             Likewise.
         slots : int or sequence of int, optional

@@ -380,7 +380,7 @@ def _cache_np(x: Any, name: str) -> Any:
     return _np(x)
 
 
-def attention(query: Tensor, key: Any, value: Any, **kwargs: Any) -> Any:
+def attention(query: Tensor, key: Any, value: Any = None, **kwargs: Any) -> Any:
     """Run :func:`fastattn.attention` on CPU tensors, for inference against caches.
 
     Parameters
@@ -388,13 +388,14 @@ def attention(query: Tensor, key: Any, value: Any, **kwargs: Any) -> Any:
     query : Tensor
         CPU tensor, shaped as :func:`fastattn.attention` takes `q`: float32, float64,
         float16 or bfloat16 (bfloat16 needs ``ml_dtypes``).
-    key : Tensor or fastattn.QuantizedKV
+    key : Tensor, fastattn.QuantizedKV or fastattn.KVCache
         A CPU tensor shaped as :func:`fastattn.attention` takes `k`; a
         :class:`fastattn.QuantizedKV` of tensors (int8 data, float32 scale, see
-        :func:`quantize_kv`), with a float32, float16 or bfloat16 `query`; or a paged
-        pool ``(num_blocks, block_size, Hkv, D)`` with ``block_table=``.
-    value : Tensor or fastattn.QuantizedKV
-        As `key`, with the values.
+        :func:`quantize_kv`), with a float32, float16 or bfloat16 `query`; a paged
+        pool ``(num_blocks, block_size, Hkv, D)`` with ``block_table=``; or a
+        :class:`fastattn.KVCache` (`value` omitted; its ``append`` takes CPU tensors).
+    value : Tensor or fastattn.QuantizedKV, optional
+        As `key`, with the values; omitted with a :class:`fastattn.KVCache`.
     **kwargs
         Any keyword of :func:`fastattn.attention` (`causal`, `seqlens_k`,
         `block_table`, `return_lse`, ...); tensor values (a ``block_table`` int32

@@ -81,7 +81,7 @@ from . import torch as _ft
 from . import _torch_ops
 
 __all__ = ["NAME", "AttentionMask", "attention_forward", "attention_mask", "attention_stats",
-           "LayerStats", "register"]
+           "LayerStats", "register", "KVCache"]
 
 NAME = "fastattn"
 
@@ -452,6 +452,9 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     kw: Dict[str, Any] = {n: x for n, x in (("scale", scaling), ("softcap", softcap))
                           if x is not None}
     m = attention_mask
+    cache = getattr(key, "_fastattn_cache", None)
+    if cache is not None:  # the keys of a fastattn.transformers.KVCache layer
+        return _cache_forward(module, query, cache, m, dropout, kw, s_aux, is_causal), None
     causal: Any = False
     mask = bias = offsets = lengths = segments = None
     if isinstance(m, AttentionMask):
@@ -519,6 +522,169 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                                      return_stats=True, **_stats_args(kw, causal, attn, sinks))
         rec.calls.append((getattr(module, "layer_idx", None), stats))
     return out.transpose(1, 2), None
+
+
+def _cache_forward(module: torch.nn.Module, query: Tensor, cache: "fastattn.KVCache", m: Any,
+                   dropout: float, kw: Dict[str, Any], sinks: Optional[Tensor],
+                   is_causal: Optional[bool]) -> Tensor:
+    """attention_forward over a fastattn.KVCache layer: the queries are each slot's last
+    Lq tokens (bottom-right), the mask's padding part covers the cached keys."""
+    if torch.is_grad_enabled() and query.requires_grad or dropout:
+        raise ValueError("fastattn.transformers.KVCache is for inference: no gradients, no "
+                         "attention dropout (run under torch.no_grad(), the model in eval mode)")
+    Lk = int(cache.lengths.max())
+    mask = bias = None
+    if isinstance(m, AttentionMask):
+        if m.segments is not None:
+            raise ValueError("fastattn.transformers.KVCache does not take packed sequences")
+        causal = m.causal
+        if m.window is not None:
+            kw["window"] = (m.window - 1, 0)
+        if m.keys is not None:
+            mask = m.keys[..., -Lk:] if m.keys.shape[-1] >= Lk else None
+        elif m.lengths is not None:
+            mask = (torch.arange(Lk, device=query.device) < m.lengths[:, None])[:, None, None, :]
+    elif m is None:
+        c = is_causal if is_causal is not None else getattr(module, "is_causal", False)
+        causal = bool(c)
+    elif isinstance(m, Tensor):
+        if m.dtype == torch.bool:
+            mask = m[..., -Lk:]
+        else:
+            bias = m[..., -Lk:]
+        causal = False
+    else:
+        raise TypeError(f"fastattn.transformers: attention_mask must be a tensor, None or a "
+                        f"fastattn.transformers.AttentionMask, got {type(m).__name__}")
+    args = {n: x for n, x in dict(kw, mask=mask, bias=bias, sinks=sinks).items() if x is not None}
+    nth = _torch_ops._threads(query.numel() * Lk * 2)
+    rec = _recorder()
+    res = _ft.attention(query, cache, causal=causal, num_threads=nth, return_stats=rec is not None, **args)
+    if rec is not None:
+        res, stats = res
+        rec.calls.append((getattr(module, "layer_idx", None), stats))
+    return res.transpose(1, 2)
+
+
+class _CacheLayer(transformers.cache_utils.CacheLayerMixin):
+    """One model layer's fastattn.KVCache, made at the layer's first update (its batch,
+    heads and head sizes from the first key and value states)."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, capacity: int, dtype: str, block_size: Optional[int]) -> None:
+        super().__init__()
+        self.capacity, self.cache_dtype, self.block_size = capacity, dtype, block_size
+        self.cache: Optional[fastattn.KVCache] = None
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        B, H, _, D = key_states.shape
+        self.cache = fastattn.KVCache(B, H, D, self.capacity, dtype=self.cache_dtype,
+                                      v_head_dim=value_states.shape[-1], block_size=self.block_size)
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args: Any,
+               **kwargs: Any) -> Tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        assert self.cache is not None
+        self.cache.append(key_states, value_states)
+        B, H, _, D = key_states.shape
+        L = int(self.cache.lengths.max())
+        # stand-ins of the layer's keys and values (B, H, L, D): NaN (any attention but
+        # fastattn's would give NaN, not a plausible wrong answer), no memory of their
+        # own, carrying the cache to attention_forward
+        refs = []
+        for width in (D, value_states.shape[-1]):
+            t = torch.full((1, 1, 1, 1), float("nan"), dtype=key_states.dtype).expand(B, H, L, width)
+            t._fastattn_cache = self.cache
+            refs.append(t)
+        return refs[0], refs[1]
+
+    def get_mask_sizes(self, query_length: int) -> Tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return int(self.cache.lengths.max()) if self.cache is not None else 0
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    def reset(self) -> None:
+        if self.cache is not None:
+            self.cache.reset()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("fastattn.transformers.KVCache does not reorder (beam search); "
+                                  "use it with greedy or sampled decoding")
+
+    def offload(self) -> None:  # (a CPU cache: nothing to move)
+        return None
+
+    def prefetch(self) -> None:
+        return None
+
+
+class KVCache(transformers.cache_utils.Cache):
+    """A transformers ``Cache`` whose layers are :class:`fastattn.KVCache` objects.
+
+    Pass it to ``generate(..., past_key_values=cache)`` (or a forward call) of a model
+    loaded with ``attn_implementation="fastattn"`` (see :func:`register`): each layer's
+    keys and values are appended into a :class:`fastattn.KVCache` (keys on the SIMD
+    lanes, float32, float16, bfloat16, int8 or int4), quantized on the way in, and
+    attention reads it in place.  No layer's cache is ever re-concatenated or copied.
+
+    Parameters
+    ----------
+    capacity : int
+        Tokens each sequence can hold (prompt and generated tokens).
+    dtype : {"float32", "float16", "bfloat16", "int8", "int4"}, optional
+        What each layer stores (default "float32"); see :class:`fastattn.KVCache`.
+    block_size : int, optional
+        Tokens per key block (see :class:`fastattn.KVCache`).
+
+    Notes
+    -----
+    For inference only (no gradients), with greedy or sampled decoding (no beam
+    search: the cache does not reorder).  The layers are made at the model's first
+    forward, from its key and value states.  The tensors a layer's ``update`` returns
+    are stand-ins (NaN, no memory of their own) that only fastattn's attention reads:
+    any other ``attn_implementation`` would give NaN, never a quiet wrong answer.
+
+    Examples
+    --------
+    >>> import torch, transformers
+    >>> import fastattn.transformers
+    >>> fastattn.transformers.register()
+    >>> cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+    ...                                num_hidden_layers=2, num_attention_heads=4,
+    ...                                num_key_value_heads=2)
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> model = transformers.LlamaForCausalLM(cfg).eval()
+    >>> model.config._attn_implementation = "fastattn"
+    >>> ids = torch.tensor([[1, 5, 9, 3]])
+    >>> cache = fastattn.transformers.KVCache(capacity=64)
+    >>> out = model.generate(ids, past_key_values=cache, max_new_tokens=5, do_sample=False)
+    >>> out.shape, cache.get_seq_length()
+    (torch.Size([1, 9]), 8)
+    """
+
+    def __init__(self, capacity: int, *, dtype: str = "float32", block_size: Optional[int] = None) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"fastattn.transformers.KVCache: capacity must be an int >= 1, got {capacity!r}")
+        fastattn.KVCache(1, 1, 1, 1, dtype=dtype, block_size=block_size)  # (checks dtype, block_size)
+        self.capacity, self.cache_dtype, self.block_size = capacity, dtype, block_size
+        super().__init__(layer_class_to_replicate=lambda: _CacheLayer(capacity, dtype, block_size))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every layer's cache."""
+        return sum(layer.cache.nbytes for layer in self.layers
+                   if isinstance(layer, _CacheLayer) and layer.cache is not None)
 
 
 def _packed(query: Tensor, key: Tensor, value: Tensor, segments: Tensor, causal: bool,
