@@ -99,6 +99,15 @@ def test_guides_link_only_inside_docs():
 
 def test_decoding():
     ns = run_guide("decoding.md")
+    # fastattn.KVCache: the prefill chunk and the last step against the oracle over the
+    # cache's own keys and values
+    cache = ns["cache"]
+    assert cache.lengths.tolist() == [303, 123] and ns["o_step"].shape == (2, 8, 1, 64)
+    for b in range(2):
+        kb, vb = cache.keys(b)[None].astype(np.float64), cache.values(b)[None].astype(np.float64)
+        want = reference.attention(ns["q_step"][b:b + 1].astype(np.float64), kb, vb, causal=True)
+        np.testing.assert_allclose(ns["o_step"][b:b + 1], want, rtol=0, atol=1e-5)
+    assert ns["prefill_rows"].shape == (2, 8, 120, 64) and ns["kv_bytes"] == cache.nbytes
     # the float16 cache: the last step equals the oracle over the views it read
     t = 3
     want = reference.attention(ns["q_t"].astype(np.float64), ns["k_cache"][:, :, :t + 1],
@@ -170,6 +179,8 @@ def test_transformers():
     assert torch.equal(ns["tokens"], eager_tokens)
     assert ns["model"].config._attn_implementation == "fastattn"
     assert [i for i, _ in ns["st"].calls] == [0, 1]   # one call a layer, both recorded
+    # fastattn.transformers.KVCache: 24 prompt tokens and 7 appended, two layers' caches
+    assert ns["tokens_int8"].shape == (2, 32) and ns["held"][0] == 31 and ns["held"][1] > 0
     ent, sup = ns["entropy"], ns["support"]
     assert ent.shape == (2, 2, 4, 24) and sup.shape == (2, 4)
     # the last query sees all 24 keys: support between 1 and 24; the first sees one key
