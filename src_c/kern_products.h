@@ -378,7 +378,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_lanes_micro)(const int R, const int G, const
                                                  int64_t brp, const char *const *blk, const int64_t *lane,
                                                  const float *const *sp, const float *const *zp, int64_t bs,
                                                  int64_t D, const int64_t *nj, FA_T *FA_RESTRICT s, int64_t ks,
-                                                 int64_t rs)
+                                                 int64_t rs, const char *pf, int64_t pf_step)
 {
     FA_V acc[4][FA_DOT_ROWS];
     FA_PRAGMA_UNROLL(4)
@@ -387,6 +387,9 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_lanes_micro)(const int R, const int G, const
         for (int r = 0; r < R; r++) acc[g][r] = FA_VZERO();
     for (int64_t d = 0; d < D; d++) {
         const FA_T *q = qt + d * brp;
+        /* the blocks two group sets ahead, a line or a few at each feature (they are
+         * contiguous: a slot's blocks of a kv head follow one another) */
+        for (int64_t o = (d * pf_step + 63) & ~(int64_t)63; o < (d + 1) * pf_step; o += 64) __builtin_prefetch(pf + o);
         FA_PRAGMA_UNROLL(4)
         for (int g = 0; g < G; g++) {
             const FA_V x = FA_NAME(fa_lane_vec)(Q, blk[g], d, lane[g], bs, sp[g], zp[g]);
@@ -419,6 +422,10 @@ static void FA_NAME(fa_qk_lanes)(const fa_params *p, const fa_item *it, const FA
     const int Q = p->kv_store != FA_STORE_I8 ? 0 : p->k_bits == 4 ? 4 : 8;
     const int G = nr <= 2 ? 4 : nr <= 4 ? 2 : 1;
     const int64_t bs = p->k_lanes;
+    /* bytes of K a group set reads (G * FA_VL keys of D features): contiguous where the
+     * set starts a block; those two sets ahead are prefetched, pf_step bytes a feature */
+    const int64_t set_bytes = (int64_t)G * FA_VL * p->D * (Q == 4 ? 1 : Q == 8 ? 2 : 2 * (int64_t)sizeof(FA_KV)) / 2;
+    const int64_t pf_step = set_bytes / p->D;
     for (int64_t a = 0; a < nk; a += G * FA_VL) {
         const char *blk[4];
         const float *sp[4] = {NULL, NULL, NULL, NULL}, *zp[4] = {NULL, NULL, NULL, NULL};
@@ -435,8 +442,10 @@ static void FA_NAME(fa_qk_lanes)(const fa_params *p, const fa_item *it, const FA
             nj[g] = a + g * FA_VL >= nk ? 0 : nk - off < FA_VL ? nk - off : FA_VL;
         }
         FA_T *sa = s + a * ks;
+        /* (blk[0] is its block's start: lane[0] 0 where a set starts a block) */
+        const char *pf = blk[0] + 2 * set_bytes;
 #define FA_LANES_CASE(R, G_, Q_) \
-    FA_NAME(fa_qk_lanes_micro)(R, G_, Q_, qt, brp, blk, lane, sp, zp, bs, p->D, nj, sa, ks, rs)
+    FA_NAME(fa_qk_lanes_micro)(R, G_, Q_, qt, brp, blk, lane, sp, zp, bs, p->D, nj, sa, ks, rs, pf, pf_step)
 #define FA_LANES_ROWS(Q_)                                                                          \
     switch (nr) {                                                                                  \
         case 1: FA_LANES_CASE(1, 4, Q_); break;                                                    \
@@ -525,12 +534,12 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_micro)(const int R, const int NC, const FA_T
  * read the V rows in strided pieces, which the hardware prefetchers follow poorly:
  * 30% slower at the memory's speed on the AMD EPYC Zen 3 (a C model of the loop,
  * B=1 H=32 Lk=8192 D=128), and 1.1-1.2x slower decoding in fastattn itself. */
-FA_ALWAYS_INLINE void FA_NAME(fa_pv_rows_seq)(const int I8, const FA_T *FA_RESTRICT p, int64_t nq,
-                                              int64_t nk, const void *FA_RESTRICT v, int64_t v_sl,
-                                              const float *vs8, int64_t vs8_sl, int gshift,
-                                              int64_t Dv, FA_T *FA_RESTRICT o, int64_t dvp,
-                                              const FA_T *FA_RESTRICT alpha, int64_t ks,
-                                              int64_t rs)
+FA_ALWAYS_INLINE void FA_NAME(fa_pv_rows_seq_r)(const int R, const int I8, const FA_T *FA_RESTRICT p,
+                                                int64_t nk, const void *FA_RESTRICT v, int64_t v_sl,
+                                                const float *vs8, int64_t vs8_sl, int gshift,
+                                                int64_t Dv, FA_T *FA_RESTRICT o, int64_t dvp,
+                                                const FA_T *FA_RESTRICT alpha, int64_t ks,
+                                                int64_t rs)
 {
     const int64_t row = v_sl * (I8 ? 1 : (int64_t)sizeof(FA_KV));
 #define FA_VROW(j) ((const char *)v + (j) * row)
@@ -539,7 +548,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_rows_seq)(const int I8, const FA_T *FA_RESTR
 #define FA_LDN(r, c) FA_KV_LOADU_N((const FA_KV *)(const void *)(r) + (c), tail)
     const int64_t full = Dv / FA_VL * FA_VL;
     const int tail = (int)(Dv - full);
-    for (int64_t r = 0; r < nq; r++)
+    for (int r = 0; r < R; r++)
         if (alpha[r] != (FA_T)1) {
             const FA_V a = FA_VSET1(alpha[r]);
             for (int64_t c = 0; c < dvp; c += FA_VL)
@@ -550,46 +559,85 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_rows_seq)(const int I8, const FA_T *FA_RESTR
      * per four keys (its four FMAs in key order, the sums between them kept in a
      * register, which rounds nothing).  Key by key, GQA's four rows were bound by the
      * stores (this: 0.94x the time there, B=1 Hq=32 Hkv=8 Lk=8192); one row is not,
-     * and reads four V rows at once 1.09x slower (both on the AMD EPYC Zen 3). */
-    for (; (nq >= 2 || I8) && j + 4 <= nk; j += 4) {
+     * and reads four V rows at once 1.09x slower (both on the AMD EPYC Zen 3).  Each V
+     * vector is loaded (an int8 or int4 one dequantized) once for all the rows, and
+     * the rows' probabilities are broadcast once per four keys: GQA's four rows over
+     * an int8 cache dequantized every vector four times, 38% of the decode time
+     * (Emerald Rapids, B1 Hq32 Hkv8 Lk8192). */
+    FA_V pb[FA_PV_SEQ_ROWS][4];
+    for (; (R >= 2 || I8) && j + 4 <= nk; j += 4) {
         const char *v0 = FA_VROW(j), *v1 = FA_VROW(j + 1), *v2 = FA_VROW(j + 2), *v3 = FA_VROW(j + 3);
         const float *s0 = FA_SROW(j), *s1 = FA_SROW(j + 1), *s2 = FA_SROW(j + 2), *s3 = FA_SROW(j + 3);
-        for (int64_t r = 0; r < nq; r++) {
+        FA_PRAGMA_UNROLL(4)
+        for (int r = 0; r < R; r++) {
             const FA_T *pr = p + j * ks + r * rs;
-            const FA_V p0 = FA_VSET1(pr[0]), p1 = FA_VSET1(pr[ks]), p2 = FA_VSET1(pr[2 * ks]),
-                       p3 = FA_VSET1(pr[3 * ks]);
-            FA_T *orow = o + r * dvp;
-            int64_t c = 0;
-            for (; c < full; c += FA_VL) {
-                FA_V x = FA_VFMA(p0, FA_LD(v0, s0, c), FA_VLOAD(orow + c));
-                x = FA_VFMA(p1, FA_LD(v1, s1, c), x);
-                x = FA_VFMA(p2, FA_LD(v2, s2, c), x);
-                FA_VSTORE(orow + c, FA_VFMA(p3, FA_LD(v3, s3, c), x));
+            pb[r][0] = FA_VSET1(pr[0]);
+            pb[r][1] = FA_VSET1(pr[ks]);
+            pb[r][2] = FA_VSET1(pr[2 * ks]);
+            pb[r][3] = FA_VSET1(pr[3 * ks]);
+        }
+        int64_t c = 0;
+        for (; c < full; c += FA_VL) {
+            const FA_V x0 = FA_LD(v0, s0, c), x1 = FA_LD(v1, s1, c), x2 = FA_LD(v2, s2, c), x3 = FA_LD(v3, s3, c);
+            FA_PRAGMA_UNROLL(4)
+            for (int r = 0; r < R; r++) {
+                FA_T *orow = o + r * dvp;
+                FA_V x = FA_VFMA(pb[r][0], x0, FA_VLOAD(orow + c));
+                x = FA_VFMA(pb[r][1], x1, x);
+                x = FA_VFMA(pb[r][2], x2, x);
+                FA_VSTORE(orow + c, FA_VFMA(pb[r][3], x3, x));
             }
-            if (tail) { /* (not with I8: Dv is a multiple of FA_VL there) */
-                FA_V x = FA_VFMA(p0, FA_LDN(v0, c), FA_VLOAD(orow + c));
-                x = FA_VFMA(p1, FA_LDN(v1, c), x);
-                x = FA_VFMA(p2, FA_LDN(v2, c), x);
-                FA_VSTORE(orow + c, FA_VFMA(p3, FA_LDN(v3, c), x));
+        }
+        if (tail) { /* (not with I8: Dv is a multiple of FA_VL there) */
+            const FA_V x0 = FA_LDN(v0, c), x1 = FA_LDN(v1, c), x2 = FA_LDN(v2, c), x3 = FA_LDN(v3, c);
+            for (int r = 0; r < R; r++) {
+                FA_T *orow = o + r * dvp;
+                FA_V x = FA_VFMA(pb[r][0], x0, FA_VLOAD(orow + c));
+                x = FA_VFMA(pb[r][1], x1, x);
+                x = FA_VFMA(pb[r][2], x2, x);
+                FA_VSTORE(orow + c, FA_VFMA(pb[r][3], x3, x));
             }
         }
     }
     for (; j < nk; j++) {
         const char *vj = FA_VROW(j);
         const float *sj = FA_SROW(j);
-        for (int64_t r = 0; r < nq; r++) {
-            const FA_V pb = FA_VSET1(p[j * ks + r * rs]);
-            FA_T *orow = o + r * dvp;
-            int64_t c = 0;
-            for (; c < full; c += FA_VL)
-                FA_VSTORE(orow + c, FA_VFMA(pb, FA_LD(vj, sj, c), FA_VLOAD(orow + c)));
-            if (tail) FA_VSTORE(orow + c, FA_VFMA(pb, FA_LDN(vj, c), FA_VLOAD(orow + c)));
+        FA_PRAGMA_UNROLL(4)
+        for (int r = 0; r < R; r++) pb[r][0] = FA_VSET1(p[j * ks + r * rs]);
+        int64_t c = 0;
+        for (; c < full; c += FA_VL) {
+            const FA_V x = FA_LD(vj, sj, c);
+            FA_PRAGMA_UNROLL(4)
+            for (int r = 0; r < R; r++)
+                FA_VSTORE(o + r * dvp + c, FA_VFMA(pb[r][0], x, FA_VLOAD(o + r * dvp + c)));
+        }
+        if (tail) {
+            const FA_V x = FA_LDN(vj, c);
+            for (int r = 0; r < R; r++)
+                FA_VSTORE(o + r * dvp + c, FA_VFMA(pb[r][0], x, FA_VLOAD(o + r * dvp + c)));
         }
     }
 #undef FA_VROW
 #undef FA_SROW
 #undef FA_LD
 #undef FA_LDN
+}
+
+/* fa_pv_rows_seq_r for nq <= FA_PV_SEQ_ROWS rows (a constant in each case) */
+FA_ALWAYS_INLINE void FA_NAME(fa_pv_rows_seq)(const int I8, const FA_T *FA_RESTRICT p, int64_t nq,
+                                              int64_t nk, const void *FA_RESTRICT v, int64_t v_sl,
+                                              const float *vs8, int64_t vs8_sl, int gshift,
+                                              int64_t Dv, FA_T *FA_RESTRICT o, int64_t dvp,
+                                              const FA_T *FA_RESTRICT alpha, int64_t ks,
+                                              int64_t rs)
+{
+    switch (nq) {
+#define FA_SEQ_CASE(R) \
+    case R: FA_NAME(fa_pv_rows_seq_r)(R, I8, p, nk, v, v_sl, vs8, vs8_sl, gshift, Dv, o, dvp, alpha, ks, rs); break;
+        FA_SEQ_CASE(1) FA_SEQ_CASE(2) FA_SEQ_CASE(3) FA_SEQ_CASE(4)
+#undef FA_SEQ_CASE
+        default: break;
+    }
 }
 
 #ifdef FA_HAVE_I8_PRODUCTS
