@@ -343,6 +343,14 @@ def _cache_call(q, cache, v, scale, causal, window, mask, bias, alibi_slopes, so
                         "given (the cache holds the values, the lengths and the positions)")
     if layout != "bhsd":
         raise ValueError(f"fastattn.attention: with a KVCache, layout must be 'bhsd', got {layout!r}")
+    if (scale is None and (causal is True or causal is False) and window is None and mask is None
+            and bias is None and alibi_slopes is None and softcap is None and sinks is None
+            and type(dropout_p) in (float, int) and dropout_p == 0 and return_lse is False
+            and return_stats is False and out is None
+            and (num_threads is None or type(num_threads) is int and num_threads >= 1)):
+        res = cache._decode(q, causal, num_threads or 0)  # the common call, few checks
+        if res is not None:
+            return res
     src = cache._source(q, "attention")
     return cache_attention(src, q, scale, causal, window, mask, bias, alibi_slopes, softcap,
                            dropout_p, seed, cache.lengths, layout, return_lse, return_stats, out,

@@ -453,6 +453,39 @@ class KVCache:
         out = codes.reshape(H, L, Dv // g, g) * self._vs[b, :, :L, :, None]
         return out.reshape(H, L, Dv)
 
+    def _decode(self, q, causal, nth):
+        """fastattn.attention(q, self, causal=causal) for the common call (no variant,
+        q an ndarray of float32, or of the cache's 16-bit type): the kernel's
+        parameters built here, without the general path's checks, which run instead
+        (and raise) for anything else: returns None then."""
+        if type(q) is not np.ndarray or q.ndim != 4:
+            return None
+        B, Hq, Lq, D = q.shape
+        st = q.dtype
+        if (B != self._B or D != self._D or Hq % self._H or Lq < 1 or not (st == F32 or st == self._store)
+                or not q.flags.aligned or q.strides[3] != st.itemsize or self._len.min() < Lq):
+            return None
+        nb = -(-int(self._len.max()) // self._bs)
+        va = _kernels.Variants()
+        for name, val in self._source_fields(nb).items():
+            setattr(va, name, val)
+        va.seqlens_k = self._len
+        out = np.empty((B, Hq, Lq, self._Dv), st)
+        if not _kernels.forward(q, self._k[:, :, :nb], self._v, out, None, 1.0 / np.sqrt(D), int(causal),
+                                nth, 0, 0, va):
+            return None
+        return out
+
+    def _source_fields(self, nb):
+        """The Variants fields that describe the cache to the kernel (its blocks up to
+        nb)."""
+        fields = {"k_lanes": self._bs}
+        if self._name in _QUANT:
+            bits = 8 if self._name == "int8" else 4
+            fields.update(k_scale=self._ks[:, :, :nb], k_zero=self._kz[:, :, :nb],
+                          v_scale=self._vs, k_bits=bits, v_bits=bits, v_dim=self._Dv)
+        return fields
+
     def _source(self, q, fn):
         """What fastattn.attention's kernel reads, a fastattn._cache.Source (the
         slots' lengths go as its seqlens_k)."""
@@ -471,11 +504,7 @@ class KVCache:
         nb = -(-Lk // self._bs)
         quant = self._name in _QUANT
         sd = F32 if quant else self._store
-        fields = {"k_lanes": self._bs}
-        if quant:
-            bits = 8 if self._name == "int8" else 4
-            fields.update(k_scale=self._ks[:, :, :nb], k_zero=self._kz[:, :, :nb],
-                          v_scale=self._vs, k_bits=bits, v_bits=bits, v_dim=self._Dv)
+        fields = self._source_fields(nb)
         src = Source(_standin((self._B, self._H, Lk, self._D), sd),
                      _standin((self._B, self._H, Lk, self._Dv), sd),
                      self._k[:, :, :nb], self._v, fields)

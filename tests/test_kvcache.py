@@ -138,6 +138,21 @@ def test_16_bit_queries(rng, dtype, qdt):
     assert rel_err(out.astype(np.float32), ref) < 1e-2
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_common_call_equals_the_general_path(rng, dtype):
+    """The common call (no variant: parameters built in KVCache._decode) and the
+    general path (here through return_lse) give the same bits, float32 and 16-bit q."""
+    c, _, _ = _filled(rng, 2, 2, 64, 64, [130, 70], dtype)
+    qs = [_normal(rng, (2, 4, 3, 64))]
+    if dtype in ("float16", "bfloat16"):
+        qs.append(qs[0].astype(np.float16 if dtype == "float16" else BF16))
+    for q in qs:
+        for causal in (True, False):
+            fast = fastattn.attention(q, c, causal=causal)
+            general, _ = fastattn.attention(q, c, causal=causal, return_lse=True)
+            assert fast.dtype == q.dtype and np.array_equal(fast, general)
+
+
 def test_strided_queries_and_out(rng):
     c, _, _ = _filled(rng, 2, 2, 32, 32, [70, 40], "int8")
     big = _normal(rng, (2, 4, 3, 64))
