@@ -13,7 +13,7 @@ import numpy as np
 from . import _kernels
 from ._args import F32, Problem, bf16, is_bf16, as_array, fresh, in_place, parse_flag, parse_threads
 from ._cache import Source, kv_source
-from ._kvcache import KVCache
+from ._kvcache import _DECODE_ROWS, KVCache
 from ._checks import backward_flags, check_out, grad_inputs
 from ._typing import Array, ArrayLike, Causal, FloatArray, Layout, Window
 
@@ -352,6 +352,31 @@ def _cache_call(q, cache, v, scale, causal, window, mask, bias, alibi_slopes, so
         if res is not None:
             return res
     src = cache._source(q, "attention")
+    qa = as_array(q, "q")
+    if qa.shape[2] * (qa.shape[1] // cache.kv_heads) > _DECODE_ROWS and qa.shape[1] % cache.kv_heads == 0:
+        # prefill rows: over the cache's keys and values as rows (the same values, so
+        # the bits of the decode rows), at the speed of user-held arrays
+        k_rows, v_rows = cache._rows(int(cache.lengths.max()))
+        quant = cache.dtype in ("int8", "int4")
+        if quant and not (qa.dtype == F32 or qa.dtype == np.float16 or is_bf16(qa.dtype)):
+            raise TypeError(f"fastattn.attention: with an {cache.dtype} KVCache q must be float32, "
+                            f"float16 or bfloat16, got dtype {qa.dtype}")
+        q32 = fresh(qa, F32) if quant and qa.dtype != F32 else qa
+        res = attention(q32, k_rows, v_rows, scale=scale, causal=causal, window=window, mask=mask,
+                        bias=bias, alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
+                        seed=seed, sinks=sinks, seqlens_k=cache.lengths, return_lse=return_lse,
+                        return_stats=return_stats, out=out if q32 is qa else None,
+                        num_threads=num_threads)
+        if q32 is qa:
+            return res
+        o = res[0] if isinstance(res, tuple) else res
+        if out is not None:
+            check_out(out, o.shape, qa.dtype, {"q": q})
+            out[...] = o
+            o16 = out
+        else:
+            o16 = o.astype(qa.dtype)
+        return (o16,) + res[1:] if isinstance(res, tuple) else o16
     return cache_attention(src, q, scale, causal, window, mask, bias, alibi_slopes, softcap,
                            dropout_p, seed, cache.lengths, layout, return_lse, return_stats, out,
                            num_threads, (None, None, 0), sinks)

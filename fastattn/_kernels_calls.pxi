@@ -231,3 +231,40 @@ def fma32(cnp.ndarray a, cnp.ndarray b, cnp.ndarray c, cnp.ndarray out):
     with nogil:
         for i in range(n):
             po[i] = fmaf(pa[i], pb[i], pc[i])
+
+
+def lanes_to_rows(cnp.ndarray k, cnp.ndarray scale, cnp.ndarray zero, cnp.ndarray out,
+                  int64_t D, int64_t bs, int bits):
+    """A fastattn.KVCache's keys from its blocks on the lanes to rows: k (N, blocks,
+    D * bs) (int8 codes, D * bs / 2 bytes with bits 4, or float32), scale and zero
+    (N, blocks, D) float32 (codes only; else any array), out (N, blocks * bs, D)
+    float32; element (n, j, d) = fmaf(code, scale, zero) (codes) or the value.
+    C-contiguous arrays, checked by the caller."""
+    cdef int64_t N = cnp.PyArray_DIM(out, 0), nb = cnp.PyArray_DIM(k, 1), n, b, d, l, j, at
+    cdef int64_t kw = cnp.PyArray_DIM(k, 2)
+    cdef const signed char *c8 = <const signed char *>cnp.PyArray_DATA(k)
+    cdef const uint8_t *c4 = <const uint8_t *>cnp.PyArray_DATA(k)
+    cdef const float *cf = <const float *>cnp.PyArray_DATA(k)
+    cdef const float *s = <const float *>cnp.PyArray_DATA(scale)
+    cdef const float *z = <const float *>cnp.PyArray_DATA(zero)
+    cdef float *o = <float *>cnp.PyArray_DATA(out)
+    cdef float sd, zd
+    with nogil:
+        for n in range(N):
+            for b in range(nb):
+                j = (n * nb + b) * bs
+                at = (n * nb + b) * kw
+                for d in range(D):
+                    if bits == 0:
+                        for l in range(bs):
+                            o[(j + l) * D + d] = cf[at + d * bs + l]
+                        continue
+                    sd = s[(n * nb + b) * D + d]
+                    zd = z[(n * nb + b) * D + d]
+                    if bits == 8:
+                        for l in range(bs):
+                            o[(j + l) * D + d] = fmaf(<float>c8[at + d * bs + l], sd, zd)
+                    else:
+                        for l in range(bs):
+                            o[(j + l) * D + d] = fmaf(
+                                <float>((c4[at + d * (bs // 2) + (l >> 1)] >> ((l & 1) << 2)) & 15), sd, zd)

@@ -14,6 +14,9 @@ from ._cache import Source, _standin
 __all__ = ["KVCache"]
 
 I8 = np.dtype(np.int8)
+# the most query rows a kv head of a call reads the blocks in place with (the kernel's
+# decode rows, FA_DOT_ROWS); more take the prefill path (KVCache._rows)
+_DECODE_ROWS = 8
 _FLOAT = ("float32", "float16", "bfloat16")
 _QUANT = ("int8", "int4")
 
@@ -462,7 +465,8 @@ class KVCache:
             return None
         B, Hq, Lq, D = q.shape
         st = q.dtype
-        if (B != self._B or D != self._D or Hq % self._H or Lq < 1 or not (st == F32 or st == self._store)
+        if (B != self._B or D != self._D or Hq % self._H or Lq * (Hq // self._H) > _DECODE_ROWS
+                or Lq < 1 or not (st == F32 or st == self._store)
                 or not q.flags.aligned or q.strides[3] != st.itemsize or self._len.min() < Lq):
             return None
         nb = -(-int(self._len.max()) // self._bs)
@@ -475,6 +479,29 @@ class KVCache:
                                 nth, 0, 0, va):
             return None
         return out
+
+    def _rows(self, L):
+        """Every slot's first L keys and values as (B, kv_heads, L, D) arrays (float32
+        for int8 and int4, else the stored type): the values the kernel reads, for a
+        prefill call, which then reads them as user-held arrays do (its key tiles
+        staged once a call here, not once a query block)."""
+        B, H, D, bs = self._B, self._H, self._D, self._bs
+        nb = -(-L // bs)
+        if self._name in _FLOAT:
+            k = self._k[:, :, :nb].reshape(B, H, nb, D, bs).transpose(0, 1, 2, 4, 3).reshape(B, H, nb * bs, D)
+            k = np.ascontiguousarray(k[:, :, :L])
+            return k, self._v[:, :, :L]
+        k = np.empty((B * H, nb * bs, D), F32)
+        kk = np.ascontiguousarray(self._k[:, :, :nb]).reshape(B * H, nb, -1)
+        ks = np.ascontiguousarray(self._ks[:, :, :nb]).reshape(B * H, nb, D)
+        kz = np.ascontiguousarray(self._kz[:, :, :nb]).reshape(B * H, nb, D)
+        _kernels.lanes_to_rows(kk, ks, kz, k, D, bs, 8 if self._name == "int8" else 4)
+        raw = self._v[:, :, :L]
+        codes = raw.astype(F32) if self._name == "int8" else (
+            _unpack4(raw, self._Dv).astype(np.int16) - 8).astype(F32)
+        g = self._vg
+        v = (codes.reshape(B, H, L, self._Dv // g, g) * self._vs[:, :, :L, :, None]).reshape(B, H, L, self._Dv)
+        return k.reshape(B, H, nb * bs, D)[:, :, :L], v
 
     def _source_fields(self, nb):
         """The Variants fields that describe the cache to the kernel (its blocks up to
