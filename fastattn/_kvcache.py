@@ -3,12 +3,13 @@ read it (keys on the SIMD lanes), in float32, float16, bfloat16, int8 or int4.""
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
 from . import _kernels
-from ._args import BF16, F16, F32, as_array, is_bf16
+from ._args import F16, F32, as_array, bf16, is_bf16
 from ._cache import Source, _standin
 
 __all__ = ["KVCache"]
@@ -158,6 +159,15 @@ class KVCache:
     True
     """
 
+    # the arrays (scales, zero points and the partial block's float32 keys: None for the
+    # float types)
+    _k: np.ndarray
+    _v: np.ndarray
+    _ks: Any
+    _kz: Any
+    _vs: Any
+    _kf: Any
+
     def __init__(self, batch: int, kv_heads: int, head_dim: int, capacity: int, *,
                  dtype: Any = "float32", v_head_dim: Optional[int] = None,
                  block_size: Optional[int] = None) -> None:
@@ -177,7 +187,8 @@ class KVCache:
         self._nblk = nblk
         self._len = np.zeros(B, np.int64)
         if not quant:
-            st = {"float32": F32, "float16": F16, "bfloat16": BF16}[name]
+            # (ml_dtypes imported only for a bfloat16 cache: `import fastattn` leaves it alone)
+            st: Any = {"float32": F32, "float16": F16}[name] if name != "bfloat16" else bf16(load=True)
             if st is None:
                 raise TypeError("fastattn.KVCache: dtype 'bfloat16' needs ml_dtypes "
                                 "(pip install ml_dtypes)")
@@ -270,11 +281,18 @@ class KVCache:
 
     def _input(self, x, name, width, n_slots):
         if type(x).__module__.startswith("torch"):  # a CPU tensor: a view of its memory
-            from ._torch_ops import _np
             if x.device.type != "cpu":
                 raise ValueError(f"fastattn.KVCache.append: {name} is on {x.device}; fastattn runs "
                                  "on CPU tensors")
-            x = _np(x.detach())
+            x = x.detach()
+            if str(x.dtype) == "torch.bfloat16":  # (NumPy has no bfloat16: ml_dtypes' view)
+                b16 = bf16(load=True)
+                if b16 is None:
+                    raise TypeError(f"fastattn.KVCache.append: {name} is bfloat16, which needs "
+                                    "ml_dtypes (pip install ml_dtypes)")
+                x = x.view(sys.modules["torch"].int16).numpy().view(b16)
+            else:
+                x = x.numpy()
         a = np.asarray(as_array(x, name, "KVCache.append"))
         if not (a.dtype == F32 or a.dtype == F16 or is_bf16(a.dtype)):
             raise TypeError(f"fastattn.KVCache.append: {name} must be float32, float16 or "
