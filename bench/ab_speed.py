@@ -54,6 +54,10 @@ CASES = {
     "backward B1 H8 L4096 D64 causal bf16": dict(fn="bwd", B=1, H=8, Lq=4096, Lk=4096, D=64, causal=True,
                                                  kv="bfloat16", q16=True),
 }
+for _dt in ("float32", "float16", "int8", "int4"):  # decoding through fastattn.KVCache
+    CASES[f"kvcache {_dt} B1 H32 Lk8192 D128"] = dict(fn="fwd", B=1, H=32, Lq=1, Lk=8192, D=128, cache=_dt)
+    CASES[f"kvcache {_dt} B1 Hq32 Hkv8 Lk8192 D128"] = dict(fn="fwd", B=1, H=32, Hkv=8, Lq=1, Lk=8192, D=128,
+                                                           cache=_dt)
 
 WORKER = r"""
 import json, sys, time
@@ -82,6 +86,10 @@ for name, c in cases.items():
         k, v = pool(k), pool(v)
         kw.update(block_table=order.reshape(c["B"], -1).astype(np.int32),
                   seqlens_k=np.full(c["B"], c["Lk"], np.int32))
+    if c.get("cache"):  # a fastattn.KVCache of that dtype holding the same keys and values
+        kc = fastattn.KVCache(c["B"], hkv, c["D"], c["Lk"], dtype=c["cache"])
+        kc.append(k, v)
+        k, v = kc, None
     if c.get("q16"):  # q (and dout) of K/V's 16-bit type too
         q = q.astype(kv)
     if c["fn"] == "bwd":

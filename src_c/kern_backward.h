@@ -336,9 +336,9 @@ static void FA_NAME(fa_bwd_chunks)(const fa_bwd_ctx *cx, const fa_item *it, int6
                 /* dV[j] += sum_r w[j][r] dO[r]; dK[j] += sum_r dS[j][r] Q[r]: output rows
                  * are keys (stride brp in the tile), the reduction runs over the rows */
                 FA_NAME(fa_pv_tile_strided)(w, nk, nr, sc->don, dvp, Dv, va + (j0 - k0) * dvp, dvp,
-                                            sc->ones, 1, brp);
+                                            sc->ones, 1, brp, nr);
                 FA_NAME(fa_pv_tile_strided)(sc->dp, nk, nr, sc->qr, dkp, D, ka + (j0 - k0) * dkp, dkp,
-                                            sc->ones, 1, brp);
+                                            sc->ones, 1, brp, nr);
             }
             if (want_dq)
                 FA_NAME(fa_pv_tile)(sc->dp, nr, nk, k + j0 * p->k_sl, p->k_sl, D, sc->qa, dkp, sc->ones, brp);

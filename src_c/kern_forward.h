@@ -338,12 +338,12 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
                         const float *sr = (const float *)(const void *)FA_NAME(fa_kv_segment)(p, it, j0 + a, nk - a, 1, 1, &len);
                         FA_NAME(fa_pv_rows_i8)(sc.s + a * ksx, nr, len, (const int8_t *)vr, p->v_sl, sr,
                                                p->vs_sl, FA_NAME(fa_group_shift)(p, 1), Dv, sc.o, dvp, al,
-                                               ksx, rsx, p->v_bits);
+                                               ksx, rsx, p->v_bits, p->block_table ? len : INT64_MAX);
                         continue;
                     }
 #endif
                     FA_NAME(fa_pv_tile_strided)(sc.s + a * ksx, nr, len, (const FA_KV *)(const void *)vr,
-                                                p->v_sl, Dv, sc.o, dvp, al, ksx, rsx);
+                                                p->v_sl, Dv, sc.o, dvp, al, ksx, rsx, p->block_table ? len : INT64_MAX);
                 }
                 if (FA_NAME(fa_all_finite)(sc.o, nr * dvp)) continue;
                 memcpy(sc.o, sc.o2, (size_t)(nr * dvp) * sizeof(FA_T)); /* staged, careful */

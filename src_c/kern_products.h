@@ -108,6 +108,19 @@ static void FA_NAME(fa_qk_tile)(const FA_T *FA_RESTRICT qt, int nv, const FA_KV 
  * after inlining) int8 times the scale of its channel group, srow[c >> gshift] (groups
  * of a power of two >= FA_VL channels): the float32 multiply of dequantize_kv, so the
  * products see the values a staged tile (kern_source.h) holds. */
+#if defined(FA_HAVE_SSE2) && defined(FA_I8_CVT)
+/* FA_VL int4 codes (two a byte, code 2i in byte i's low nibble) from byte b, minus
+ * `sub`, as float32 lanes (exact), without leaving the registers. */
+FA_ALWAYS_INLINE FA_V FA_NAME(fa_nibbles_v)(const uint8_t *b, int sub)
+{
+    __m128i x = FA_VL == 16 ? _mm_loadl_epi64((const __m128i *)(const void *)b)
+                            : _mm_cvtsi32_si128(*(const int *)(const void *)b);
+    const __m128i m = _mm_set1_epi8(15);
+    x = _mm_unpacklo_epi8(_mm_and_si128(x, m), _mm_and_si128(_mm_srli_epi16(x, 4), m));
+    return FA_I8_CVT(_mm_sub_epi8(x, _mm_set1_epi8((char)sub)));
+}
+#endif
+
 /* FA_VL int4 codes (two a byte, code 2i in byte i's low nibble) from byte b, minus
  * `sub`, as int8 in c[0 .. FA_VL). */
 FA_ALWAYS_INLINE void FA_NAME(fa_nibbles)(const uint8_t *b, int sub, int8_t *c)
@@ -132,6 +145,9 @@ FA_ALWAYS_INLINE void FA_NAME(fa_nibbles)(const uint8_t *b, int sub, int8_t *c)
 FA_ALWAYS_INLINE FA_V FA_NAME(fa_row_load)(const int I8, const void *row, int64_t c,
                                            const float *srow, int gshift)
 {
+#if defined(FA_HAVE_SSE2) && defined(FA_I8_CVT)
+    if (I8 == 2) return FA_VMUL(FA_NAME(fa_nibbles_v)((const uint8_t *)row + c / 2, 8), FA_VSET1(srow[c >> gshift]));
+#endif
 #ifdef FA_I8_LOADU
     if (I8 == 2) {
         int8_t codes[16];
@@ -354,6 +370,11 @@ FA_ALWAYS_INLINE FA_V FA_NAME(fa_lane_vec)(const int Q, const char *blk, int64_t
                                            const float *s, const float *z)
 {
     if (Q == 0) return FA_KV_LOADU((const FA_KV *)(const void *)blk + d * bs + lane);
+#if defined(FA_HAVE_SSE2) && defined(FA_I8_CVT)
+    if (Q == 4)
+        return FA_VFMA(FA_NAME(fa_nibbles_v)((const uint8_t *)blk + d * (bs / 2) + lane / 2, 0), FA_VSET1(s[d]),
+                       FA_VSET1(z[d]));
+#endif
     int8_t c[16];
     const int8_t *cp = (const int8_t *)blk + d * bs + lane;
     if (Q == 4) {
@@ -412,6 +433,56 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_lanes_micro)(const int R, const int G, const
         }
 }
 
+/* fa_qk_lanes_micro where the G groups are evenly spaced: group g's block data at
+ * base + g * gstride bytes, its scales and zero points at sp, zp + g * sstride: all G
+ * groups in one block (gstride FA_VL lanes), or one group a block in
+ * consecutive blocks (block_size FA_VL).  One base pointer instead of G of each kind:
+ * the general micro-kernel's 12 pointers of an int8 set did not fit the registers
+ * (spilled and reloaded in the feature loop). */
+FA_ALWAYS_INLINE void FA_NAME(fa_qk_lanes_uni)(const int R, const int G, const int Q, const FA_T *FA_RESTRICT qt,
+                                               int64_t brp, const char *base, int64_t gstride, const float *sp,
+                                               const float *zp, int64_t sstride, int64_t bs, int64_t D,
+                                               const int64_t *nj, FA_T *FA_RESTRICT s, int64_t ks, int64_t rs,
+                                               const char *pf, int64_t pf_step)
+{
+    FA_V acc[4][FA_DOT_ROWS];
+    FA_PRAGMA_UNROLL(4)
+    for (int g = 0; g < G; g++)
+        FA_PRAGMA_UNROLL(8)
+        for (int r = 0; r < R; r++) acc[g][r] = FA_VZERO();
+    const int64_t drow = Q == 4 ? bs / 2 : Q == 8 ? bs : bs * (int64_t)sizeof(FA_KV); /* bytes a feature */
+    for (int64_t d = 0; d < D; d++) {
+        const FA_T *q = qt + d * brp;
+        for (int64_t o = (d * pf_step + 63) & ~(int64_t)63; o < (d + 1) * pf_step; o += 64) __builtin_prefetch(pf + o);
+        const char *bd = base + d * drow;
+        FA_PRAGMA_UNROLL(4)
+        for (int g = 0; g < G; g++) {
+            FA_V x;
+            if (Q == 0)
+                x = FA_KV_LOADU((const FA_KV *)(const void *)(bd + g * gstride));
+            else {
+                x = FA_NAME(fa_lane_vec)(Q, bd + g * gstride, 0, 0, bs, sp + g * sstride + d,
+                                         zp + g * sstride + d);
+            }
+            FA_PRAGMA_UNROLL(8)
+            for (int r = 0; r < R; r++) acc[g][r] = FA_VFMA(x, FA_VSET1(q[r]), acc[g][r]);
+        }
+    }
+    FA_PRAGMA_UNROLL(4)
+    for (int g = 0; g < G; g++)
+        FA_PRAGMA_UNROLL(8)
+        for (int r = 0; r < R; r++) {
+            FA_T *dst = s + g * FA_VL * ks + r * rs;
+            if (ks == 1 && nj[g] == FA_VL) {
+                FA_VSTOREU(dst, acc[g][r]);
+                continue;
+            }
+            FA_T lanes[FA_VL];
+            FA_VSTOREU(lanes, acc[g][r]);
+            for (int64_t i = 0; i < nj[g]; i++) dst[i * ks] = lanes[i];
+        }
+}
+
 /* The decode logits of keys j0 .. j0+nk-1 of the item (nr <= FA_DOT_ROWS rows, K on the
  * lanes, j0 a multiple of FA_VL) from the blocks in place: no transpose, no staging.
  * Groups of FA_VL keys, up to 4 at once (fewer with more rows: the accumulators stay in
@@ -444,6 +515,38 @@ static void FA_NAME(fa_qk_lanes)(const fa_params *p, const fa_item *it, const FA
         FA_T *sa = s + a * ks;
         /* (blk[0] is its block's start: lane[0] 0 where a set starts a block) */
         const char *pf = blk[0] + 2 * set_bytes;
+        /* a whole set of evenly spaced groups: one base pointer (fa_qk_lanes_uni) */
+        const int64_t esz = Q == 4 ? 1 : Q == 8 ? 2 : 2 * (int64_t)sizeof(FA_KV); /* (half-bytes a lane) */
+        const int same = bs % (G * FA_VL) == 0 && lane[0] % (G * FA_VL) == 0, next = bs == FA_VL;
+        if ((same || next) && nj[G - 1] > 0) {
+            const char *base = blk[0] + lane[0] * esz / 2;
+            const int64_t gstride = same ? FA_VL * esz / 2 : (blk[G > 1 ? 1 : 0] - blk[0]);
+            const int64_t sstride = Q && !same && G > 1 ? sp[1] - sp[0] : 0;
+#define FA_UNI_CASE(R, G_, Q_) \
+    FA_NAME(fa_qk_lanes_uni)(R, G_, Q_, qt, brp, base, gstride, sp[0], zp[0], sstride, bs, p->D, nj, sa, ks, rs, pf, pf_step)
+#define FA_UNI_ROWS(Q_)                                                                            \
+    switch (nr) {                                                                                  \
+        case 1: FA_UNI_CASE(1, 4, Q_); break;                                                      \
+        case 2: FA_UNI_CASE(2, 4, Q_); break;                                                      \
+        case 3: FA_UNI_CASE(3, 2, Q_); break;                                                      \
+        case 4: FA_UNI_CASE(4, 2, Q_); break;                                                      \
+        case 5: FA_UNI_CASE(5, 1, Q_); break;                                                      \
+        case 6: FA_UNI_CASE(6, 1, Q_); break;                                                      \
+        case 7: FA_UNI_CASE(7, 1, Q_); break;                                                      \
+        case 8: FA_UNI_CASE(8, 1, Q_); break;                                                      \
+        default: break;                                                                            \
+    }
+            if (Q == 0) {
+                FA_UNI_ROWS(0)
+            } else if (Q == 8) {
+                FA_UNI_ROWS(8)
+            } else {
+                FA_UNI_ROWS(4)
+            }
+#undef FA_UNI_ROWS
+#undef FA_UNI_CASE
+            continue;
+        }
 #define FA_LANES_CASE(R, G_, Q_) \
     FA_NAME(fa_qk_lanes_micro)(R, G_, Q_, qt, brp, blk, lane, sp, zp, bs, p->D, nj, sa, ks, rs, pf, pf_step)
 #define FA_LANES_ROWS(Q_)                                                                          \
@@ -534,12 +637,60 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_micro)(const int R, const int NC, const FA_T
  * read the V rows in strided pieces, which the hardware prefetchers follow poorly:
  * 30% slower at the memory's speed on the AMD EPYC Zen 3 (a C model of the loop,
  * B=1 H=32 Lk=8192 D=128), and 1.1-1.2x slower decoding in fastattn itself. */
+#ifndef FA_PV_AHEAD
+#define FA_PV_AHEAD 16
+#endif
+/* P.V of R <= 2 rows whose output row is NC whole vectors (a constant): the rows'
+ * outputs stay in registers over the keys, each V vector loaded (dequantized) once and
+ * FMA'd into each row, key after key: the operations per output element of
+ * fa_pv_rows_seq_r (o = p * v + o in key order), without its loads and stores of the
+ * output for each key (or four). */
+FA_ALWAYS_INLINE void FA_NAME(fa_pv_rows_reg)(const int R, const int NC, const int I8, const FA_T *FA_RESTRICT p,
+                                              int64_t nk, const char *FA_RESTRICT v, int64_t row,
+                                              const float *vs8, int64_t vs8_sl, int gshift, FA_T *FA_RESTRICT o,
+                                              int64_t dvp, int64_t ks, int64_t rs, int64_t pf_end)
+{
+    FA_V acc[2][8];
+    FA_PRAGMA_UNROLL(2)
+    for (int r = 0; r < R; r++)
+        FA_PRAGMA_UNROLL(8)
+        for (int c = 0; c < NC; c++) acc[r][c] = FA_VLOAD(o + r * dvp + c * FA_VL);
+    /* the bytes of a V row, asked for FA_PV_AHEAD rows ahead (the loop waited on the
+     * rows' loads: int8 B1 H32 Lk8192, half its samples on the instructions after them) */
+    const int64_t rb = (int64_t)NC * FA_VL * (I8 == 2 ? 1 : I8 ? 2 : 2 * (int64_t)sizeof(FA_KV)) / 2;
+    for (int64_t j = 0; j < nk; j++) {
+        const char *vj = v + j * row;
+        const float *sj = I8 ? vs8 + j * vs8_sl : vs8;
+#ifndef FA_KV_HALF /* (16-bit V: its tile asked for by fa_qblock) */
+        if (j + FA_PV_AHEAD < pf_end) { /* (rows at v's stride: a page's are its own) */
+            for (int64_t b = 0; b < rb; b += 64) __builtin_prefetch(vj + FA_PV_AHEAD * row + b);
+            if (I8) __builtin_prefetch(sj + FA_PV_AHEAD * vs8_sl);
+        }
+#else
+        (void)rb;
+#endif
+        FA_V pb[2];
+        FA_PRAGMA_UNROLL(2)
+        for (int r = 0; r < R; r++) pb[r] = FA_VSET1(p[j * ks + r * rs]);
+        FA_PRAGMA_UNROLL(8)
+        for (int c = 0; c < NC; c++) {
+            const FA_V x = FA_NAME(fa_row_load)(I8, vj, (int64_t)c * FA_VL, sj, gshift);
+            FA_PRAGMA_UNROLL(2)
+            for (int r = 0; r < R; r++) acc[r][c] = FA_VFMA(pb[r], x, acc[r][c]);
+        }
+    }
+    FA_PRAGMA_UNROLL(2)
+    for (int r = 0; r < R; r++)
+        FA_PRAGMA_UNROLL(8)
+        for (int c = 0; c < NC; c++) FA_VSTORE(o + r * dvp + c * FA_VL, acc[r][c]);
+}
+
 FA_ALWAYS_INLINE void FA_NAME(fa_pv_rows_seq_r)(const int R, const int I8, const FA_T *FA_RESTRICT p,
                                                 int64_t nk, const void *FA_RESTRICT v, int64_t v_sl,
                                                 const float *vs8, int64_t vs8_sl, int gshift,
                                                 int64_t Dv, FA_T *FA_RESTRICT o, int64_t dvp,
                                                 const FA_T *FA_RESTRICT alpha, int64_t ks,
-                                                int64_t rs)
+                                                int64_t rs, int64_t pf_end)
 {
     const int64_t row = v_sl * (I8 ? 1 : (int64_t)sizeof(FA_KV));
 #define FA_VROW(j) ((const char *)v + (j) * row)
@@ -554,6 +705,17 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_rows_seq_r)(const int R, const int I8, const
             for (int64_t c = 0; c < dvp; c += FA_VL)
                 FA_VSTORE(o + r * dvp + c, FA_VMUL(FA_VLOAD(o + r * dvp + c), a));
         }
+    if (R <= 2 && !tail && (Dv == 2 * FA_VL || Dv == 4 * FA_VL || Dv == 8 * FA_VL)) {
+        /* one or two rows of up to 8 vectors: the outputs in registers over the keys */
+        if (Dv == 8 * FA_VL)
+            FA_NAME(fa_pv_rows_reg)(R < 2 ? 1 : 2, 8, I8, p, nk, (const char *)v, row, vs8, vs8_sl, gshift, o, dvp, ks, rs, pf_end);
+        else if (Dv == 4 * FA_VL)
+            FA_NAME(fa_pv_rows_reg)(R < 2 ? 1 : 2, 4, I8, p, nk, (const char *)v, row, vs8, vs8_sl, gshift, o, dvp, ks, rs, pf_end);
+        else
+            FA_NAME(fa_pv_rows_reg)(R < 2 ? 1 : 2, 2, I8, p, nk, (const char *)v, row, vs8, vs8_sl, gshift, o, dvp, ks, rs,
+                                    pf_end);
+        return;
+    }
     int64_t j = 0;
     /* Two or more rows: four keys at a time, each output vector loaded and stored once
      * per four keys (its four FMAs in key order, the sums between them kept in a
@@ -565,9 +727,22 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_rows_seq_r)(const int R, const int I8, const
      * an int8 cache dequantized every vector four times, 38% of the decode time
      * (Emerald Rapids, B1 Hq32 Hkv8 Lk8192). */
     FA_V pb[FA_PV_SEQ_ROWS][4];
+    const int64_t rb = (I8 == 2 ? (Dv + 1) / 2 : I8 ? Dv : Dv * (int64_t)sizeof(FA_KV)); /* V row bytes */
     for (; (R >= 2 || I8) && j + 4 <= nk; j += 4) {
         const char *v0 = FA_VROW(j), *v1 = FA_VROW(j + 1), *v2 = FA_VROW(j + 2), *v3 = FA_VROW(j + 3);
         const float *s0 = FA_SROW(j), *s1 = FA_SROW(j + 1), *s2 = FA_SROW(j + 2), *s3 = FA_SROW(j + 3);
+        /* the four rows FA_PV_AHEAD ahead, asked for as these are read (as fa_pv_rows_reg;
+         * not for 16-bit V, whose tile fa_qblock asks for before QK^T: both together were
+         * 1.07-1.09x slower, GQA 32/8 float16) */
+#ifndef FA_KV_HALF
+        if (j + 4 + FA_PV_AHEAD <= pf_end) { /* (rows at v's stride: a page's are its own) */
+            for (int t = 0; t < 4; t++)
+                for (int64_t b = 0; b < rb; b += 64) __builtin_prefetch(FA_VROW(j + t + FA_PV_AHEAD) + b);
+            if (I8) __builtin_prefetch(FA_SROW(j + FA_PV_AHEAD));
+        }
+#else
+        (void)rb;
+#endif
         FA_PRAGMA_UNROLL(4)
         for (int r = 0; r < R; r++) {
             const FA_T *pr = p + j * ks + r * rs;
@@ -629,11 +804,11 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_rows_seq)(const int I8, const FA_T *FA_RESTR
                                               const float *vs8, int64_t vs8_sl, int gshift,
                                               int64_t Dv, FA_T *FA_RESTRICT o, int64_t dvp,
                                               const FA_T *FA_RESTRICT alpha, int64_t ks,
-                                              int64_t rs)
+                                              int64_t rs, int64_t pf_end)
 {
     switch (nq) {
 #define FA_SEQ_CASE(R) \
-    case R: FA_NAME(fa_pv_rows_seq_r)(R, I8, p, nk, v, v_sl, vs8, vs8_sl, gshift, Dv, o, dvp, alpha, ks, rs); break;
+    case R: FA_NAME(fa_pv_rows_seq_r)(R, I8, p, nk, v, v_sl, vs8, vs8_sl, gshift, Dv, o, dvp, alpha, ks, rs, pf_end); break;
         FA_SEQ_CASE(1) FA_SEQ_CASE(2) FA_SEQ_CASE(3) FA_SEQ_CASE(4)
 #undef FA_SEQ_CASE
         default: break;
@@ -645,26 +820,28 @@ static void FA_NAME(fa_pv_rows_i8)(const FA_T *FA_RESTRICT p, int64_t nq, int64_
                                    const int8_t *FA_RESTRICT v8, int64_t v_sl, const float *vs8,
                                    int64_t vs8_sl, int gshift, int64_t Dv, FA_T *FA_RESTRICT o,
                                    int64_t dvp, const FA_T *FA_RESTRICT alpha, int64_t ks, int64_t rs,
-                                   int bits)
+                                   int bits, int64_t pf_end)
 {
     if (bits == 4) /* int4 rows (fastattn.KVCache's values) */
-        FA_NAME(fa_pv_rows_seq)(2, p, nq, nk, v8, v_sl, vs8, vs8_sl, gshift, Dv, o, dvp, alpha, ks, rs);
+        FA_NAME(fa_pv_rows_seq)(2, p, nq, nk, v8, v_sl, vs8, vs8_sl, gshift, Dv, o, dvp, alpha, ks, rs, pf_end);
     else
-        FA_NAME(fa_pv_rows_seq)(1, p, nq, nk, v8, v_sl, vs8, vs8_sl, gshift, Dv, o, dvp, alpha, ks, rs);
+        FA_NAME(fa_pv_rows_seq)(1, p, nq, nk, v8, v_sl, vs8, vs8_sl, gshift, Dv, o, dvp, alpha, ks, rs, pf_end);
 }
 #endif
 
 /* Rescale the running output of nq rows and add this key block's P.V.  Blocks of
  * one or two rows (decoding) take twice as many value vectors per pass, since
- * their accumulators leave registers free: fewer passes over the V tile. */
+ * their accumulators leave registers free: fewer passes over the V tile.  pf_end: the
+ * rows at v's stride from v (a page's own, or INT64_MAX), those the decode rows'
+ * prefetches may ask for. */
 FA_ALWAYS_INLINE void FA_NAME(fa_pv_tile_strided)(const FA_T *FA_RESTRICT p, int64_t nq, int64_t nk,
                                                   const FA_KV *FA_RESTRICT v, int64_t v_sl,
                                                   int64_t Dv, FA_T *FA_RESTRICT o, int64_t dvp,
                                                   const FA_T *FA_RESTRICT alpha, int64_t ks,
-                                                  int64_t rs)
+                                                  int64_t rs, int64_t pf_end)
 {
     if (nq <= FA_PV_SEQ_ROWS) {
-        FA_NAME(fa_pv_rows_seq)(0, p, nq, nk, v, v_sl, NULL, 0, 0, Dv, o, dvp, alpha, ks, rs);
+        FA_NAME(fa_pv_rows_seq)(0, p, nq, nk, v, v_sl, NULL, 0, 0, Dv, o, dvp, alpha, ks, rs, pf_end);
         return;
     }
     const int64_t chunk = (int64_t)(nq <= 2 ? 2 * FA_PV_NC : FA_PV_NC) * FA_VL;
@@ -696,7 +873,7 @@ static void FA_NAME(fa_pv_tile)(const FA_T *FA_RESTRICT p, int64_t nq, int64_t n
                                 FA_T *FA_RESTRICT o, int64_t dvp, const FA_T *FA_RESTRICT alpha,
                                 int64_t brp)
 {
-    FA_NAME(fa_pv_tile_strided)(p, nq, nk, v, v_sl, Dv, o, dvp, alpha, brp, 1);
+    FA_NAME(fa_pv_tile_strided)(p, nq, nk, v, v_sl, Dv, o, dvp, alpha, brp, 1, INT64_MAX);
 }
 
 /* Key-major probabilities of a few rows (decoding), row i at p + i * rs. */
@@ -705,7 +882,7 @@ static void FA_NAME(fa_pv_tile_rows)(const FA_T *FA_RESTRICT p, int64_t nq, int6
                                      FA_T *FA_RESTRICT o, int64_t dvp,
                                      const FA_T *FA_RESTRICT alpha, int64_t rs)
 {
-    FA_NAME(fa_pv_tile_strided)(p, nq, nk, v, v_sl, Dv, o, dvp, alpha, 1, rs);
+    FA_NAME(fa_pv_tile_strided)(p, nq, nk, v, v_sl, Dv, o, dvp, alpha, 1, rs, INT64_MAX);
 }
 
 #ifdef FA_PV_T

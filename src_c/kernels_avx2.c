@@ -309,6 +309,8 @@ static inline double fa_reduce_pd(__m256d x)
 #define FA_VTRANSPOSE_REGS(x) fa_transpose_regs_ps(x)
 /* 8 int8 of an int8 cache as float32 (exact) */
 #define FA_I8_LOADU(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(p))))
+/* the low 8 int8 of a register as float32 (exact) */
+#define FA_I8_CVT(x) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x))
 #include "kernels_tmpl.h"
 
 /* ---------------- float32 with float16 K/V (decoding caches) ---------------- */

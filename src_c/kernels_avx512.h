@@ -367,4 +367,6 @@ static inline __m512 fa_bf16_loadu_n(const uint16_t *p, int n)
 #define FA_VTRANSPOSE_REGS(x) fa_transpose_regs_ps(x)
 /* 16 int8 of an int8 cache as float32 (exact) */
 #define FA_I8_LOADU(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p))))
+/* 16 int8 in a register as float32 (exact) */
+#define FA_I8_CVT(x) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x))
 #endif /* FA_KERNELS_AVX512_H */

@@ -48,5 +48,6 @@
 #undef FA_FLOAT_TO_16
 #undef FA_ROW_TO_16
 #undef FA_I8_LOADU
+#undef FA_I8_CVT
 #undef FA_HAVE_I8_PRODUCTS
 #undef FA_F32
