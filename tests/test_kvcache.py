@@ -139,6 +139,22 @@ def test_16_bit_queries(rng, dtype, qdt):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_staging_of_the_lanes_equals_the_rows(rng, kernel, dtype):
+    """Prefill rows reach the kernel as rows (KVCache._rows); the kernel's own staging
+    of the blocks (fa_lanes_tile: a prefill tile over K on the lanes, the fallback of
+    every path that is not a decode row) gives the same bits, under every kernel."""
+    from fastattn._api import _attention
+    c, _, _ = _filled(rng, 2, 2, 48, 40, [140, 77], dtype)
+    q = _normal(rng, (2, 4, 60, 48))
+    for causal in (True, False):
+        want = fastattn.attention(q, c, causal=causal)
+        src = c._source(q, "attention")
+        got = _attention(q, src, None, None, causal, None, None, None, None, None, 0.0, None,
+                         c.lengths, "bhsd", False, False, None, None, (None, None, 0))
+        assert np.array_equal(got, want), causal
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_common_call_equals_the_general_path(rng, dtype):
     """The common call (no variant: parameters built in KVCache._decode) and the
     general path (here through return_lse) give the same bits, float32 and 16-bit q."""
