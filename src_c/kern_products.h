@@ -390,6 +390,26 @@ FA_ALWAYS_INLINE FA_V FA_NAME(fa_lane_vec)(const int Q, const char *blk, int64_t
 #endif
 }
 
+/* The logits of R rows x G groups of FA_VL keys on the lanes (acc[g][r]) to s: key i of
+ * group g at (g * FA_VL + i) * ks, row r at r * rs, the group's first nj[g] lanes. */
+FA_ALWAYS_INLINE void FA_NAME(fa_lanes_store)(const int R, const int G, FA_V acc[4][FA_DOT_ROWS],
+                                              const int64_t *nj, FA_T *FA_RESTRICT s, int64_t ks, int64_t rs)
+{
+    FA_PRAGMA_UNROLL(4)
+    for (int g = 0; g < G; g++)
+        FA_PRAGMA_UNROLL(8)
+        for (int r = 0; r < R; r++) {
+            FA_T *dst = s + g * FA_VL * ks + r * rs;
+            if (ks == 1 && nj[g] == FA_VL) {
+                FA_VSTOREU(dst, acc[g][r]);
+                continue;
+            }
+            FA_T lanes[FA_VL];
+            FA_VSTOREU(lanes, acc[g][r]);
+            for (int64_t i = 0; i < nj[g]; i++) dst[i * ks] = lanes[i];
+        }
+}
+
 /* R rows x G groups of FA_VL keys on the lanes: lane i of acc[g][r] accumulates feature
  * d of key i of group g times qt[d][r], d in order (one FMA chain a key and a row, as
  * fa_qk_keys after its transpose: the same bits).  The G groups' chains are
@@ -418,19 +438,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_lanes_micro)(const int R, const int G, const
             for (int r = 0; r < R; r++) acc[g][r] = FA_VFMA(x, FA_VSET1(q[r]), acc[g][r]);
         }
     }
-    FA_PRAGMA_UNROLL(4)
-    for (int g = 0; g < G; g++)
-        FA_PRAGMA_UNROLL(8)
-        for (int r = 0; r < R; r++) {
-            FA_T *dst = s + g * FA_VL * ks + r * rs;
-            if (ks == 1 && nj[g] == FA_VL) {
-                FA_VSTOREU(dst, acc[g][r]);
-                continue;
-            }
-            FA_T lanes[FA_VL];
-            FA_VSTOREU(lanes, acc[g][r]);
-            for (int64_t i = 0; i < nj[g]; i++) dst[i * ks] = lanes[i];
-        }
+    FA_NAME(fa_lanes_store)(R, G, acc, nj, s, ks, rs);
 }
 
 /* fa_qk_lanes_micro where the G groups are evenly spaced: group g's block data at
@@ -468,19 +476,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_lanes_uni)(const int R, const int G, const i
             for (int r = 0; r < R; r++) acc[g][r] = FA_VFMA(x, FA_VSET1(q[r]), acc[g][r]);
         }
     }
-    FA_PRAGMA_UNROLL(4)
-    for (int g = 0; g < G; g++)
-        FA_PRAGMA_UNROLL(8)
-        for (int r = 0; r < R; r++) {
-            FA_T *dst = s + g * FA_VL * ks + r * rs;
-            if (ks == 1 && nj[g] == FA_VL) {
-                FA_VSTOREU(dst, acc[g][r]);
-                continue;
-            }
-            FA_T lanes[FA_VL];
-            FA_VSTOREU(lanes, acc[g][r]);
-            for (int64_t i = 0; i < nj[g]; i++) dst[i * ks] = lanes[i];
-        }
+    FA_NAME(fa_lanes_store)(R, G, acc, nj, s, ks, rs);
 }
 
 /* The decode logits of keys j0 .. j0+nk-1 of the item (nr <= FA_DOT_ROWS rows, K on the
