@@ -18,8 +18,9 @@
  *                  logits, stored row-major into sr (32 rows x the block's keys);
  *   the softmax    one pass over each row (vectors of 16 keys): y = s c - m2 with
  *                  c = scale log2 e folded into one FMA, p = 2^y (a degree-4
- *                  polynomial: P is rounded to bfloat16, 2^-9, and the polynomial's
- *                  relative error is 2.7e-6), the lane sums, and P rounded to bfloat16
+ *                  polynomial: P is rounded to bfloat16, 2^-8, and the polynomial's
+ *                  relative error is 2.7e-6, which the float32 sums and so the
+ *                  lse need: docs/semantics.md), the lane sums, and P rounded to bfloat16
  *                  straight into the A rows of P.V (vcvtne2ps2bf16 keeps keys in order:
  *                  no transpose);
  *   O += P V       A = P (16 rows x 32 keys), B = V paired along the keys (packed with
