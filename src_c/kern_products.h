@@ -390,9 +390,21 @@ FA_ALWAYS_INLINE FA_V FA_NAME(fa_lane_vec)(const int Q, const char *blk, int64_t
 #endif
 }
 
-/* The logits of R rows x G groups of FA_VL keys on the lanes (acc[g][r]) to s: key i of
+/* The lines of pf whose starts lie in [a, b): b - a is a group set's bytes a feature
+ * (G FA_VL keys of type Q), so at most maxl of them, asked for without a loop (a loop
+ * of unknown count inside the feature loop made GCC keep accumulators on the stack) */
+FA_ALWAYS_INLINE void FA_NAME(fa_lanes_pf)(const int G, const int Q, const char *pf, int64_t a, int64_t b)
+{
+    const int maxl = (int)((G * FA_VL * (Q == 4 ? 1 : Q == 8 ? 2 : 2 * (int)sizeof(FA_KV)) / 2 + 63) / 64) + 1;
+    int64_t o = (a + 63) & ~(int64_t)63;
+    FA_PRAGMA_UNROLL(16)
+    for (int i = 0; i < maxl; i++, o += 64)
+        if (o < b) __builtin_prefetch(pf + o);
+}
+
+/* The logits of R rows x G groups of FA_VL keys on the lanes (acc[g * R + r]) to s: key i of
  * group g at (g * FA_VL + i) * ks, row r at r * rs, the group's first nj[g] lanes. */
-FA_ALWAYS_INLINE void FA_NAME(fa_lanes_store)(const int R, const int G, FA_V acc[4][FA_DOT_ROWS],
+FA_ALWAYS_INLINE void FA_NAME(fa_lanes_store)(const int R, const int G, FA_V acc[FA_DOT_ROWS],
                                               const int64_t *nj, FA_T *FA_RESTRICT s, int64_t ks, int64_t rs)
 {
     FA_PRAGMA_UNROLL(4)
@@ -401,16 +413,16 @@ FA_ALWAYS_INLINE void FA_NAME(fa_lanes_store)(const int R, const int G, FA_V acc
         for (int r = 0; r < R; r++) {
             FA_T *dst = s + g * FA_VL * ks + r * rs;
             if (ks == 1 && nj[g] == FA_VL) {
-                FA_VSTOREU(dst, acc[g][r]);
+                FA_VSTOREU(dst, acc[g * R + r]);
                 continue;
             }
             FA_T lanes[FA_VL];
-            FA_VSTOREU(lanes, acc[g][r]);
+            FA_VSTOREU(lanes, acc[g * R + r]);
             for (int64_t i = 0; i < nj[g]; i++) dst[i * ks] = lanes[i];
         }
 }
 
-/* R rows x G groups of FA_VL keys on the lanes: lane i of acc[g][r] accumulates feature
+/* R rows x G groups of FA_VL keys on the lanes: lane i of acc[g * R + r] accumulates feature
  * d of key i of group g times qt[d][r], d in order (one FMA chain a key and a row, as
  * fa_qk_keys after its transpose: the same bits).  The G groups' chains are
  * independent: interleaved, each hides the latency of the others.  Group g's keys go
@@ -421,21 +433,22 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_lanes_micro)(const int R, const int G, const
                                                  int64_t D, const int64_t *nj, FA_T *FA_RESTRICT s, int64_t ks,
                                                  int64_t rs, const char *pf, int64_t pf_step)
 {
-    FA_V acc[4][FA_DOT_ROWS];
+    FA_V acc[FA_DOT_ROWS]; /* acc[g * R + r]: G R <= FA_DOT_ROWS (a flat array: GCC kept
+                            * most of a [4][FA_DOT_ROWS] one on the stack, in the loop) */
     FA_PRAGMA_UNROLL(4)
     for (int g = 0; g < G; g++)
         FA_PRAGMA_UNROLL(8)
-        for (int r = 0; r < R; r++) acc[g][r] = FA_VZERO();
+        for (int r = 0; r < R; r++) acc[g * R + r] = FA_VZERO();
     for (int64_t d = 0; d < D; d++) {
         const FA_T *q = qt + d * brp;
         /* the blocks two group sets ahead, a line or a few at each feature (they are
          * contiguous: a slot's blocks of a kv head follow one another) */
-        for (int64_t o = (d * pf_step + 63) & ~(int64_t)63; o < (d + 1) * pf_step; o += 64) __builtin_prefetch(pf + o);
+        FA_NAME(fa_lanes_pf)(G, Q, pf, d * pf_step, (d + 1) * pf_step);
         FA_PRAGMA_UNROLL(4)
         for (int g = 0; g < G; g++) {
             const FA_V x = FA_NAME(fa_lane_vec)(Q, blk[g], d, lane[g], bs, sp[g], zp[g]);
             FA_PRAGMA_UNROLL(8)
-            for (int r = 0; r < R; r++) acc[g][r] = FA_VFMA(x, FA_VSET1(q[r]), acc[g][r]);
+            for (int r = 0; r < R; r++) acc[g * R + r] = FA_VFMA(x, FA_VSET1(q[r]), acc[g * R + r]);
         }
     }
     FA_NAME(fa_lanes_store)(R, G, acc, nj, s, ks, rs);
@@ -453,15 +466,16 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_lanes_uni)(const int R, const int G, const i
                                                const int64_t *nj, FA_T *FA_RESTRICT s, int64_t ks, int64_t rs,
                                                const char *pf, int64_t pf_step)
 {
-    FA_V acc[4][FA_DOT_ROWS];
+    FA_V acc[FA_DOT_ROWS]; /* acc[g * R + r]: G R <= FA_DOT_ROWS (a flat array: GCC kept
+                            * most of a [4][FA_DOT_ROWS] one on the stack, in the loop) */
     FA_PRAGMA_UNROLL(4)
     for (int g = 0; g < G; g++)
         FA_PRAGMA_UNROLL(8)
-        for (int r = 0; r < R; r++) acc[g][r] = FA_VZERO();
+        for (int r = 0; r < R; r++) acc[g * R + r] = FA_VZERO();
     const int64_t drow = Q == 4 ? bs / 2 : Q == 8 ? bs : bs * (int64_t)sizeof(FA_KV); /* bytes a feature */
     for (int64_t d = 0; d < D; d++) {
         const FA_T *q = qt + d * brp;
-        for (int64_t o = (d * pf_step + 63) & ~(int64_t)63; o < (d + 1) * pf_step; o += 64) __builtin_prefetch(pf + o);
+        FA_NAME(fa_lanes_pf)(G, Q, pf, d * pf_step, (d + 1) * pf_step);
         const char *bd = base + d * drow;
         FA_PRAGMA_UNROLL(4)
         for (int g = 0; g < G; g++) {
@@ -473,11 +487,46 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_lanes_uni)(const int R, const int G, const i
                                          zp + g * sstride + d);
             }
             FA_PRAGMA_UNROLL(8)
-            for (int r = 0; r < R; r++) acc[g][r] = FA_VFMA(x, FA_VSET1(q[r]), acc[g][r]);
+            for (int r = 0; r < R; r++) acc[g * R + r] = FA_VFMA(x, FA_VSET1(q[r]), acc[g * R + r]);
         }
     }
     FA_NAME(fa_lanes_store)(R, G, acc, nj, s, ks, rs);
 }
+
+/* Each (rows, groups, key type) of the two lanes micro-kernels as a function of its own:
+ * inlined all into fa_qk_lanes (48 loops in one function), GCC kept most of their
+ * accumulators on the stack, loaded and stored at every feature (a chain through
+ * memory); apart, each keeps its accumulators in registers. */
+#define FA_QKL_FNS(R, G, Q)                                                                                   \
+    static __attribute__((noinline)) void FA_NAME(fa_qk_uni_##R##_##Q)(                                       \
+        const FA_T *FA_RESTRICT qt, int64_t brp, const char *base, int64_t gstride, const float *sp,           \
+        const float *zp, int64_t sstride, int64_t bs, int64_t D, const int64_t *nj, FA_T *FA_RESTRICT s,       \
+        int64_t ks, int64_t rs, const char *pf, int64_t pf_step)                                              \
+    {                                                                                                         \
+        FA_NAME(fa_qk_lanes_uni)(R, G, Q, qt, brp, base, gstride, sp, zp, sstride, bs, D, nj, s, ks, rs, pf,  \
+                                 pf_step);                                                                    \
+    }                                                                                                         \
+    static __attribute__((noinline)) void FA_NAME(fa_qk_micro_##R##_##Q)(                                     \
+        const FA_T *FA_RESTRICT qt, int64_t brp, const char *const *blk, const int64_t *lane,                 \
+        const float *const *sp, const float *const *zp, int64_t bs, int64_t D, const int64_t *nj,             \
+        FA_T *FA_RESTRICT s, int64_t ks, int64_t rs, const char *pf, int64_t pf_step)                         \
+    {                                                                                                         \
+        FA_NAME(fa_qk_lanes_micro)(R, G, Q, qt, brp, blk, lane, sp, zp, bs, D, nj, s, ks, rs, pf, pf_step);   \
+    }
+#define FA_QKL_ROWS(Q)    \
+    FA_QKL_FNS(1, 4, Q)   \
+    FA_QKL_FNS(2, 4, Q)   \
+    FA_QKL_FNS(3, 2, Q)   \
+    FA_QKL_FNS(4, 2, Q)   \
+    FA_QKL_FNS(5, 1, Q)   \
+    FA_QKL_FNS(6, 1, Q)   \
+    FA_QKL_FNS(7, 1, Q)   \
+    FA_QKL_FNS(8, 1, Q)
+FA_QKL_ROWS(0)
+FA_QKL_ROWS(4)
+FA_QKL_ROWS(8)
+#undef FA_QKL_ROWS
+#undef FA_QKL_FNS
 
 /* The decode logits of keys j0 .. j0+nk-1 of the item (nr <= FA_DOT_ROWS rows, K on the
  * lanes, j0 a multiple of FA_VL) from the blocks in place: no transpose, no staging.
@@ -519,7 +568,7 @@ static void FA_NAME(fa_qk_lanes)(const fa_params *p, const fa_item *it, const FA
             const int64_t gstride = same ? FA_VL * esz / 2 : (blk[G > 1 ? 1 : 0] - blk[0]);
             const int64_t sstride = Q && !same && G > 1 ? sp[1] - sp[0] : 0;
 #define FA_UNI_CASE(R, G_, Q_) \
-    FA_NAME(fa_qk_lanes_uni)(R, G_, Q_, qt, brp, base, gstride, sp[0], zp[0], sstride, bs, p->D, nj, sa, ks, rs, pf, pf_step)
+    FA_NAME(fa_qk_uni_##R##_##Q_)(qt, brp, base, gstride, sp[0], zp[0], sstride, bs, p->D, nj, sa, ks, rs, pf, pf_step)
 #define FA_UNI_ROWS(Q_)                                                                            \
     switch (nr) {                                                                                  \
         case 1: FA_UNI_CASE(1, 4, Q_); break;                                                      \
@@ -544,7 +593,7 @@ static void FA_NAME(fa_qk_lanes)(const fa_params *p, const fa_item *it, const FA
             continue;
         }
 #define FA_LANES_CASE(R, G_, Q_) \
-    FA_NAME(fa_qk_lanes_micro)(R, G_, Q_, qt, brp, blk, lane, sp, zp, bs, p->D, nj, sa, ks, rs, pf, pf_step)
+    FA_NAME(fa_qk_micro_##R##_##Q_)(qt, brp, blk, lane, (const float *const *)sp, (const float *const *)zp, bs, p->D, nj, sa, ks, rs, pf, pf_step)
 #define FA_LANES_ROWS(Q_)                                                                          \
     switch (nr) {                                                                                  \
         case 1: FA_LANES_CASE(1, 4, Q_); break;                                                    \
