@@ -263,9 +263,13 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
             const int64_t nk = hi - j0 < bc ? hi - j0 : bc;
 #ifdef FA_KV_HALF
             /* float16 decoding: ask for this tile's V rows now, so that they arrive while
-             * QK^T and the softmax run (measured: 3-7% faster; for float32 V, twice the
-             * bytes, the same prefetches were 9% slower than the hardware's) */
-            if (FA_NAME(fa_few_rows)(nr, &sc) && (!sc.vst || (p->k_lanes && p->kv_store != FA_STORE_I8))) {
+             * QK^T and the softmax run (measured on AMD: 3-7% faster; for float32 V, twice
+             * the bytes, the same prefetches were 9% slower than the hardware's).  Not on
+             * Intel: there the instructions behind a burst of prefetches wait for the
+             * line fill buffers (Emerald Rapids, a float16 KVCache, B1 H32 Lk8192 D128,
+             * 1 thread: the loop held 21% of the call's samples) */
+            if (FA_NAME(fa_few_rows)(nr, &sc) && (!sc.vst || (p->k_lanes && p->kv_store != FA_STORE_I8)) &&
+                fa_cpu_amd()) {
                 const FA_KV *v = (const FA_KV *)p->v + it->b * p->v_sb + it->g * p->v_sh +
                                  (it->koff + j0) * p->v_sl;
                 for (int64_t j = 0; j < nk; j++)

@@ -685,6 +685,18 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_micro)(const int R, const int NC, const FA_T
 #ifndef FA_PV_AHEAD
 #define FA_PV_AHEAD 16
 #endif
+/* The rows a P.V of few rows asks for ahead end before pf_end; for 16-bit V on AMD at
+ * none, as fa_qblock asked for the whole tile before QK^T there (both together were
+ * 1.07-1.09x slower, GQA 32/8 float16, AMD EPYC).  On Intel that burst held up the
+ * instructions behind it, so there the rows are asked for here, as for the others. */
+FA_ALWAYS_INLINE int64_t FA_NAME(fa_pv_pf_end)(int64_t pf_end)
+{
+#ifdef FA_KV_HALF
+    if (fa_cpu_amd()) return INT64_MIN + FA_PV_AHEAD + 4;
+#endif
+    return pf_end;
+}
+
 /* P.V of R <= 2 rows whose output row is NC whole vectors (a constant): the rows'
  * outputs stay in registers over the keys, each V vector loaded (dequantized) once and
  * FMA'd into each row, key after key: the operations per output element of
@@ -703,17 +715,14 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_rows_reg)(const int R, const int NC, const i
     /* the bytes of a V row, asked for FA_PV_AHEAD rows ahead (the loop waited on the
      * rows' loads: int8 B1 H32 Lk8192, half its samples on the instructions after them) */
     const int64_t rb = (int64_t)NC * FA_VL * (I8 == 2 ? 1 : I8 ? 2 : 2 * (int64_t)sizeof(FA_KV)) / 2;
+    const int64_t pf_lim = FA_NAME(fa_pv_pf_end)(pf_end);
     for (int64_t j = 0; j < nk; j++) {
         const char *vj = v + j * row;
         const float *sj = I8 ? vs8 + j * vs8_sl : vs8;
-#ifndef FA_KV_HALF /* (16-bit V: its tile asked for by fa_qblock) */
-        if (j + FA_PV_AHEAD < pf_end) { /* (rows at v's stride: a page's are its own) */
+        if (j + FA_PV_AHEAD < pf_lim) { /* (rows at v's stride: a page's are its own) */
             for (int64_t b = 0; b < rb; b += 64) __builtin_prefetch(vj + FA_PV_AHEAD * row + b);
             if (I8) __builtin_prefetch(sj + FA_PV_AHEAD * vs8_sl);
         }
-#else
-        (void)rb;
-#endif
         FA_V pb[2];
         FA_PRAGMA_UNROLL(2)
         for (int r = 0; r < R; r++) pb[r] = FA_VSET1(p[j * ks + r * rs]);
@@ -773,21 +782,16 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_rows_seq_r)(const int R, const int I8, const
      * (Emerald Rapids, B1 Hq32 Hkv8 Lk8192). */
     FA_V pb[FA_PV_SEQ_ROWS][4];
     const int64_t rb = (I8 == 2 ? (Dv + 1) / 2 : I8 ? Dv : Dv * (int64_t)sizeof(FA_KV)); /* V row bytes */
+    const int64_t pf_lim = FA_NAME(fa_pv_pf_end)(pf_end);
     for (; (R >= 2 || I8) && j + 4 <= nk; j += 4) {
         const char *v0 = FA_VROW(j), *v1 = FA_VROW(j + 1), *v2 = FA_VROW(j + 2), *v3 = FA_VROW(j + 3);
         const float *s0 = FA_SROW(j), *s1 = FA_SROW(j + 1), *s2 = FA_SROW(j + 2), *s3 = FA_SROW(j + 3);
-        /* the four rows FA_PV_AHEAD ahead, asked for as these are read (as fa_pv_rows_reg;
-         * not for 16-bit V, whose tile fa_qblock asks for before QK^T: both together were
-         * 1.07-1.09x slower, GQA 32/8 float16) */
-#ifndef FA_KV_HALF
-        if (j + 4 + FA_PV_AHEAD <= pf_end) { /* (rows at v's stride: a page's are its own) */
+        /* the four rows FA_PV_AHEAD ahead, asked for as these are read (as fa_pv_rows_reg) */
+        if (j + 4 + FA_PV_AHEAD <= pf_lim) { /* (rows at v's stride: a page's are its own) */
             for (int t = 0; t < 4; t++)
                 for (int64_t b = 0; b < rb; b += 64) __builtin_prefetch(FA_VROW(j + t + FA_PV_AHEAD) + b);
             if (I8) __builtin_prefetch(FA_SROW(j + FA_PV_AHEAD));
         }
-#else
-        (void)rb;
-#endif
         FA_PRAGMA_UNROLL(4)
         for (int r = 0; r < R; r++) {
             const FA_T *pr = p + j * ks + r * rs;
