@@ -278,8 +278,9 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
             }
 #endif
             /* a paged cache's V rows, page by page, the same way (the pages' rows are
-             * not where the hardware looks next) */
-            if (FA_NAME(fa_few_rows)(nr, &sc) && sc.vst && p->block_table && FA_NAME(fa_by_segment)(p, 1)) {
+             * not where the hardware looks next); on AMD, as the burst above */
+            if (FA_NAME(fa_few_rows)(nr, &sc) && sc.vst && p->block_table && FA_NAME(fa_by_segment)(p, 1) &&
+                fa_cpu_amd()) {
                 const int64_t esz = p->kv_store == FA_STORE_I8 ? 1 : (int64_t)sizeof(FA_KV);
                 for (int64_t a = 0, len; a < nk; a += len) {
                     const char *vr = FA_NAME(fa_kv_segment)(p, it, j0 + a, nk - a, 1, 0, &len);
