@@ -236,7 +236,8 @@ def fma32(cnp.ndarray a, cnp.ndarray b, cnp.ndarray c, cnp.ndarray out):
 def lanes_to_rows(cnp.ndarray k, cnp.ndarray scale, cnp.ndarray zero, cnp.ndarray out,
                   int64_t D, int64_t bs, int bits):
     """A fastattn.KVCache's keys from its blocks on the lanes to rows: k (N, blocks,
-    D * bs) (int8 codes, D * bs / 2 bytes with bits 4, or float32), scale and zero
+    D * bs) (int8 codes; with bits 4, ceil(D / 2) * bs bytes, byte (e, l) holding lane
+    l's codes of channels 2e (low nibble) and 2e + 1 (high); or float32), scale and zero
     (N, blocks, D) float32 (codes only; else any array), out (N, blocks * bs, D)
     float32; element (n, j, d) = fmaf(code, scale, zero) (codes) or the value.
     C-contiguous arrays, checked by the caller."""
@@ -267,4 +268,4 @@ def lanes_to_rows(cnp.ndarray k, cnp.ndarray scale, cnp.ndarray zero, cnp.ndarra
                     else:
                         for l in range(bs):
                             o[(j + l) * D + d] = fmaf(
-                                <float>((c4[at + d * (bs // 2) + (l >> 1)] >> ((l & 1) << 2)) & 15), sd, zd)
+                                <float>((c4[at + (d >> 1) * bs + l] >> ((d & 1) << 2)) & 15), sd, zd)

@@ -71,6 +71,25 @@ def _pack4(codes):
     return (c[..., 0::2] | (c[..., 1::2] << 4)).view(I8)
 
 
+def _pack4_pairs(lanes):
+    """Key codes 0..15 (..., D, bs) on the lanes as feature pairs: byte (e, l) holds
+    feature 2e's code of lane l in its low nibble and feature 2e + 1's in its high one
+    (D odd: the last high nibble 0), (..., ceil(D / 2), bs)."""
+    c = lanes.astype(np.uint8)
+    if c.shape[-2] % 2:
+        c = np.concatenate([c, np.zeros(c.shape[:-2] + (1, c.shape[-1]), np.uint8)], axis=-2)
+    return (c[..., 0::2, :] | (c[..., 1::2, :] << 4)).view(I8)
+
+
+def _unpack4_pairs(data, D):
+    """The (..., D, bs) codes of blocks packed by _pack4_pairs, as uint8 0..15."""
+    b = data.view(np.uint8)
+    out = np.empty(b.shape[:-2] + (2 * b.shape[-2], b.shape[-1]), np.uint8)
+    out[..., 0::2, :] = b & 15
+    out[..., 1::2, :] = b >> 4
+    return out[..., :D, :]
+
+
 def _unpack4(data, n):
     """The first n codes of rows packed by _pack4, as uint8 0..15."""
     b = data.view(np.uint8)
@@ -108,7 +127,8 @@ class KVCache:
 
         - **keys per channel within a block**: for each block, kv head and channel,
           a float32 scale ``s`` and zero point ``z`` over the block's tokens; a code
-          ``c`` (int8: -128..127; int4: 0..15, two a byte) stands for
+          ``c`` (int8: -128..127; int4: 0..15, two a byte: channels 2e and 2e + 1 of
+          a token in the low and high nibbles of one byte) stands for
           ``fmaf(c, s, z)`` (one rounding).  A block whose tokens have not all arrived
           is quantized over those present, from float32 copies of them kept beside it,
           and quantized again as each token arrives, until it is full;
@@ -199,7 +219,7 @@ class KVCache:
             self._vg = 0
         else:
             self._store = I8
-            kw = D * bs if name == "int8" else D * bs // 2
+            kw = D * bs if name == "int8" else (D + 1) // 2 * bs
             self._k = np.zeros((B, H, nblk, kw), I8)
             self._ks = np.zeros((B, H, nblk, D), F32)
             self._kz = np.zeros((B, H, nblk, D), F32)
@@ -422,7 +442,7 @@ class KVCache:
         if self._name == "int8":
             self._k[b, :, blk] = lanes.astype(I8).reshape(H, D * bs)
         else:
-            self._k[b, :, blk] = _pack4(lanes).reshape(H, D * bs // 2)
+            self._k[b, :, blk] = _pack4_pairs(lanes).reshape(H, (D + 1) // 2 * bs)
         self._ks[b, :, blk] = s
         self._kz[b, :, blk] = z
 
@@ -455,8 +475,10 @@ class KVCache:
         if self._name in _FLOAT:
             blocks = self._k[b, :, :nb].reshape(H, nb, D, bs).astype(F32)
         else:
-            raw = self._k[b, :, :nb].reshape(H, nb, D, -1)
-            codes = raw.astype(F32) if self._name == "int8" else _unpack4(raw, bs).astype(F32)
+            if self._name == "int8":
+                codes = self._k[b, :, :nb].reshape(H, nb, D, bs).astype(F32)
+            else:
+                codes = _unpack4_pairs(self._k[b, :, :nb].reshape(H, nb, -1, bs), D).astype(F32)
             blocks = _fma(codes, self._ks[b, :, :nb, :, None], self._kz[b, :, :nb, :, None])
         return np.ascontiguousarray(blocks.transpose(0, 1, 3, 2).reshape(H, nb * bs, D)[:, :L])
 

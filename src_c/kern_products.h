@@ -360,34 +360,43 @@ static void FA_NAME(fa_qk_keys_i8)(const FA_T *FA_RESTRICT qt, int64_t brp, int6
 }
 #endif
 
-/* One vector of K stored on the lanes (p->k_lanes, fastattn.KVCache): channel d of the
- * keys at lanes lane .. lane+FA_VL-1 of a block of bs (lane a multiple of FA_VL, bs a
+/* One vector of K stored on the lanes (p->k_lanes, fastattn.KVCache): one channel of
+ * FA_VL keys from `at`, its first lane's element (lanes a multiple of FA_VL, blocks a
  * multiple of 16, so every lane read is in the block).  Q 0: the stored values (float
- * or 16-bit); 8: int8 codes, 4: int4 codes (two a byte, lane 2i in byte i's low
- * nibble), dequantized as fmaf(code, s[d], z[d]): one rounding, the value
- * fa_lanes_tile stages. */
-FA_ALWAYS_INLINE FA_V FA_NAME(fa_lane_vec)(const int Q, const char *blk, int64_t d, int64_t lane, int64_t bs,
-                                           const float *s, const float *z)
+ * or 16-bit); 8: int8 codes; 4: int4 codes, a byte a lane holding two channels (the
+ * low nibble, or the high one with hi), so FA_VL of them are one load, a shift and a
+ * mask.  Codes dequantized as fmaf(code, *s, *z): one rounding, the value fa_lanes_tile
+ * stages. */
+FA_ALWAYS_INLINE FA_V FA_NAME(fa_lane_vec)(const int Q, const char *at, int hi, const float *s, const float *z)
 {
-    if (Q == 0) return FA_KV_LOADU((const FA_KV *)(const void *)blk + d * bs + lane);
+    if (Q == 0) return FA_KV_LOADU((const FA_KV *)(const void *)at);
 #if defined(FA_HAVE_SSE2) && defined(FA_I8_CVT)
-    if (Q == 4)
-        return FA_VFMA(FA_NAME(fa_nibbles_v)((const uint8_t *)blk + d * (bs / 2) + lane / 2, 0), FA_VSET1(s[d]),
-                       FA_VSET1(z[d]));
+    if (Q == 4) {
+        __m128i x = FA_VL == 16 ? _mm_loadu_si128((const __m128i *)(const void *)at)
+                                : _mm_loadl_epi64((const __m128i *)(const void *)at);
+        if (hi) x = _mm_srli_epi16(x, 4);
+        return FA_VFMA(FA_I8_CVT(_mm_and_si128(x, _mm_set1_epi8(15))), FA_VSET1(*s), FA_VSET1(*z));
+    }
 #endif
     int8_t c[16];
-    const int8_t *cp = (const int8_t *)blk + d * bs + lane;
+    const int8_t *cp = (const int8_t *)at;
     if (Q == 4) {
-        FA_NAME(fa_nibbles)((const uint8_t *)blk + d * (bs / 2) + lane / 2, 0, c);
+        for (int i = 0; i < FA_VL; i++) c[i] = (int8_t)((((const uint8_t *)at)[i] >> (hi ? 4 : 0)) & 15);
         cp = c;
     }
 #if defined(FA_I8_LOADU)
-    return FA_VFMA(FA_I8_LOADU(cp), FA_VSET1(s[d]), FA_VSET1(z[d]));
+    return FA_VFMA(FA_I8_LOADU(cp), FA_VSET1(*s), FA_VSET1(*z));
 #else
     FA_T t[FA_VL];
-    for (int i = 0; i < FA_VL; i++) t[i] = (FA_T)fmaf((float)cp[i], s[d], z[d]);
+    for (int i = 0; i < FA_VL; i++) t[i] = (FA_T)fmaf((float)cp[i], *s, *z);
     return FA_VLOADU(t);
 #endif
+}
+
+/* Channel d's row of a lanes block from lane `lane`: bytes from the block's start. */
+FA_ALWAYS_INLINE int64_t FA_NAME(fa_lane_off)(const int Q, int64_t d, int64_t lane, int64_t bs)
+{
+    return Q == 4 ? (d >> 1) * bs + lane : Q == 8 ? d * bs + lane : (d * bs + lane) * (int64_t)sizeof(FA_KV);
 }
 
 /* The lines of pf whose starts lie in [a, b): b - a is a group set's bytes a feature
@@ -446,7 +455,8 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_lanes_micro)(const int R, const int G, const
         FA_NAME(fa_lanes_pf)(G, Q, pf, d * pf_step, (d + 1) * pf_step);
         FA_PRAGMA_UNROLL(4)
         for (int g = 0; g < G; g++) {
-            const FA_V x = FA_NAME(fa_lane_vec)(Q, blk[g], d, lane[g], bs, sp[g], zp[g]);
+            const FA_V x = FA_NAME(fa_lane_vec)(Q, blk[g] + FA_NAME(fa_lane_off)(Q, d, lane[g], bs), (int)(d & 1),
+                                                Q ? sp[g] + d : NULL, Q ? zp[g] + d : NULL);
             FA_PRAGMA_UNROLL(8)
             for (int r = 0; r < R; r++) acc[g * R + r] = FA_VFMA(x, FA_VSET1(q[r]), acc[g * R + r]);
         }
@@ -472,20 +482,44 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_lanes_uni)(const int R, const int G, const i
     for (int g = 0; g < G; g++)
         FA_PRAGMA_UNROLL(8)
         for (int r = 0; r < R; r++) acc[g * R + r] = FA_VZERO();
-    const int64_t drow = Q == 4 ? bs / 2 : Q == 8 ? bs : bs * (int64_t)sizeof(FA_KV); /* bytes a feature */
+#if defined(FA_HAVE_SSE2) && defined(FA_I8_CVT)
+    if (Q == 4) {
+        /* int4: the two channels of a byte together, from one load (a shift and two
+         * masks for FA_VL keys of both); each accumulator still takes d, then d + 1 */
+        for (int64_t d = 0; d < D; d += 2) {
+            const FA_T *q = qt + d * brp;
+            FA_NAME(fa_lanes_pf)(G, 8, pf, d * pf_step, (d + 2) * pf_step);
+            const char *bd = base + (d >> 1) * bs;
+            const __m128i m = _mm_set1_epi8(15);
+            FA_PRAGMA_UNROLL(4)
+            for (int g = 0; g < G; g++) {
+                const char *at = bd + g * gstride;
+                const __m128i x = FA_VL == 16 ? _mm_loadu_si128((const __m128i *)(const void *)at)
+                                              : _mm_loadl_epi64((const __m128i *)(const void *)at);
+                const float *sg = sp + g * sstride + d, *zg = zp + g * sstride + d;
+                const FA_V lo = FA_VFMA(FA_I8_CVT(_mm_and_si128(x, m)), FA_VSET1(sg[0]), FA_VSET1(zg[0]));
+                FA_PRAGMA_UNROLL(8)
+                for (int r = 0; r < R; r++) acc[g * R + r] = FA_VFMA(lo, FA_VSET1(q[r]), acc[g * R + r]);
+                if (d + 1 < D) {
+                    const FA_V hi = FA_VFMA(FA_I8_CVT(_mm_and_si128(_mm_srli_epi16(x, 4), m)), FA_VSET1(sg[1]),
+                                            FA_VSET1(zg[1]));
+                    FA_PRAGMA_UNROLL(8)
+                    for (int r = 0; r < R; r++) acc[g * R + r] = FA_VFMA(hi, FA_VSET1(q[brp + r]), acc[g * R + r]);
+                }
+            }
+        }
+        FA_NAME(fa_lanes_store)(R, G, acc, nj, s, ks, rs);
+        return;
+    }
+#endif
     for (int64_t d = 0; d < D; d++) {
         const FA_T *q = qt + d * brp;
         FA_NAME(fa_lanes_pf)(G, Q, pf, d * pf_step, (d + 1) * pf_step);
-        const char *bd = base + d * drow;
+        const char *bd = base + FA_NAME(fa_lane_off)(Q, d, 0, bs);
         FA_PRAGMA_UNROLL(4)
         for (int g = 0; g < G; g++) {
-            FA_V x;
-            if (Q == 0)
-                x = FA_KV_LOADU((const FA_KV *)(const void *)(bd + g * gstride));
-            else {
-                x = FA_NAME(fa_lane_vec)(Q, bd + g * gstride, 0, 0, bs, sp + g * sstride + d,
-                                         zp + g * sstride + d);
-            }
+            const FA_V x = FA_NAME(fa_lane_vec)(Q, bd + g * gstride, (int)(d & 1), Q ? sp + g * sstride + d : NULL,
+                                                Q ? zp + g * sstride + d : NULL);
             FA_PRAGMA_UNROLL(8)
             for (int r = 0; r < R; r++) acc[g * R + r] = FA_VFMA(x, FA_VSET1(q[r]), acc[g * R + r]);
         }
@@ -561,11 +595,10 @@ static void FA_NAME(fa_qk_lanes)(const fa_params *p, const fa_item *it, const FA
         /* (blk[0] is its block's start: lane[0] 0 where a set starts a block) */
         const char *pf = blk[0] + 2 * set_bytes;
         /* a whole set of evenly spaced groups: one base pointer (fa_qk_lanes_uni) */
-        const int64_t esz = Q == 4 ? 1 : Q == 8 ? 2 : 2 * (int64_t)sizeof(FA_KV); /* (half-bytes a lane) */
         const int same = bs % (G * FA_VL) == 0 && lane[0] % (G * FA_VL) == 0, next = bs == FA_VL;
         if ((same || next) && nj[G - 1] > 0) {
-            const char *base = blk[0] + lane[0] * esz / 2;
-            const int64_t gstride = same ? FA_VL * esz / 2 : (blk[G > 1 ? 1 : 0] - blk[0]);
+            const char *base = blk[0] + FA_NAME(fa_lane_off)(Q, 0, lane[0], bs);
+            const int64_t gstride = same ? FA_NAME(fa_lane_off)(Q, 0, FA_VL, bs) : (blk[G > 1 ? 1 : 0] - blk[0]);
             const int64_t sstride = Q && !same && G > 1 ? sp[1] - sp[0] : 0;
 #define FA_UNI_CASE(R, G_, Q_) \
     FA_NAME(fa_qk_uni_##R##_##Q_)(qt, brp, base, gstride, sp[0], zp[0], sstride, bs, p->D, nj, sa, ks, rs, pf, pf_step)

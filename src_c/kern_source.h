@@ -93,10 +93,10 @@ static const FA_KV *FA_NAME(fa_lanes_tile)(const fa_params *p, const fa_item *it
         const float *sc = FA_NAME(fa_lanes_param)(p, it, blk, 0), *zp = FA_NAME(fa_lanes_param)(p, it, blk, 1);
         for (int64_t d = 0; d < D; d++) {
             const float s = sc[d], z = zp[d];
-            if (p->k_bits == 4) {
-                const uint8_t *row = (const uint8_t *)base + d * (bs / 2);
-                for (int64_t l = 0; l < n; l++)
-                    dst[l * D + d] = (FA_KV)fmaf((float)FA_NAME(fa_nibble)(row, lane0 + l), s, z);
+            if (p->k_bits == 4) { /* channels 2e and 2e + 1 in one byte a lane */
+                const uint8_t *row = (const uint8_t *)base + (d >> 1) * bs + lane0;
+                const int sh = (int)(d & 1) * 4;
+                for (int64_t l = 0; l < n; l++) dst[l * D + d] = (FA_KV)fmaf((float)((row[l] >> sh) & 15), s, z);
             } else {
                 const int8_t *row = (const int8_t *)base + d * bs + lane0;
                 for (int64_t l = 0; l < n; l++) dst[l * D + d] = (FA_KV)fmaf((float)row[l], s, z);
