@@ -90,6 +90,25 @@ def _unpack4_pairs(data, D):
     return out[..., :D, :]
 
 
+def _pack4_values(codes, g):
+    """Value codes 0..15 (..., Dv) as stored: in groups of g = 32 channels, byte i of a
+    group holds channels i (low nibble) and i + 16 (high), so a load of 16 bytes gives
+    either half of the group; other g as _pack4."""
+    if g != 32:
+        return _pack4(codes)
+    c = codes.astype(np.uint8).reshape(codes.shape[:-1] + (codes.shape[-1] // 32, 2, 16))
+    return (c[..., 0, :] | (c[..., 1, :] << 4)).reshape(codes.shape[:-1] + (codes.shape[-1] // 2,)).view(I8)
+
+
+def _unpack4_values(data, n, g):
+    """The n codes of value rows packed by _pack4_values, as uint8 0..15."""
+    if g != 32:
+        return _unpack4(data, n)
+    b = data.view(np.uint8).reshape(data.shape[:-1] + (n // 32, 1, 16))
+    out = np.concatenate([b & 15, b >> 4], axis=-2)
+    return out.reshape(data.shape[:-1] + (n,))
+
+
 def _unpack4(data, n):
     """The first n codes of rows packed by _pack4, as uint8 0..15."""
     b = data.view(np.uint8)
@@ -136,7 +155,9 @@ class KVCache:
           dividing ``v_head_dim``): a float32 scale ``s`` per group; int8 codes
           ``round(x / s)`` with ``s = max|x| / 127``, ``c * s``; int4 codes as
           llama.cpp's q4_0 (the group's value of largest magnitude ``m``,
-          ``s = m / -8``, codes ``clip(round(x / s), -8, 7)``), ``c * s``.
+          ``s = m / -8``, codes ``clip(round(x / s), -8, 7)``), ``c * s``, two a byte
+          (in a group of 32, byte i holds channels i and i + 16, plus 8, in its low and
+          high nibbles; in smaller groups channels 2i and 2i + 1).
 
     v_head_dim : int, optional
         Channels of a value (Dv); default ``head_dim``.
@@ -411,7 +432,7 @@ class KVCache:
             codes = codes.reshape(H, m, self._Dv)
             if self._Dv % 2:
                 codes = np.concatenate([codes, np.full((H, m, 1), 8, np.int16)], axis=-1)
-            self._v[b, :, L:L + m] = _pack4(codes)
+            self._v[b, :, L:L + m] = _pack4_values(codes, self._vg)
         self._vs[b, :, L:L + m] = scale
         # keys: per channel within each block the new tokens touch, over its tokens so far
         first = L // bs
@@ -491,7 +512,7 @@ class KVCache:
             return self._v[b, :, :L].astype(F32)
         raw = self._v[b, :, :L]
         codes = raw.astype(F32) if self._name == "int8" else (
-            _unpack4(raw, Dv).astype(np.int16) - 8).astype(F32)
+            _unpack4_values(raw, Dv, self._vg).astype(np.int16) - 8).astype(F32)
         g = self._vg
         out = codes.reshape(H, L, Dv // g, g) * self._vs[b, :, :L, :, None]
         return out.reshape(H, L, Dv)
@@ -538,7 +559,7 @@ class KVCache:
         _kernels.lanes_to_rows(kk, ks, kz, k, D, bs, 8 if self._name == "int8" else 4)
         raw = self._v[:, :, :L]
         codes = raw.astype(F32) if self._name == "int8" else (
-            _unpack4(raw, self._Dv).astype(np.int16) - 8).astype(F32)
+            _unpack4_values(raw, self._Dv, self._vg).astype(np.int16) - 8).astype(F32)
         g = self._vg
         v = (codes.reshape(B, H, L, self._Dv // g, g) * self._vs[:, :, :L, :, None]).reshape(B, H, L, self._Dv)
         return k.reshape(B, H, nb * bs, D)[:, :, :L], v

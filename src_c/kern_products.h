@@ -146,12 +146,25 @@ FA_ALWAYS_INLINE FA_V FA_NAME(fa_row_load)(const int I8, const void *row, int64_
                                            const float *srow, int gshift)
 {
 #if defined(FA_HAVE_SSE2) && defined(FA_I8_CVT)
+    if (I8 == 2 && gshift == 5) { /* groups of 32: byte i holds channels i and i + 16 */
+        const uint8_t *b = (const uint8_t *)row + (c >> 5) * 16 + (c & 15);
+        __m128i x = FA_VL == 16 ? _mm_loadu_si128((const __m128i *)(const void *)b)
+                                : _mm_loadl_epi64((const __m128i *)(const void *)b);
+        if (c & 16) x = _mm_srli_epi16(x, 4);
+        x = _mm_sub_epi8(_mm_and_si128(x, _mm_set1_epi8(15)), _mm_set1_epi8(8));
+        return FA_VMUL(FA_I8_CVT(x), FA_VSET1(srow[c >> 5]));
+    }
     if (I8 == 2) return FA_VMUL(FA_NAME(fa_nibbles_v)((const uint8_t *)row + c / 2, 8), FA_VSET1(srow[c >> gshift]));
 #endif
 #ifdef FA_I8_LOADU
     if (I8 == 2) {
         int8_t codes[16];
-        FA_NAME(fa_nibbles)((const uint8_t *)row + c / 2, 8, codes);
+        if (gshift == 5) {
+            const uint8_t *b = (const uint8_t *)row + (c >> 5) * 16 + (c & 15);
+            for (int i = 0; i < FA_VL; i++) codes[i] = (int8_t)(((b[i] >> ((c & 16) ? 4 : 0)) & 15) - 8);
+        } else {
+            FA_NAME(fa_nibbles)((const uint8_t *)row + c / 2, 8, codes);
+        }
         return FA_VMUL(FA_I8_LOADU(codes), FA_VSET1(srow[c >> gshift]));
     }
     if (I8) return FA_VMUL(FA_I8_LOADU((const int8_t *)row + c), FA_VSET1(srow[c >> gshift]));

@@ -144,8 +144,13 @@ static const FA_KV *FA_NAME(fa_kv_tile)(const fa_params *p, const fa_item *it, i
             (const float *)(const void *)FA_NAME(fa_kv_segment)(p, it, j0 + r, 1, kv, 1, &len);
         const int64_t group = kv ? p->v_group : p->k_group;
         if (kv && p->v_bits == 4) { /* two codes a byte, (nibble - 8) * scale */
-            for (int64_t c = 0; c < width; c++)
-                dst[c] = (FA_KV)((float)(FA_NAME(fa_nibble)((const uint8_t *)src, c) - 8) * scale[c / group]);
+            const uint8_t *u = (const uint8_t *)src;
+            for (int64_t c = 0; c < width; c++) {
+                /* groups of 32: byte i of a group holds channels i and i + 16 */
+                const int code = group == 32 ? (u[(c >> 5) * 16 + (c & 15)] >> ((c & 16) ? 4 : 0)) & 15
+                                             : FA_NAME(fa_nibble)(u, c);
+                dst[c] = (FA_KV)((float)(code - 8) * scale[c / group]);
+            }
             continue;
         }
         for (int64_t c0 = 0, gi = 0; c0 < width; c0 += group, gi++) {
