@@ -455,8 +455,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_lanes_micro)(const int R, const int G, const
                                                  int64_t D, const int64_t *nj, FA_T *FA_RESTRICT s, int64_t ks,
                                                  int64_t rs, const char *pf, int64_t pf_step)
 {
-    FA_V acc[FA_DOT_ROWS]; /* acc[g * R + r]: G R <= FA_DOT_ROWS (a flat array: GCC kept
-                            * most of a [4][FA_DOT_ROWS] one on the stack, in the loop) */
+    FA_V acc[FA_DOT_ROWS]; /* acc[g * R + r]: G R <= FA_DOT_ROWS */
     FA_PRAGMA_UNROLL(4)
     for (int g = 0; g < G; g++)
         FA_PRAGMA_UNROLL(8)
@@ -489,8 +488,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_lanes_uni)(const int R, const int G, const i
                                                const int64_t *nj, FA_T *FA_RESTRICT s, int64_t ks, int64_t rs,
                                                const char *pf, int64_t pf_step)
 {
-    FA_V acc[FA_DOT_ROWS]; /* acc[g * R + r]: G R <= FA_DOT_ROWS (a flat array: GCC kept
-                            * most of a [4][FA_DOT_ROWS] one on the stack, in the loop) */
+    FA_V acc[FA_DOT_ROWS]; /* acc[g * R + r]: G R <= FA_DOT_ROWS */
     FA_PRAGMA_UNROLL(4)
     for (int g = 0; g < G; g++)
         FA_PRAGMA_UNROLL(8)
@@ -541,9 +539,10 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_lanes_uni)(const int R, const int G, const i
 }
 
 /* Each (rows, groups, key type) of the two lanes micro-kernels as a function of its own:
- * inlined all into fa_qk_lanes (48 loops in one function), GCC kept most of their
- * accumulators on the stack, loaded and stored at every feature (a chain through
- * memory); apart, each keeps its accumulators in registers. */
+ * inlined all into fa_qk_lanes (48 loops in one function), GCC (12) kept most of their
+ * accumulators on the stack, loaded and stored at every feature (78-102 FMAs from
+ * memory in each ISA's function); apart, and with fa_lanes_pf, 2-4 in the one-row ones
+ * (one accumulator; none without Python's -fwrapv, which measured level). */
 #define FA_QKL_FNS(R, G, Q)                                                                                   \
     static __attribute__((noinline)) void FA_NAME(fa_qk_uni_##R##_##Q)(                                       \
         const FA_T *FA_RESTRICT qt, int64_t brp, const char *base, int64_t gstride, const float *sp,           \
