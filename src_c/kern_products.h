@@ -500,7 +500,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_lanes_uni)(const int R, const int G, const i
         for (int64_t d = 0; d < D; d += 2) {
             const FA_T *q = qt + d * brp;
             FA_NAME(fa_lanes_pf)(G, 8, pf, d * pf_step, (d + 2) * pf_step);
-            const char *bd = base + (d >> 1) * bs;
+            const char *bd = base + FA_NAME(fa_lane_off)(4, d, 0, bs);
             const __m128i m = _mm_set1_epi8(15);
             FA_PRAGMA_UNROLL(4)
             for (int g = 0; g < G; g++) {
@@ -574,6 +574,26 @@ FA_QKL_ROWS(8)
 #undef FA_QKL_ROWS
 #undef FA_QKL_FNS
 
+/* fa_qk_lanes's call of the FN ("uni" or "micro") kernel for its key type Q and nr rows */
+#define FA_QKL_CALL(FN, R, Q_, ...) \
+    case R: FA_NAME(fa_qk_##FN##_##R##_##Q_)(__VA_ARGS__); break;
+#define FA_QKL_SWITCH(FN, Q_, ...)                                                                 \
+    switch (nr) {                                                                                  \
+        FA_QKL_CALL(FN, 1, Q_, __VA_ARGS__) FA_QKL_CALL(FN, 2, Q_, __VA_ARGS__)                     \
+        FA_QKL_CALL(FN, 3, Q_, __VA_ARGS__) FA_QKL_CALL(FN, 4, Q_, __VA_ARGS__)                     \
+        FA_QKL_CALL(FN, 5, Q_, __VA_ARGS__) FA_QKL_CALL(FN, 6, Q_, __VA_ARGS__)                     \
+        FA_QKL_CALL(FN, 7, Q_, __VA_ARGS__) FA_QKL_CALL(FN, 8, Q_, __VA_ARGS__)                     \
+        default: break;                                                                            \
+    }
+#define FA_QKL_BY_Q(FN, ...)                 \
+    if (Q == 0) {                            \
+        FA_QKL_SWITCH(FN, 0, __VA_ARGS__)    \
+    } else if (Q == 8) {                     \
+        FA_QKL_SWITCH(FN, 8, __VA_ARGS__)    \
+    } else {                                 \
+        FA_QKL_SWITCH(FN, 4, __VA_ARGS__)    \
+    }
+
 /* The decode logits of keys j0 .. j0+nk-1 of the item (nr <= FA_DOT_ROWS rows, K on the
  * lanes, j0 a multiple of FA_VL) from the blocks in place: no transpose, no staging.
  * Groups of FA_VL keys, up to 4 at once (fewer with more rows: the accumulators stay in
@@ -612,56 +632,16 @@ static void FA_NAME(fa_qk_lanes)(const fa_params *p, const fa_item *it, const FA
             const char *base = blk[0] + FA_NAME(fa_lane_off)(Q, 0, lane[0], bs);
             const int64_t gstride = same ? FA_NAME(fa_lane_off)(Q, 0, FA_VL, bs) : (blk[G > 1 ? 1 : 0] - blk[0]);
             const int64_t sstride = Q && !same && G > 1 ? sp[1] - sp[0] : 0;
-#define FA_UNI_CASE(R, G_, Q_) \
-    FA_NAME(fa_qk_uni_##R##_##Q_)(qt, brp, base, gstride, sp[0], zp[0], sstride, bs, p->D, nj, sa, ks, rs, pf, pf_step)
-#define FA_UNI_ROWS(Q_)                                                                            \
-    switch (nr) {                                                                                  \
-        case 1: FA_UNI_CASE(1, 4, Q_); break;                                                      \
-        case 2: FA_UNI_CASE(2, 4, Q_); break;                                                      \
-        case 3: FA_UNI_CASE(3, 2, Q_); break;                                                      \
-        case 4: FA_UNI_CASE(4, 2, Q_); break;                                                      \
-        case 5: FA_UNI_CASE(5, 1, Q_); break;                                                      \
-        case 6: FA_UNI_CASE(6, 1, Q_); break;                                                      \
-        case 7: FA_UNI_CASE(7, 1, Q_); break;                                                      \
-        case 8: FA_UNI_CASE(8, 1, Q_); break;                                                      \
-        default: break;                                                                            \
-    }
-            if (Q == 0) {
-                FA_UNI_ROWS(0)
-            } else if (Q == 8) {
-                FA_UNI_ROWS(8)
-            } else {
-                FA_UNI_ROWS(4)
-            }
-#undef FA_UNI_ROWS
-#undef FA_UNI_CASE
+            FA_QKL_BY_Q(uni, qt, brp, base, gstride, sp[0], zp[0], sstride, bs, p->D, nj, sa, ks, rs, pf, pf_step)
             continue;
         }
-#define FA_LANES_CASE(R, G_, Q_) \
-    FA_NAME(fa_qk_micro_##R##_##Q_)(qt, brp, blk, lane, (const float *const *)sp, (const float *const *)zp, bs, p->D, nj, sa, ks, rs, pf, pf_step)
-#define FA_LANES_ROWS(Q_)                                                                          \
-    switch (nr) {                                                                                  \
-        case 1: FA_LANES_CASE(1, 4, Q_); break;                                                    \
-        case 2: FA_LANES_CASE(2, 4, Q_); break;                                                    \
-        case 3: FA_LANES_CASE(3, 2, Q_); break;                                                    \
-        case 4: FA_LANES_CASE(4, 2, Q_); break;                                                    \
-        case 5: FA_LANES_CASE(5, 1, Q_); break;                                                    \
-        case 6: FA_LANES_CASE(6, 1, Q_); break;                                                    \
-        case 7: FA_LANES_CASE(7, 1, Q_); break;                                                    \
-        case 8: FA_LANES_CASE(8, 1, Q_); break;                                                    \
-        default: break;                                                                            \
-    }
-        if (Q == 0) {
-            FA_LANES_ROWS(0)
-        } else if (Q == 8) {
-            FA_LANES_ROWS(8)
-        } else {
-            FA_LANES_ROWS(4)
-        }
-#undef FA_LANES_ROWS
-#undef FA_LANES_CASE
+        FA_QKL_BY_Q(micro, qt, brp, blk, lane, (const float *const *)sp, (const float *const *)zp, bs, p->D, nj, sa,
+                    ks, rs, pf, pf_step)
     }
 }
+#undef FA_QKL_BY_Q
+#undef FA_QKL_SWITCH
+#undef FA_QKL_CALL
 
 /* R rows x NC vectors of the running output o (rows dvp apart) into acc, times each
  * row's alpha unless every alpha is 1 (no row's max changed). */
