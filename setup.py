@@ -64,7 +64,32 @@ void f(const void *cfg, const void *a, const void *b, void *c) {
     _tile_release();
 }
 """
-IS_X86_64 = platform.machine().lower() in ("x86_64", "amd64")
+# AArch64: the NEON kernel, with the baseline's flags (NEON and its float16 conversions
+# are part of every AArch64 CPU).
+ARM64_FILES = {"kernels_neon.c": ["-march=armv8-a"]}
+# SVE at 256 bits (Graviton 3), where the compiler knows SVE's fixed-length types (gcc 10+,
+# clang 12+); cpu.c runs it only on CPUs with SVE at that vector length.  Not on macOS
+# (no Apple CPU has SVE).
+SVE256_FILE = "kernels_sve256.c"
+SVE256_FLAGS = ["-march=armv8.2-a+sve", "-msve-vector-bits=256"]
+SVE256_PROBE = r"""
+#include <arm_sve.h>
+typedef svfloat32_t v8 __attribute__((arm_sve_vector_bits(256)));
+v8 f(v8 a, v8 b) { v8 t[2] = {a, b}; return svmla_f32_x(svptrue_b32(), t[0], t[1], b); }
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _target(cc):
+    """The machine the compiler builds for: `cc -dumpmachine`'s first field (a cross
+    compiler's target, e.g. aarch64-linux-gnu-gcc's), else this interpreter's machine."""
+    try:
+        r = subprocess.run([*cc, "-dumpmachine"], capture_output=True, text=True, timeout=60)
+        if r.returncode == 0 and r.stdout.strip():
+            return r.stdout.strip().split("-")[0].lower()
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return platform.machine().lower()
 # The XLA FFI handlers of fastattn.jax (a C++17 file compiled against the headers jaxlib
 # ships), built when jax is found in the build environment or in the environment being
 # installed into.  FASTATTN_JAX_FFI=0 skips them; FASTATTN_JAX_FFI=1 requires them: where
@@ -191,8 +216,20 @@ class BuildExt(build_ext):
                 raise RuntimeError(msg + " and FASTATTN_REQUIRE_OPENMP is set")
             warnings.warn(msg)
 
-        simd = dict(SIMD_FILES) if IS_X86_64 else {}
-        if IS_X86_64:
+        target = _target(tuple(_compiler_cmd(self.compiler)))
+        is_x86 = target in ("x86_64", "amd64")
+        simd = dict(SIMD_FILES) if is_x86 else {}
+        if target in ("aarch64", "arm64"):
+            simd.update(ARM64_FILES)
+            ext.define_macros.append(("FA_HAVE_NEON_KERNELS", "1"))
+            print(f"fastattn: building for {target}: the NEON kernel")
+            if platform.system() != "Darwin" and _try_compile(self.compiler, SVE256_PROBE, SVE256_FLAGS):
+                simd[SVE256_FILE] = list(SVE256_FLAGS)
+                ext.define_macros.append(("FA_HAVE_SVE256_KERNELS", "1"))
+                print("fastattn: and the SVE kernel for a 256-bit vector length")
+            elif platform.system() != "Darwin":
+                print("fastattn: the compiler has no -msve-vector-bits=256; no SVE kernel")
+        if is_x86:
             ext.define_macros.append(("FA_HAVE_X86_KERNELS", "1"))
             if EMULATE_BF16:
                 simd[BF16_FILE] = ["-mavx2", "-mfma", "-mf16c"]

@@ -55,7 +55,7 @@ CPUS = (("Intel SPR/EMR (skx ports)", "skylake-avx512"),
 # per model: memory broadcasts fed to llvm-mca as plain loads (see above)
 BCAST_AS_LOAD = {"znver4"}
 BCAST = re.compile(r"^vbroadcastss\s+(\S*\(.*\)),(%zmm\d+)$")
-QK, PV, SM = "QK^T 6x4 micro-kernel", "P.V 6x4 micro-kernel", "softmax (exp, sums, P store)"
+QK, PV, SM = "QK^T register tile", "P.V register tile", "softmax (exp, sums, P store)"
 LOOPS = ((QK, "fa_qk_tile_f32_avx512", "vfmadd"),
          (PV, "fa_pv_tile_f32_avx512", "vfmadd"),
          (SM, "fa_softmax_tile_f32_avx512", "vscalefps"),
@@ -65,6 +65,26 @@ PEAK_LOOP = "".join(f"vfmadd231ps %zmm30, %zmm31, %zmm{i}\n" for i in range(24))
 
 INSN = re.compile(r"^\s*([0-9a-f]+):\s+(.*?)\s*$")
 BRANCH = re.compile(r"^(j[a-z]+)\s+([0-9a-f]+)\b")
+# AArch64 (the NEON kernel of an arm64 build): conditional branches, compare-and-branch,
+# test-and-branch, their target last
+BRANCH_ARM = re.compile(r"^(b\.[a-z]+|b|cbn?z\s+[wx]\d+,|tbn?z\s+[wx]\d+,\s*#\d+,)\s*([0-9a-f]+)\b")
+# The arm64 kernel's loops and the CPUs modelled for them (LLVM 19's scheduling models);
+# the products' 6 x 4 tile is 24 fmla, the softmax's loop the one with the most fmla of
+# its function (the exp's polynomial: 4 vectors of 4 logits a step).
+ARM_CPUS = (("Neoverse V1", "neoverse-v1"), ("Neoverse V2", "neoverse-v2"),
+            ("Neoverse N1", "neoverse-n1"), ("Apple M1", "apple-m1"))
+ARM_LOOPS = ((QK, "fa_qk_tile_f32_neon", "fmla"),
+             (PV, "fa_pv_tile_f32_neon", "fmla"),
+             (SM, "fa_softmax_tile_f32_neon", "fmla"))
+# the sve256 kernel (--kernel sve256): 8 lanes; its exp's polynomial in fmad
+SVE_LOOPS = ((QK, "fa_qk_tile_f32_sve256", "fmla"),
+             (PV, "fa_pv_tile_f32_sve256", "fmla"),
+             (SM, "fa_softmax_tile_f32_sve256", "fmad"))
+SVE_PEAK_LOOPS = ("".join(f"fmla z{i}.s, p0/m, z30.s, z31.s\n" for i in range(24)),)
+# (two forms, the model's peak the faster: LLVM 19's apple-m1 model issues fmla by
+# element on three units and the plain vector form on two)
+ARM_PEAK_LOOPS = ("".join(f"fmla v{i}.4s, v30.4s, v31.4s\n" for i in range(24)),
+                  "".join(f"fmla v{i}.4s, v30.4s, v31.s[{i % 4}]\n" for i in range(24)))
 
 
 def find_mca():
@@ -74,15 +94,28 @@ def find_mca():
     sys.exit("llvm-mca from LLVM 19 not found: apt-get install llvm-19")
 
 
+def objdump_for(so):
+    """objdump for the extension's machine: the host's, or the AArch64 cross binutils'."""
+    with open(so, "rb") as f:
+        head = f.read(20)
+    if head[18:20] == b"\xb7\x00":  # ELF e_machine EM_AARCH64
+        for c in ("aarch64-linux-gnu-objdump", "llvm-objdump-19", "/usr/lib/llvm-19/bin/llvm-objdump"):
+            if shutil.which(c) or os.path.exists(c):
+                return shutil.which(c) or c
+        sys.exit("no objdump for AArch64: apt-get install binutils-aarch64-linux-gnu")
+    return "objdump"
+
+
 def disassemble(so, symbol):
-    """[(address, text)] of one function (AT&T syntax, no raw bytes)."""
-    out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", f"--disassemble={symbol}", so],
+    """[(address, text)] of one function (AT&T syntax on x86, no raw bytes)."""
+    out = subprocess.run([objdump_for(so), "-d", "--no-show-raw-insn", f"--disassemble={symbol}", so],
                          check=True, capture_output=True, text=True).stdout
+    comment = "//" if objdump_for(so) != "objdump" else "#"  # ('#' is AArch64's immediate)
     insns = []
     for line in out.splitlines():
         m = INSN.match(line)
         if m and m.group(2) and not m.group(2).startswith("("):
-            insns.append((int(m.group(1), 16), re.sub(r"\s*<[^>]*>", "", m.group(2)).split("#")[0].strip()))
+            insns.append((int(m.group(1), 16), re.sub(r"\s*<[^>]*>", "", m.group(2)).split(comment)[0].strip()))
     return insns
 
 
@@ -90,7 +123,7 @@ def innermost_loops(insns):
     """Each innermost loop as a list of instruction texts, its back branch last."""
     spans = []
     for i, (addr, text) in enumerate(insns):
-        m = BRANCH.match(text)
+        m = BRANCH.match(text) or BRANCH_ARM.match(text)
         if m and int(m.group(2), 16) <= addr:
             start = next((j for j, (a, _) in enumerate(insns) if a == int(m.group(2), 16)), None)
             if start is not None:
@@ -110,7 +143,7 @@ def mca_source(body):
     """The loop as llvm-mca input: a label, the body, the back branch to the label."""
     lines = [".Lloop:"]
     for t in body:
-        m = BRANCH.match(t)
+        m = BRANCH.match(t) or BRANCH_ARM.match(t)
         lines.append(f"{m.group(1)} .Lloop" if m else t)
     return "\n".join(lines) + "\n"
 
@@ -123,7 +156,8 @@ def mca_cycles(mca, cpu, src, iterations=400):
         f.write(src)
         path = f.name
     try:
-        r = subprocess.run([mca, f"-mcpu={cpu}", f"-iterations={iterations}", "-resource-pressure",
+        triple = ["-mtriple=aarch64-linux-gnu"] if cpu in dict(ARM_CPUS).values() else []
+        r = subprocess.run([mca, *triple, f"-mcpu={cpu}", f"-iterations={iterations}", "-resource-pressure",
                             "-timeline=false", path], capture_output=True, text=True)
     finally:
         os.unlink(path)
@@ -148,14 +182,24 @@ def main(argv=None):
     ap.add_argument("--D", type=int, default=64, help="head size of the forward prediction")
     ap.add_argument("--measured", type=float, help="measured forward, a fraction of the FMA peak")
     ap.add_argument("--show", help="print the picked loop of this symbol and exit")
+    ap.add_argument("--kernel", choices=("neon", "sve256"), default="neon",
+                    help="which kernel of an arm64 build to model (default neon)")
     args = ap.parse_args(argv)
     so = args.so
     if not so:
         import fastattn._kernels as k
         so = k.__file__
     mca = find_mca()
+    arm = objdump_for(so) != "objdump"
+    # per machine: the CPUs, the loops, the peak loop, the FMA mnemonics, the lanes of
+    # a float32 vector and the mnemonic counted once a vector in the softmax's loop
+    cpus, loops, peak_loops = (ARM_CPUS, ARM_LOOPS, ARM_PEAK_LOOPS) if arm else (CPUS, LOOPS, (PEAK_LOOP,))
+    fma_ops, lanes, sm_vec = (("fmla",), 4, "shl") if arm else (("vfmadd", "vfmsub", "vfnmadd"), 16, "vscalefps")
+    if arm and args.kernel == "sve256":  # (it runs where SVE is 256 bits wide: Neoverse V1)
+        cpus = tuple(c for c in ARM_CPUS if c[1] == "neoverse-v1")
+        loops, peak_loops, fma_ops, lanes, sm_vec = SVE_LOOPS, SVE_PEAK_LOOPS, ("fmla", "fmad"), 8, "lsl"
     bodies = {}
-    for label, sym, key in LOOPS:
+    for label, sym, key in loops:
         body = pick(innermost_loops(disassemble(so, sym)), key)
         if body:
             bodies[label] = (sym, key, body)
@@ -165,19 +209,19 @@ def main(argv=None):
                 print(mca_source(body))
         return 0
     peak = {}
-    for name, cpu in CPUS:
-        c, _ = mca_cycles(mca, cpu, PEAK_LOOP)
+    for name, cpu in cpus:
+        c = min(mca_cycles(mca, cpu, loop)[0] for loop in peak_loops)
         peak[cpu] = 24 / c  # vector FMAs a cycle in this model
     print(f"extension: {so}\nllvm-mca: {mca}\n")
-    print("model FMA peak (512-bit FMAs a cycle): " +
-          ", ".join(f"{n} {peak[c]:.2f}" for n, c in CPUS))
+    print(f"model FMA peak ({lanes * 32}-bit FMAs a cycle): " +
+          ", ".join(f"{n} {peak[c]:.2f}" for n, c in cpus))
     rows, fma_count = {}, {}
-    print(f"\n{'loop':32} {'insns':>5} {'FMA':>4}  " + "  ".join(f"{n:>28}" for n, _ in CPUS))
+    print(f"\n{'loop':32} {'insns':>5} {'FMA':>4}  " + "  ".join(f"{n:>28}" for n, _ in cpus))
     for label, (sym, key, body) in bodies.items():
         src = mca_source(body)
-        nfma = fma_count[label] = sum(t.startswith(("vfmadd", "vfmsub", "vfnmadd")) for t in body)
+        nfma = fma_count[label] = sum(t.startswith(fma_ops) for t in body)
         cells = []
-        for name, cpu in CPUS:
+        for name, cpu in cpus:
             cyc, busy = mca_cycles(mca, cpu, src)
             rows[(label, cpu)] = cyc
             if cyc is None:
@@ -185,21 +229,23 @@ def main(argv=None):
                 continue
             top = ",".join(f"{n.replace('Port', 'p').replace('SKX', '').replace('SPR', '').replace('Zn4', '')}"
                            f" {v:.0f}" for n, v in busy[:2])
-            frac = f" {nfma / peak[cpu] / cyc:4.0%}" if key == "vfmadd" else ""
+            frac = f" {nfma / peak[cpu] / cyc:4.0%}" if label != SM and not label.startswith("AMX") else ""
             cells.append(f"{cyc:6.1f} cy{frac} [{top}]".rjust(28))
         print(f"{label:32} {len(body):5d} {nfma:4d}  " + "  ".join(cells))
     bq, bk = (int(x) for x in args.blocks.lower().split("x"))
     D = args.D
     if all(n in bodies for n in (QK, PV, SM)):
-        print(f"\nforward, float32 avx512, blocks {bq} x {bk}, D = Dv = {D} (one tile, all in L1):")
-        vec_per_iter = sum(t.startswith("vscalefps") for t in bodies[SM][2])
-        for name, cpu in CPUS:
+        kern = args.kernel if arm else "avx512"
+        print(f"\nforward, float32 {kern}, blocks {bq} x {bk}, D = Dv = {D} (one tile, all in L1):")
+        vec_per_iter = sum(t.startswith(sm_vec) for t in bodies[SM][2])
+        for name, cpu in cpus:
             cq, cp, cs = (rows[(n, cpu)] for n in (QK, PV, SM))
             if None in (cq, cp, cs):
                 continue
-            fmas = bq * bk * D / 16  # vector FMAs of each product
+            print(f"  {name:28} softmax: {cs / vec_per_iter * 16 / lanes:5.1f} cycles per 16 logits")
+            fmas = bq * bk * D / lanes  # vector FMAs of each product
             cyc_qk, cyc_pv = fmas / fma_count[QK] * cq, fmas / fma_count[PV] * cp
-            cyc_sm = bq * bk / 16 / vec_per_iter * cs
+            cyc_sm = bq * bk / lanes / vec_per_iter * cs
             ideal = 2 * fmas / peak[cpu]
             total = cyc_qk + cyc_pv + cyc_sm
             line = (f"  {name:28} QK^T {cyc_qk / total:5.1%}, softmax {cyc_sm / total:5.1%}, "

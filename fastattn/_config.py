@@ -34,10 +34,17 @@ def config() -> dict[str, Any]:
     }
 
 
+def _lower_switch(kernels: list[str]) -> str:
+    """The FASTATTN_DISABLE_CPU_FEATURES value that turns this machine's SIMD kernels off."""
+    return "NEON" if "neon" in kernels else "AVX512F,AVX2"
+
+
 def _bf16_line(info: dict[str, Any]) -> str:
     """How bfloat16 q, k, v compute, and why."""
     have = [n for n, k in (("AVX512-BF16", "bf16_avx512"), ("AMX-BF16", "bf16_amx")) if info.get(k)]
     cpu = f"this CPU has {' and '.join(have)}" if have else "this CPU has no AVX512-BF16 or AMX-BF16"
+    if "neon" in _kernels.supported_kernels():  # AArch64: no bfloat16 products in this build
+        cpu = "this build has no bfloat16 products for AArch64 (BFDOT/BFMMLA)"
     if info.get("bf16_amx_refused"):
         cpu += " (and AMX-BF16, whose tile data Linux refused this process)"
     pair_kernels = ("avx2", "avx512") if _kernels.bf16_emulated() else ("avx512",)
@@ -122,6 +129,6 @@ def show_config(file: IO[str] | None = None) -> None:
         f"  L2 cache: {_size(c['l2_bytes'])} per core, from {c['l2_source']} (bounds the block sizes)",
         f"  bfloat16: {c['bf16']}",
         f"  can run:  {', '.join(c['kernels_supported'])}"
-        "  (FASTATTN_DISABLE_CPU_FEATURES=AVX512F,AVX2 forces a lower one)",
+        f"  (FASTATTN_DISABLE_CPU_FEATURES={_lower_switch(c['kernels_supported'])} forces a lower one)",
     ]
     print("\n".join(lines), file=file or sys.stdout)

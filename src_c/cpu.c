@@ -16,8 +16,17 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
+#if defined(FA_HAVE_NEON_KERNELS) && defined(__aarch64__)
+#define FA_ARM64 1
+#if defined(__linux__)
+#include <sys/auxv.h>
+#include <sys/prctl.h>
+#elif defined(__APPLE__)
+#include <sys/sysctl.h>
+#endif
+#endif
 
-static const char *const fa_isa_names[FA_ISA_COUNT] = {"generic", "avx2", "avx512"};
+static const char *const fa_isa_names[FA_ISA_COUNT] = {"generic", "avx2", "avx512", "neon", "sve256"};
 
 const char *fa_isa_name(int isa)
 {
@@ -32,6 +41,12 @@ const fa_kernel *fa_kernel_for_isa(int isa)
     case FA_ISA_AVX2: return &fa_kernel_avx2;
     case FA_ISA_AVX512: return &fa_kernel_avx512;
 #endif
+#ifdef FA_HAVE_NEON_KERNELS
+    case FA_ISA_NEON: return &fa_kernel_neon;
+#endif
+#ifdef FA_HAVE_SVE256_KERNELS
+    case FA_ISA_SVE256: return &fa_kernel_sve256;
+#endif
     default: return NULL;
     }
 }
@@ -42,6 +57,42 @@ static uint64_t fa_xgetbv0(void)
     uint32_t lo, hi;
     __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
     return ((uint64_t)hi << 32) | lo;
+}
+#endif
+
+#ifdef FA_ARM64
+/* Advanced SIMD with its float16 conversions: Linux's hardware capabilities (AT_HWCAP:
+ * FP, bit 0, and ASIMD, bit 1), macOS's sysctl hw.optional.AdvSIMD; every AArch64 CPU
+ * that runs either has them, and elsewhere the ABI promises them. */
+static int fa_arm_neon(void)
+{
+#if defined(__linux__)
+    const unsigned long hw = getauxval(AT_HWCAP);
+    return (hw & 3ul) == 3ul;
+#elif defined(__APPLE__)
+    int v = 0;
+    size_t n = sizeof v;
+    return sysctlbyname("hw.optional.AdvSIMD", &v, &n, NULL, 0) != 0 || v != 0;
+#else
+    return 1;
+#endif
+}
+
+/* SVE at a vector length of 256 bits, the one the sve256 kernel is compiled for: Linux's
+ * AT_HWCAP bit 22 (SVE) and the process's vector length, PR_SVE_GET_VL's low 16 bits
+ * (bytes; a process may change it, but not while fastattn's threads run).  Elsewhere no. */
+static int fa_arm_sve256(void)
+{
+#if defined(__linux__) && defined(FA_HAVE_SVE256_KERNELS)
+#ifndef PR_SVE_GET_VL
+#define PR_SVE_GET_VL 51
+#endif
+    if (!((getauxval(AT_HWCAP) >> 22) & 1ul)) return 0;
+    const int vl = prctl(PR_SVE_GET_VL, 0, 0, 0, 0);
+    return vl >= 0 && (vl & 0xffff) == 32;
+#else
+    return 0;
+#endif
 }
 #endif
 
@@ -61,6 +112,10 @@ unsigned fa_cpu_supported_isas(void)
     if (os_ymm && avx2 && fma && f16c) isas |= 1u << FA_ISA_AVX2;
     if (os_zmm && avx512f && avx2 && fma && f16c) isas |= 1u << FA_ISA_AVX512;
 #endif
+#ifdef FA_ARM64
+    if (fa_arm_neon()) isas |= 1u << FA_ISA_NEON;
+    if (fa_arm_neon() && fa_arm_sve256()) isas |= 1u << FA_ISA_SVE256;
+#endif
     return isas;
 }
 
@@ -68,6 +123,7 @@ unsigned fa_cpu_supported_isas(void)
  * only on request: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), asked once, at
  * import, for the whole process; a refusal (another OS, an old kernel, a seccomp
  * policy) leaves the tiles unused.  1 granted, 0 refused. */
+#ifdef FA_X86
 static int fa_amx_granted = -1;
 static int fa_amx_permission(void)
 {
@@ -84,6 +140,7 @@ static int fa_amx_permission(void)
     }
     return fa_amx_granted;
 }
+#endif
 
 /* The CPU's bfloat16 instructions (fastattn.h): bit 0 AVX512-BF16 (CPUID 7.1 EAX 5);
  * bit 1 AMX-BF16 with AMX-TILE (CPUID 7.0 EDX 22 and 24), the tile configuration and
@@ -357,7 +414,8 @@ static int fa_list_has(const char *list, const char *name)
 
 /* Disabling a feature disables every kernel that needs it: the avx512 kernel needs
  * AVX512F and (for its FMA and the OS/CPU baseline it assumes) AVX2, FMA and F16C;
- * the avx2 kernel AVX2, FMA and F16C. */
+ * the avx2 kernel AVX2, FMA and F16C; the neon kernel (AArch64) NEON, also named ASIMD;
+ * the sve256 kernel SVE (a 256-bit vector length) and NEON. */
 int fa_cpu_select(const char *disabled, char *why, int why_len)
 {
     unsigned have = fa_cpu_supported_isas();
@@ -369,7 +427,21 @@ int fa_cpu_select(const char *disabled, char *why, int why_len)
     int no512 = no2 || (disabled && fa_list_has(disabled, "AVX512F"));
     int isa = FA_ISA_GENERIC;
     const char *reason;
-    if ((have & (1u << FA_ISA_AVX512)) && !no512) {
+    const int noneon = disabled && (fa_list_has(disabled, "NEON") || fa_list_has(disabled, "ASIMD"));
+    const int nosve = noneon || (disabled && fa_list_has(disabled, "SVE"));
+    if ((have & (1u << FA_ISA_SVE256)) && !nosve) {
+        isa = FA_ISA_SVE256;
+        reason = "the CPU has SVE at a vector length of 256 bits (and NEON)";
+    } else if (have & (1u << FA_ISA_NEON)) {
+        if (!noneon) {
+            isa = FA_ISA_NEON;
+            reason = (have & (1u << FA_ISA_SVE256))
+                         ? "SVE disabled by FASTATTN_DISABLE_CPU_FEATURES; the CPU has Advanced SIMD (NEON, AArch64)"
+                         : "the CPU has Advanced SIMD (NEON, AArch64)";
+        } else {
+            reason = "NEON disabled by FASTATTN_DISABLE_CPU_FEATURES";
+        }
+    } else if ((have & (1u << FA_ISA_AVX512)) && !no512) {
         isa = FA_ISA_AVX512;
         reason = "the CPU has AVX512F, AVX2, FMA and F16C and the OS saves the zmm registers";
     } else if ((have & (1u << FA_ISA_AVX2)) && !no2) {
@@ -380,10 +452,12 @@ int fa_cpu_select(const char *disabled, char *why, int why_len)
     } else {
         reason = (have & (1u << FA_ISA_AVX2))
                      ? "AVX2, FMA or F16C disabled by FASTATTN_DISABLE_CPU_FEATURES"
-#ifdef FA_HAVE_X86_KERNELS
+#if defined(FA_HAVE_X86_KERNELS)
                      : "the CPU (or the OS) has neither AVX2+FMA+F16C nor AVX512F";
+#elif defined(FA_HAVE_NEON_KERNELS)
+                     : "the CPU does not report Advanced SIMD (NEON)";
 #else
-                     : "this build has no x86 SIMD kernels";
+                     : "this build has no SIMD kernels for this CPU";
 #endif
     }
     if (why && why_len > 0) snprintf(why, (size_t)why_len, "%s", reason);

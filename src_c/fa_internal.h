@@ -443,6 +443,12 @@ extern const fa_kernel fa_kernel_generic;
 extern const fa_kernel fa_kernel_avx2;
 extern const fa_kernel fa_kernel_avx512;
 #endif
+#ifdef FA_HAVE_NEON_KERNELS
+extern const fa_kernel fa_kernel_neon;
+#endif
+#ifdef FA_HAVE_SVE256_KERNELS
+extern const fa_kernel fa_kernel_sve256;
+#endif
 
 /* Is this an AMD (or Hygon) CPU?  (cpu.c; the block sizes differ by vendor) */
 int fa_cpu_amd(void);

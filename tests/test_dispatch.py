@@ -19,12 +19,16 @@ import fastattn
 from fastattn import _kernels
 
 SUPPORTED = _kernels.supported_kernels()
-ORDER = ["generic", "avx2", "avx512"]  # lowest first, as supported_kernels() lists them
+ORDER = ["generic", "avx2", "avx512", "neon", "sve256"]  # lowest first, as supported_kernels() lists them
 
-# What each kernel needs (docs: avx2 = AVX2 + FMA + F16C; avx512 = AVX512F on top).
-NEEDS = {"avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx512f", "avx2", "fma", "f16c"}}
+# What each kernel needs (docs: avx2 = AVX2 + FMA + F16C; avx512 = AVX512F on top; neon,
+# on AArch64, Advanced SIMD and FP).
+NEEDS = {"avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx512f", "avx2", "fma", "f16c"},
+         "neon": {"fp", "asimd"}, "sve256": {"fp", "asimd", "sve", "sve-vl256"}}
 # NumPy's names for the same features.
 NUMPY_NAMES = {"avx2": "AVX2", "fma": "FMA3", "f16c": "F16C", "avx512f": "AVX512F"}
+# FASTATTN_DISABLE_CPU_FEATURES's other name for a feature
+ALIASES = {"neon": "asimd"}
 
 
 def _proc_cpuinfo_flags():
@@ -73,7 +77,34 @@ def _is_x86_64():
     return platform.machine().lower() in ("x86_64", "amd64")
 
 
+def _is_aarch64():
+    return platform.machine().lower() in ("aarch64", "arm64")
+
+
+def _auxv_hwcap():
+    """AArch64 Linux: the kernel's hardware capabilities, getauxval(AT_HWCAP) through the
+    C library (bit 0 FP, bit 1 ASIMD, bit 22 SVE; under qemu-user, the emulated CPU's),
+    and "sve-vl256" where prctl(PR_SVE_GET_VL) gives 32 bytes; or None."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None)
+        libc.getauxval.restype = ctypes.c_ulong
+        libc.getauxval.argtypes = [ctypes.c_ulong]
+        hw = libc.getauxval(16)  # AT_HWCAP
+        flags = {name for bit, name in ((0, "fp"), (1, "asimd"), (22, "sve")) if (hw >> bit) & 1}
+        if "sve" in flags and (libc.prctl(51, 0, 0, 0, 0) & 0xFFFF) == 32:  # PR_SVE_GET_VL
+            flags.add("sve-vl256")
+    except (OSError, AttributeError):
+        return None
+    return flags
+
+
 def _cpu_features():
+    if _is_aarch64():  # (/proc/cpuinfo under qemu-user is the host's)
+        flags = _auxv_hwcap()
+        if flags is None:
+            pytest.skip("getauxval is not available")
+        return flags, "getauxval(AT_HWCAP)"
     flags = _proc_cpuinfo_flags()
     source = "/proc/cpuinfo"
     if flags is None:
@@ -88,6 +119,9 @@ def _kernels_for(flags, disabled=""):
     `disabled` (FASTATTN_DISABLE_CPU_FEATURES syntax) turned off: disabling AVX512F,
     AVX2, FMA or F16C rules out avx512, disabling AVX2, FMA or F16C rules out avx2."""
     off = {f.lower() for f in re.split(r"[,\s]+", disabled) if f}
+    off |= {ALIASES[f] for f in off if f in ALIASES}
+    if _is_aarch64():
+        return ["generic"] + [k for k in ("neon", "sve256") if NEEDS[k] <= set(flags) - off]
     have = set(flags) - off if _is_x86_64() else set()
     return ["generic"] + [k for k in ("avx2", "avx512") if NEEDS[k] <= have]
 
@@ -123,6 +157,8 @@ def test_cpu_feature_sources_agree():
     """/proc/cpuinfo and NumPy agree on the four features (where both are there), so
     neither source can hide a kernel from the test above."""
     proc, npy = _proc_cpuinfo_flags(), _numpy_flags()
+    if not _is_x86_64():
+        pytest.skip("x86-64's four features only")
     if proc is None or npy is None:
         pytest.skip("only one source of CPU features here")
     assert proc & set(NUMPY_NAMES) == npy
@@ -163,6 +199,19 @@ def test_x86_64_build_has_its_simd_kernels():
     assert not any("no x86 SIMD kernels" in ln for ln in lines), lines
 
 
+def test_aarch64_build_has_its_neon_kernel():
+    """On AArch64 the build includes the NEON kernel (setup.py adds it whenever it builds
+    for aarch64), and disabling NEON leaves the portable kernel with the switch named."""
+    if not _is_aarch64():
+        pytest.skip(f"not an AArch64 build ({platform.machine()})")
+    assert "neon" in SUPPORTED
+    lines = _in_subprocess("SVE")
+    assert lines[-1] == "neon" and any("Advanced SIMD" in ln for ln in lines), lines
+    lines = _in_subprocess("NEON")
+    assert lines[-1] == "generic" and any("NEON disabled by FASTATTN_DISABLE_CPU_FEATURES" in ln
+                                          for ln in lines), lines
+
+
 def test_generic_always_available():
     assert SUPPORTED[0] == "generic"
 
@@ -176,6 +225,7 @@ def test_best_kernel_chosen_by_default():
 
 @pytest.mark.parametrize("disabled", [
     "AVX512F", "avx512f", "AVX512F,AVX2", "AVX2", "FMA", "F16C", "f16c", "SSE3, AVX512F", "", "SSE3",
+    "NEON", "neon", "ASIMD", "AVX2,NEON", "SVE", "sve,AVX512F",
 ])
 def test_disable_features(disabled):
     """FASTATTN_DISABLE_CPU_FEATURES picks the best kernel the CPU has without the
