@@ -456,6 +456,8 @@ int fa_cpu_select(const char *disabled, char *why, int why_len)
                      : "the CPU (or the OS) has neither AVX2+FMA+F16C nor AVX512F";
 #elif defined(FA_HAVE_NEON_KERNELS)
                      : "the CPU does not report Advanced SIMD (NEON)";
+#elif defined(__x86_64__) || defined(__i386__)
+                     : "this build has no x86 SIMD kernels";
 #else
                      : "this build has no SIMD kernels for this CPU";
 #endif
