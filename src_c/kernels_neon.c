@@ -4,11 +4,12 @@
  * AArch64 CPU; chosen at run time by cpu.c, FASTATTN_DISABLE_CPU_FEATURES=NEON turns
  * it off).  128-bit vectors: 4 float32 or 2 float64 lanes.
  *
- * Register tiles (32 vector registers): QK^T 6 keys x 4 query vectors (24
- * accumulators, 4 loads and a broadcast: 29 registers) and P.V 6 query rows x 4
- * value vectors (24 accumulators).  On a core with four 128-bit FMA pipes and three
- * load pipes (Neoverse V1 and V2) a tile step is 24 FMAs against 10 loads: the FMA
- * pipes bind (bench/mca_model.py models it: the bench guide's table).
+ * Register tiles (32 vector registers): QK^T 5 keys x 4 query vectors (20
+ * accumulators, 4 query vectors and 5 key values: 29 registers) and P.V 5 query rows x
+ * 4 value vectors (20 accumulators).  6 x 4, as avx512 has, needs 34 registers: gcc
+ * spilled two accumulators, and llvm-mca put the loop at 86-89% of the FMA rate on
+ * Neoverse V1/V2, against 95% for 5 x 4 (four 128-bit FMA pipes: 20 FMAs against 9
+ * loads a step; bench/mca_model.py, the bench guide's table).
  *
  * exp is the AVX2 kernel's scheme (fa_exp.h: the magic-constant rounding, the doubled
  * polynomial, one multiply by 2^(n-1)) in NEON instructions: the same operations, so
