@@ -223,11 +223,13 @@ class BuildExt(build_ext):
             simd.update(ARM64_FILES)
             ext.define_macros.append(("FA_HAVE_NEON_KERNELS", "1"))
             print(f"fastattn: building for {target}: the NEON kernel")
-            if platform.system() != "Darwin" and _try_compile(self.compiler, SVE256_PROBE, SVE256_FLAGS):
+            if platform.system() == "Darwin":
+                pass  # (no Apple CPU has SVE)
+            elif _try_compile(self.compiler, SVE256_PROBE, SVE256_FLAGS):
                 simd[SVE256_FILE] = list(SVE256_FLAGS)
                 ext.define_macros.append(("FA_HAVE_SVE256_KERNELS", "1"))
                 print("fastattn: and the SVE kernel for a 256-bit vector length")
-            elif platform.system() != "Darwin":
+            else:
                 print("fastattn: the compiler has no -msve-vector-bits=256; no SVE kernel")
         if is_x86:
             ext.define_macros.append(("FA_HAVE_X86_KERNELS", "1"))

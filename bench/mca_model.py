@@ -69,17 +69,18 @@ BRANCH = re.compile(r"^(j[a-z]+)\s+([0-9a-f]+)\b")
 # test-and-branch, their target last
 BRANCH_ARM = re.compile(r"^(b\.[a-z]+|b|cbn?z\s+[wx]\d+,|tbn?z\s+[wx]\d+,\s*#\d+,)\s*([0-9a-f]+)\b")
 # The arm64 kernel's loops and the CPUs modelled for them (LLVM 19's scheduling models);
-# the products' 6 x 4 tile is 24 fmla, the softmax's loop the one with the most fmla of
-# its function (the exp's polynomial: 4 vectors of 4 logits a step).
+# the products' 5 x 4 tile is 20 fmla; the softmax's loop is the one with the most shl
+# (one a vector: the exp's 2^n, 4 vectors of 4 logits a step; gcc writes most of the
+# polynomial's steps as fmls, so counting fmla would not find it reliably).
 ARM_CPUS = (("Neoverse V1", "neoverse-v1"), ("Neoverse V2", "neoverse-v2"),
             ("Neoverse N1", "neoverse-n1"), ("Apple M1", "apple-m1"))
 ARM_LOOPS = ((QK, "fa_qk_tile_f32_neon", "fmla"),
              (PV, "fa_pv_tile_f32_neon", "fmla"),
-             (SM, "fa_softmax_tile_f32_neon", "fmla"))
-# the sve256 kernel (--kernel sve256): 8 lanes; its exp's polynomial in fmad
+             (SM, "fa_softmax_tile_f32_neon", "shl"))
+# the sve256 kernel (--kernel sve256): 8 lanes; the softmax's loop by its lsl (its 2^n)
 SVE_LOOPS = ((QK, "fa_qk_tile_f32_sve256", "fmla"),
              (PV, "fa_pv_tile_f32_sve256", "fmla"),
-             (SM, "fa_softmax_tile_f32_sve256", "fmad"))
+             (SM, "fa_softmax_tile_f32_sve256", "lsl"))
 SVE_PEAK_LOOPS = ("".join(f"fmla z{i}.s, p0/m, z30.s, z31.s\n" for i in range(24)),)
 # (two forms, the model's peak the faster: LLVM 19's apple-m1 model issues fmla by
 # element on three units and the plain vector form on two)
@@ -108,9 +109,10 @@ def objdump_for(so):
 
 def disassemble(so, symbol):
     """[(address, text)] of one function (AT&T syntax on x86, no raw bytes)."""
-    out = subprocess.run([objdump_for(so), "-d", "--no-show-raw-insn", f"--disassemble={symbol}", so],
+    objdump = objdump_for(so)
+    out = subprocess.run([objdump, "-d", "--no-show-raw-insn", f"--disassemble={symbol}", so],
                          check=True, capture_output=True, text=True).stdout
-    comment = "//" if objdump_for(so) != "objdump" else "#"  # ('#' is AArch64's immediate)
+    comment = "//" if objdump != "objdump" else "#"  # ('#' is AArch64's immediate)
     insns = []
     for line in out.splitlines():
         m = INSN.match(line)

@@ -113,8 +113,10 @@ unsigned fa_cpu_supported_isas(void)
     if (os_zmm && avx512f && avx2 && fma && f16c) isas |= 1u << FA_ISA_AVX512;
 #endif
 #ifdef FA_ARM64
-    if (fa_arm_neon()) isas |= 1u << FA_ISA_NEON;
-    if (fa_arm_neon() && fa_arm_sve256()) isas |= 1u << FA_ISA_SVE256;
+    if (fa_arm_neon()) {
+        isas |= 1u << FA_ISA_NEON;
+        if (fa_arm_sve256()) isas |= 1u << FA_ISA_SVE256;
+    }
 #endif
     return isas;
 }
