@@ -510,6 +510,7 @@ def write_demo_figures(out_dir: str = ".", *, dpi: int = 110) -> List[str]:
     Examples
     --------
     >>> import os, tempfile
+    >>> import matplotlib  # (the plot extra)
     >>> from fastattn.geometry import write_demo_figures
     >>> with tempfile.TemporaryDirectory() as d:
     ...     [os.path.basename(p) for p in write_demo_figures(d, dpi=20)]
