@@ -145,6 +145,13 @@ FA_ALWAYS_INLINE void FA_NAME(fa_nibbles)(const uint8_t *b, int sub, int8_t *c)
 FA_ALWAYS_INLINE FA_V FA_NAME(fa_row_load)(const int I8, const void *row, int64_t c,
                                            const float *srow, int gshift)
 {
+#ifdef FA_LUT16_WIDEN
+    if (I8 == 2 && gshift == 5) { /* the table of the group's 16 values (c - 8) * s */
+        const __m128i x = _mm_loadu_si128((const __m128i *)(const void *)((const uint8_t *)row + (c >> 5) * 16));
+        const FA_V t = FA_VMUL(FA_VSUB(FA_LUT16_IOTA(), FA_VSET1(8.f)), FA_VSET1(srow[c >> 5]));
+        return (c & 16) ? FA_LUT16_HI(FA_LUT16_WIDEN(x), t) : FA_LUT16_LO(FA_LUT16_WIDEN(x), t);
+    }
+#endif
 #if defined(FA_HAVE_SSE2) && defined(FA_I8_CVT)
     if (I8 == 2 && gshift == 5) { /* groups of 32: byte i holds channels i and i + 16 */
         const uint8_t *b = (const uint8_t *)row + (c >> 5) * 16 + (c & 15);
@@ -383,6 +390,13 @@ static void FA_NAME(fa_qk_keys_i8)(const FA_T *FA_RESTRICT qt, int64_t brp, int6
 FA_ALWAYS_INLINE FA_V FA_NAME(fa_lane_vec)(const int Q, const char *at, int hi, const float *s, const float *z)
 {
     if (Q == 0) return FA_KV_LOADU((const FA_KV *)(const void *)at);
+#ifdef FA_LUT16_WIDEN
+    if (Q == 4) { /* the table of the channel's 16 values fmaf(c, s, z) */
+        const FA_LUT16_I w = FA_LUT16_WIDEN(_mm_loadu_si128((const __m128i *)(const void *)at));
+        const FA_V t = FA_VFMA(FA_LUT16_IOTA(), FA_VSET1(*s), FA_VSET1(*z));
+        return hi ? FA_LUT16_HI(w, t) : FA_LUT16_LO(w, t);
+    }
+#endif
 #if defined(FA_HAVE_SSE2) && defined(FA_I8_CVT)
     if (Q == 4) {
         __m128i x = FA_VL == 16 ? _mm_loadu_si128((const __m128i *)(const void *)at)
@@ -476,6 +490,61 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_lanes_micro)(const int R, const int G, const
     FA_NAME(fa_lanes_store)(R, G, acc, nj, s, ks, rs);
 }
 
+#ifdef FA_LUT16_WIDEN
+/* fa_qk_lanes_uni's int4 features d (and d + 1 where TWO) from one widened load a group,
+ * each channel through the table of its 16 values fmaf(c, s, z) (the values the
+ * conversions give, so the same bits): a widening, a shift and two table reads a byte
+ * where masks and conversions took nine operations.  SH: the groups share one block's
+ * scales (sstride 0), one pair of tables for all. */
+FA_ALWAYS_INLINE void FA_NAME(fa_uni4_step)(const int R, const int G, const int SH, const int TWO, int64_t d,
+                                            const FA_T *FA_RESTRICT qt, int64_t brp, const char *base,
+                                            int64_t gstride, const float *sp, const float *zp, int64_t sstride,
+                                            int64_t bs, FA_V acc[FA_DOT_ROWS])
+{
+    const FA_V iota = FA_LUT16_IOTA();
+    const FA_T *q = qt + d * brp;
+    const char *bd = base + FA_NAME(fa_lane_off)(4, d, 0, bs);
+    FA_V tl = FA_VZERO(), th = FA_VZERO();
+    if (SH) {
+        tl = FA_VFMA(iota, FA_VSET1(sp[d]), FA_VSET1(zp[d]));
+        if (TWO) th = FA_VFMA(iota, FA_VSET1(sp[d + 1]), FA_VSET1(zp[d + 1]));
+    }
+    FA_PRAGMA_UNROLL(4)
+    for (int g = 0; g < G; g++) {
+        if (!SH) {
+            const float *sg = sp + g * sstride + d, *zg = zp + g * sstride + d;
+            tl = FA_VFMA(iota, FA_VSET1(sg[0]), FA_VSET1(zg[0]));
+            if (TWO) th = FA_VFMA(iota, FA_VSET1(sg[1]), FA_VSET1(zg[1]));
+        }
+        const FA_LUT16_I w = FA_LUT16_WIDEN(_mm_loadu_si128((const __m128i *)(const void *)(bd + g * gstride)));
+        const FA_V lo = FA_LUT16_LO(w, tl);
+        FA_PRAGMA_UNROLL(8)
+        for (int r = 0; r < R; r++) acc[g * R + r] = FA_VFMA(lo, FA_VSET1(q[r]), acc[g * R + r]);
+        if (TWO) {
+            const FA_V hi = FA_LUT16_HI(w, th);
+            FA_PRAGMA_UNROLL(8)
+            for (int r = 0; r < R; r++) acc[g * R + r] = FA_VFMA(hi, FA_VSET1(q[brp + r]), acc[g * R + r]);
+        }
+    }
+}
+
+FA_ALWAYS_INLINE void FA_NAME(fa_qk_uni4_lut)(const int R, const int G, const int SH, const FA_T *FA_RESTRICT qt,
+                                              int64_t brp, const char *base, int64_t gstride, const float *sp,
+                                              const float *zp, int64_t sstride, int64_t bs, int64_t D,
+                                              FA_V acc[FA_DOT_ROWS], const char *pf, int64_t pf_step)
+{
+    int64_t d = 0;
+    for (; d + 1 < D; d += 2) {
+        FA_NAME(fa_lanes_pf)(G, 8, pf, d * pf_step, (d + 2) * pf_step);
+        FA_NAME(fa_uni4_step)(R, G, SH, 1, d, qt, brp, base, gstride, sp, zp, sstride, bs, acc);
+    }
+    if (d < D) { /* an odd D's last channel, a low nibble */
+        FA_NAME(fa_lanes_pf)(G, 8, pf, d * pf_step, (d + 2) * pf_step);
+        FA_NAME(fa_uni4_step)(R, G, SH, 0, d, qt, brp, base, gstride, sp, zp, sstride, bs, acc);
+    }
+}
+#endif
+
 /* fa_qk_lanes_micro where the G groups are evenly spaced: group g's block data at
  * base + g * gstride bytes, its scales and zero points at sp, zp + g * sstride: all G
  * groups in one block (gstride FA_VL lanes), or one group a block in
@@ -493,6 +562,16 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_lanes_uni)(const int R, const int G, const i
     for (int g = 0; g < G; g++)
         FA_PRAGMA_UNROLL(8)
         for (int r = 0; r < R; r++) acc[g * R + r] = FA_VZERO();
+#ifdef FA_LUT16_WIDEN
+    if (Q == 4) {
+        if (sstride == 0)
+            FA_NAME(fa_qk_uni4_lut)(R, G, 1, qt, brp, base, gstride, sp, zp, sstride, bs, D, acc, pf, pf_step);
+        else
+            FA_NAME(fa_qk_uni4_lut)(R, G, 0, qt, brp, base, gstride, sp, zp, sstride, bs, D, acc, pf, pf_step);
+        FA_NAME(fa_lanes_store)(R, G, acc, nj, s, ks, rs);
+        return;
+    }
+#endif
 #if defined(FA_HAVE_SSE2) && defined(FA_I8_CVT)
     if (Q == 4) {
         /* int4: the two channels of a byte together, from one load (a shift and two

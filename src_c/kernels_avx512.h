@@ -369,4 +369,13 @@ static inline __m512 fa_bf16_loadu_n(const uint16_t *p, int n)
 #define FA_I8_LOADU(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p))))
 /* 16 int8 in a register as float32 (exact) */
 #define FA_I8_CVT(x) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x))
+/* int4 codes through a table of their 16 values: vpermps reads only an index's low 4
+ * bits, so 16 bytes widened to 32 bits index the table with their low nibbles as they
+ * are and with their high nibbles after one shift; no masks, no conversions, and the
+ * table (16 values computed as the conversions would) gives the same bits */
+#define FA_LUT16_I __m512i
+#define FA_LUT16_WIDEN(x) _mm512_cvtepu8_epi32(x)
+#define FA_LUT16_LO(w, t) _mm512_permutexvar_ps((w), (t))
+#define FA_LUT16_HI(w, t) _mm512_permutexvar_ps(_mm512_srli_epi32((w), 4), (t))
+#define FA_LUT16_IOTA() _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f)
 #endif /* FA_KERNELS_AVX512_H */

@@ -49,5 +49,10 @@
 #undef FA_ROW_TO_16
 #undef FA_I8_LOADU
 #undef FA_I8_CVT
+#undef FA_LUT16_I
+#undef FA_LUT16_WIDEN
+#undef FA_LUT16_LO
+#undef FA_LUT16_HI
+#undef FA_LUT16_IOTA
 #undef FA_HAVE_I8_PRODUCTS
 #undef FA_F32
