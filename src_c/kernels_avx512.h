@@ -30,6 +30,22 @@ static inline __m512i fa_emu_cvtepu8_epi32(__m128i x)
     for (int i = 0; i < 16; i++) b[i] = a[i];
     return _mm512_loadu_si512((const void *)b);
 }
+static inline __m512i fa_emu_cvtepi8_epi32(__m128i x)
+{
+    int8_t a[16];
+    int32_t b[16];
+    memcpy(a, &x, sizeof a);
+    for (int i = 0; i < 16; i++) b[i] = a[i];
+    return _mm512_loadu_si512((const void *)b);
+}
+static inline __m512 fa_emu_cvtepi32_ps(__m512i x)
+{
+    int32_t a[16];
+    float b[16];
+    memcpy(a, &x, sizeof a);
+    for (int i = 0; i < 16; i++) b[i] = (float)a[i];
+    return _mm512_loadu_ps(b);
+}
 static inline __m512i fa_emu_maskz_loadu_epi16(uint32_t m, const void *p)
 {
     uint16_t a[32] = {0};
@@ -65,6 +81,8 @@ static inline __m256i fa_emu_cvtepi32_epi16(__m512i x) /* vpmovdw: the low halve
 #define _mm512_cvtepi32_epi16(x) fa_emu_cvtepi32_epi16(x)
 #define _mm512_cvtepu16_epi32(x) fa_emu_cvtepu16_epi32(x)
 #define _mm512_cvtepu8_epi32(x) fa_emu_cvtepu8_epi32(x)
+#define _mm512_cvtepi8_epi32(x) fa_emu_cvtepi8_epi32(x)
+#define _mm512_cvtepi32_ps(x) fa_emu_cvtepi32_ps(x)
 #define _mm512_maskz_loadu_epi16(m, p) fa_emu_maskz_loadu_epi16((uint32_t)(m), (p))
 #define _mm512_maskz_loadu_ps(m, p) fa_emu_maskz_loadu_ps((uint32_t)(m), (p))
 #define _mm512_reduce_add_ps(x) fa_emu_reduce_add_ps(x)
