@@ -163,6 +163,12 @@ FA_ALWAYS_INLINE FA_V FA_NAME(fa_row_load)(const int I8, const void *row, int64_
     }
     if (I8 == 2) return FA_VMUL(FA_NAME(fa_nibbles_v)((const uint8_t *)row + c / 2, 8), FA_VSET1(srow[c >> gshift]));
 #endif
+#ifdef FA_U4_LOADU
+    if (I8 == 2 && gshift == 5) { /* the codes unpacked in registers: (c - 8) * s, exactly as below */
+        const uint8_t *b = (const uint8_t *)row + (c >> 5) * 16 + (c & 15);
+        return FA_VMUL(FA_VSUB(FA_U4_LOADU(b, (c & 16) ? 4 : 0), FA_VSET1(8.f)), FA_VSET1(srow[c >> 5]));
+    }
+#endif
 #ifdef FA_I8_LOADU
     if (I8 == 2) {
         int8_t codes[16];
@@ -404,6 +410,9 @@ FA_ALWAYS_INLINE FA_V FA_NAME(fa_lane_vec)(const int Q, const char *at, int hi, 
         if (hi) x = _mm_srli_epi16(x, 4);
         return FA_VFMA(FA_I8_CVT(_mm_and_si128(x, _mm_set1_epi8(15))), FA_VSET1(*s), FA_VSET1(*z));
     }
+#endif
+#ifdef FA_U4_LOADU
+    if (Q == 4) return FA_VFMA(FA_U4_LOADU(at, hi ? 4 : 0), FA_VSET1(*s), FA_VSET1(*z));
 #endif
     int8_t c[16];
     const int8_t *cp = (const int8_t *)at;

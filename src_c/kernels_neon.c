@@ -138,6 +138,17 @@ static inline float32x4_t fa_i8_loadu_neon(const int8_t *p)
     return vcvtq_f32_s32(vmovl_s16(vget_low_s16(h)));
 }
 
+/* 4 int4 codes as float32 (exact, 0..15): the low nibbles (sh 0) or the high ones (sh 4)
+ * of the 4 bytes at p, unpacked in registers */
+static inline float32x4_t fa_u4_loadu_neon(const uint8_t *p, int sh)
+{
+    uint32_t w;
+    memcpy(&w, p, sizeof w);
+    uint8x8_t b = vreinterpret_u8_u32(vdup_n_u32(w));
+    b = vand_u8(sh ? vshr_n_u8(b, 4) : b, vdup_n_u8(15));
+    return vcvtq_f32_u32(vmovl_u16(vget_low_u16(vmovl_u8(b))));
+}
+
 /* ---- float64 lane operations ---- */
 
 /* exp for 2 doubles (kernels_avx2.c: fa_exp_f64_avx2): magic 1.5 * 2^52 + 1022, the
@@ -266,6 +277,7 @@ static inline void fa_transpose_f64_neon(const double *const *rows, int64_t off,
 #define FA_VTRANSPOSE(r, o, d, s) fa_transpose_f32_neon((r), (o), (d), (s))
 #define FA_VTRANSPOSE_REGS(x) fa_transpose_regs_f32_neon(x)
 #define FA_I8_LOADU(p) fa_i8_loadu_neon((const int8_t *)(const void *)(p))
+#define FA_U4_LOADU(p, sh) fa_u4_loadu_neon((const uint8_t *)(const void *)(p), (sh))
 #include "kernels_tmpl.h"
 
 /* ---------------- float32 with float16 K/V: converted in registers (FCVTL) ---------------- */

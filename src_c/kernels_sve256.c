@@ -127,6 +127,15 @@ static inline fa_sf32 fa_i8_loadu_sve(const int8_t *p)
     return svcvt_f32_s32_x(FA_PT32, svld1sb_s32(FA_PT32, p));
 }
 
+/* 8 int4 codes as float32 (exact, 0..15): the low nibbles (sh 0) or the high ones (sh 4)
+ * of the 8 bytes at p, each loaded into its 32-bit lane */
+static inline fa_sf32 fa_u4_loadu_sve(const uint8_t *p, int sh)
+{
+    svuint32_t w = svld1ub_u32(FA_PT32, p);
+    if (sh) w = svlsr_n_u32_x(FA_PT32, w, 4);
+    return svcvt_f32_u32_x(FA_PT32, svand_n_u32_x(FA_PT32, w, 15));
+}
+
 /* ---- float64 lane operations ---- */
 
 static inline fa_sf64 fa_exp_f64_sve(fa_sf64 x)
@@ -236,6 +245,7 @@ static inline fa_sf64 fa_mask_bytes_f64_sve(fa_sf64 x, const uint8_t *p)
 #define FA_VIN_RANGE(x, j, lo, hi) fa_in_range_f32_sve((x), (j), (lo), (hi))
 #define FA_VMASK_BYTES(x, p) fa_mask_bytes_f32_sve((x), (p))
 #define FA_I8_LOADU(p) fa_i8_loadu_sve((const int8_t *)(const void *)(p))
+#define FA_U4_LOADU(p, sh) fa_u4_loadu_sve((const uint8_t *)(const void *)(p), (sh))
 #include "kernels_tmpl.h"
 
 /* ---------------- float32 with float16 K/V: converted in registers ---------------- */

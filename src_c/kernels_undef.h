@@ -48,6 +48,7 @@
 #undef FA_FLOAT_TO_16
 #undef FA_ROW_TO_16
 #undef FA_I8_LOADU
+#undef FA_U4_LOADU
 #undef FA_I8_CVT
 #undef FA_LUT16_I
 #undef FA_LUT16_WIDEN
