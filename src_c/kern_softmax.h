@@ -14,6 +14,36 @@
  * FA_VMAX (NaN-propagating), FA_VNEGINF_TO_ZERO, FA_VREDUCE.
  */
 
+/* The row sums of a key tile's p (query-major: row i's p of key j at s[j * brp + i],
+ * FA_VL rows a vector): key j (counted from the tile's first key) goes to chain
+ * j mod FA_VL, each chain adds its keys in order from 0, and the FA_VL chains are added
+ * by halves (chain k + w into chain k, w = FA_VL / 2, ..., 1).  fa_softmax_row adds a
+ * decode row's keys in the same chains, as the lanes of one vector over keys: the same
+ * adds, so the same bits, at one vector add per FA_VL keys (the two scalar chains of
+ * even and odd keys it had were 7-11% of a decode's samples, bound by the adds' latency).
+ * Here one load and add per key a query vector, after the exps: next to the key's 2D
+ * FMAs of the products, nothing. */
+FA_ALWAYS_INLINE FA_V FA_NAME(fa_tile_sums)(const FA_T *FA_RESTRICT sc, int64_t nk, int64_t brp)
+{
+    FA_V acc[FA_VL];
+    FA_PRAGMA_UNROLL(16)
+    for (int k = 0; k < FA_VL; k++) acc[k] = FA_VZERO();
+    int64_t j = 0;
+    for (; j + FA_VL <= nk; j += FA_VL)
+        FA_PRAGMA_UNROLL(16)
+        for (int k = 0; k < FA_VL; k++) acc[k] = FA_VADD(acc[k], FA_VLOAD(sc + (j + k) * brp));
+    FA_PRAGMA_UNROLL(16)
+    for (int k = 0; k < FA_VL; k++)
+        if (j + k < nk) acc[k] = FA_VADD(acc[k], FA_VLOAD(sc + (j + k) * brp));
+#define FA_HALVES(w)                                                      \
+    if (FA_VL >= 2 * (w))                                                 \
+        FA_PRAGMA_UNROLL(8)                                               \
+        for (int k = 0; k < (w); k++) acc[k] = FA_VADD(acc[k], acc[k + (w)]);
+    FA_HALVES(8) FA_HALVES(4) FA_HALVES(2) FA_HALVES(1)
+#undef FA_HALVES
+    return acc[0];
+}
+
 /* Online-softmax step for one key block, vectorized over queries: new running max,
  * probabilities p = exp(s - m) written over s, running sum l rescaled by
  * alpha = exp(m_old - m_new) and increased by the block's row sums (exp fused with
@@ -39,20 +69,16 @@ static void FA_NAME(fa_softmax_tile_u)(FA_T *FA_RESTRICT s, int64_t nk, int c0, 
             for (int64_t j = 0; j < nk; j++) m_new = FA_VMAX(m_new, FA_VLOAD(sc + j * brp));
         const FA_V m_use = FA_VNEGINF_TO_ZERO(m_new);
         const FA_V a = FA_VEXP(FA_VSUB(m_old, m_use));
-        /* the row sums pair up exactly as in fa_softmax_tile: the output and lse of
-         * a call do not change when the statistics are asked for */
-        FA_V sum0 = FA_VZERO(), sum1 = FA_VZERO(), us = FA_VZERO();
+        FA_V us = FA_VZERO();
         for (int64_t j = 0; j < nk; j++) {
             const FA_V x = FA_VSUB(FA_VLOAD(sc + j * brp), m_use);
             const FA_V e = FA_VEXP_LOGIT(x);
             FA_VSTORE(sc + j * brp, e);
-            if (j & 1)
-                sum1 = FA_VADD(sum1, e);
-            else
-                sum0 = FA_VADD(sum0, e);
             us = FA_VFMA(e, FA_VNEGINF_TO_ZERO(x), us);
         }
-        const FA_V sum = FA_VADD(sum0, sum1);
+        /* the row sums as fa_softmax_tile's: the output and lse of a call do not
+         * change when the statistics are asked for */
+        const FA_V sum = FA_NAME(fa_tile_sums)(sc, nk, brp);
         const FA_V l_old = FA_VLOAD(l + c * FA_VL);
         const FA_V shift = FA_VMUL(FA_VNEGINF_TO_ZERO(FA_VSUB(m_old, m_use)), l_old);
         FA_VSTORE(u + c * FA_VL, FA_VFMA(a, FA_VADD(FA_VLOAD(u + c * FA_VL), shift), us));
@@ -81,36 +107,20 @@ static void FA_NAME(fa_softmax_tile)(FA_T *FA_RESTRICT s, int64_t nk, int c0, in
             for (int64_t j = 0; j < nk; j++) m_new = FA_VMAX(m_new, FA_VLOAD(sc + j * brp));
         FA_V m_use = FA_VNEGINF_TO_ZERO(m_new);
         FA_V a = FA_VEXP(FA_VSUB(m_old, m_use));
-        FA_V sum0 = FA_VZERO(), sum1 = FA_VZERO();
         int64_t j = 0;
 #ifdef FA_VEXP_LOGIT4
         /* four keys at a time through the ISA's interleaved exp (the values of
-         * FA_VEXP_LOGIT one by one), the sums taking them in the pairs' order */
+         * FA_VEXP_LOGIT one by one) */
         for (; j + 3 < nk; j += 4) {
             FA_V e[4];
             for (int k = 0; k < 4; k++) e[k] = FA_VSUB(FA_VLOAD(sc + (j + k) * brp), m_use);
             FA_VEXP_LOGIT4(e);
             for (int k = 0; k < 4; k++) FA_VSTORE(sc + (j + k) * brp, e[k]);
-            sum0 = FA_VADD(sum0, e[0]);
-            sum1 = FA_VADD(sum1, e[1]);
-            sum0 = FA_VADD(sum0, e[2]);
-            sum1 = FA_VADD(sum1, e[3]);
         }
 #endif
-        for (; j + 1 < nk; j += 2) {
-            FA_V e0 = FA_VEXP_LOGIT(FA_VSUB(FA_VLOAD(sc + j * brp), m_use));
-            FA_V e1 = FA_VEXP_LOGIT(FA_VSUB(FA_VLOAD(sc + (j + 1) * brp), m_use));
-            FA_VSTORE(sc + j * brp, e0);
-            FA_VSTORE(sc + (j + 1) * brp, e1);
-            sum0 = FA_VADD(sum0, e0);
-            sum1 = FA_VADD(sum1, e1);
-        }
-        if (j < nk) {
-            FA_V e0 = FA_VEXP_LOGIT(FA_VSUB(FA_VLOAD(sc + j * brp), m_use));
-            FA_VSTORE(sc + j * brp, e0);
-            sum0 = FA_VADD(sum0, e0);
-        }
-        FA_VSTORE(l + c * FA_VL, FA_VFMA(FA_VLOAD(l + c * FA_VL), a, FA_VADD(sum0, sum1)));
+        for (; j < nk; j++) FA_VSTORE(sc + j * brp, FA_VEXP_LOGIT(FA_VSUB(FA_VLOAD(sc + j * brp), m_use)));
+        const FA_V sum = FA_NAME(fa_tile_sums)(sc, nk, brp);
+        FA_VSTORE(l + c * FA_VL, FA_VFMA(FA_VLOAD(l + c * FA_VL), a, sum));
         FA_VSTORE(m + c * FA_VL, m_new);
         FA_VSTORE(alpha + c * FA_VL, a);
     }
@@ -120,8 +130,8 @@ static void FA_NAME(fa_softmax_tile)(FA_T *FA_RESTRICT s, int64_t nk, int c0, in
  * rounded up to FA_VL), with vectors over keys, so the exp of FA_VL keys costs one
  * vector exp, not FA_VL exps of which one lane is used (decoding).  The same bits
  * as fa_softmax_tile gives the row in a query-major tile: the same max, the same
- * exp of each logit (lane-wise), the even and odd keys' sums added one by one in
- * key order, and alpha and the new sum by the same vector operations. */
+ * exp of each logit (lane-wise), the sums in fa_tile_sums's chains, and alpha and
+ * the new sum by the same vector operations. */
 static void FA_NAME(fa_softmax_row)(FA_T *FA_RESTRICT s, int64_t nk, FA_T *FA_RESTRICT m,
                                     FA_T *FA_RESTRICT l, FA_T *FA_RESTRICT alpha)
 {
@@ -129,22 +139,62 @@ static void FA_NAME(fa_softmax_row)(FA_T *FA_RESTRICT s, int64_t nk, FA_T *FA_RE
     for (int64_t j = nk; j < nkv; j++) s[j] = -(FA_T)INFINITY; /* padding: p = 0 */
     FA_V mx = FA_VLOAD(s);
     for (int64_t j = FA_VL; j < nkv; j += FA_VL) mx = FA_VMAX(mx, FA_VLOAD(s + j));
-    FA_T lanes[FA_VL], m_new = m[0];
+    FA_T lanes[FA_VL];
+#ifdef FA_VHMAX_NAN
+    const FA_T mx1 = FA_VHMAX_NAN(mx);
+#else
     FA_VSTOREU(lanes, mx);
-    for (int i = 0; i < FA_VL; i++)
-        if (lanes[i] > m_new || lanes[i] != lanes[i]) m_new = lanes[i];
+    /* the lanes' max by halves (4 steps at 16 lanes, not a chain of 16: NaN wins, as in
+     * FA_VMAX; the max's value does not depend on the order, up to a zero's sign,
+     * which no result sees: s - m and exp(m - m') are the same for -0 and +0) */
+#define FA_HALVES(w)                                                                   \
+    if (FA_VL >= 2 * (w))                                                              \
+        FA_PRAGMA_UNROLL(8)                                                            \
+        for (int k = 0; k < (w); k++)                                                  \
+            if (lanes[k + (w)] > lanes[k] || lanes[k + (w)] != lanes[k + (w)]) lanes[k] = lanes[k + (w)];
+    FA_HALVES(8) FA_HALVES(4) FA_HALVES(2) FA_HALVES(1)
+#undef FA_HALVES
+    const FA_T mx1 = lanes[0];
+#endif
+    FA_T m_new = m[0];
+    if (mx1 > m_new || mx1 != mx1) m_new = mx1;
     const FA_T m_use = m_new == -(FA_T)INFINITY ? (FA_T)0 : m_new;
     const FA_V mu = FA_VSET1(m_use);
-    for (int64_t j = 0; j < nkv; j += FA_VL) FA_VSTORE(s + j, FA_VEXP_LOGIT(FA_VSUB(FA_VLOAD(s + j), mu)));
-    FA_T sum0 = 0, sum1 = 0;
+    /* lane k sums keys k, k + FA_VL, ... in order: fa_tile_sums's chains (the padding's
+     * p are 0, and x + 0 is x) */
+    FA_V sv = FA_VZERO();
     int64_t j = 0;
-    for (; j + 1 < nk; j += 2) {
-        sum0 += s[j];
-        sum1 += s[j + 1];
+#ifdef FA_VEXP_LOGIT4
+    for (; j + 4 * FA_VL <= nkv; j += 4 * FA_VL) { /* (the same values, interleaved) */
+        FA_V e[4];
+        for (int k = 0; k < 4; k++) e[k] = FA_VSUB(FA_VLOAD(s + j + k * FA_VL), mu);
+        FA_VEXP_LOGIT4(e);
+        for (int k = 0; k < 4; k++) {
+            FA_VSTORE(s + j + k * FA_VL, e[k]);
+            sv = FA_VADD(sv, e[k]);
+        }
     }
-    if (j < nk) sum0 += s[j];
+#endif
+    for (; j < nkv; j += FA_VL) {
+        const FA_V e = FA_VEXP_LOGIT(FA_VSUB(FA_VLOAD(s + j), mu));
+        FA_VSTORE(s + j, e);
+        sv = FA_VADD(sv, e);
+    }
+#ifdef FA_VHSUM_HALVES
+    const FA_T sum = FA_VHSUM_HALVES(sv);
+#else
+    FA_VSTOREU(lanes, sv);
+    /* the chains by halves, as fa_tile_sums */
+#define FA_HALVES(w)                  \
+    if (FA_VL >= 2 * (w))             \
+        FA_PRAGMA_UNROLL(8)           \
+        for (int k = 0; k < (w); k++) lanes[k] = lanes[k] + lanes[k + (w)];
+    FA_HALVES(8) FA_HALVES(4) FA_HALVES(2) FA_HALVES(1)
+#undef FA_HALVES
+    const FA_T sum = lanes[0];
+#endif
     const FA_V a = FA_VEXP(FA_VSUB(FA_VSET1(m[0]), mu));
-    FA_VSTOREU(lanes, FA_VFMA(FA_VSET1(l[0]), a, FA_VSET1(sum0 + sum1)));
+    FA_VSTOREU(lanes, FA_VFMA(FA_VSET1(l[0]), a, FA_VSET1(sum)));
     l[0] = lanes[0];
     FA_VSTOREU(lanes, a);
     alpha[0] = lanes[0];

@@ -351,6 +351,33 @@ static inline __m512 fa_bf16_loadu_n(const uint16_t *p, int n)
     return fa_bf16_loadu(tmp);
 }
 
+/* x's lanes added by halves (lane k + 8 into lane k, then + 4, + 2, + 1): the chains of
+ * kern_softmax.h's fa_tile_sums, in three shuffles and four adds */
+static inline float fa_hsum_halves_ps(__m512 x)
+{
+    const __m256 y = _mm256_add_ps(_mm512_castps512_ps256(x),
+                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    const __m128 z = _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
+    const __m128 w = _mm_add_ps(z, _mm_movehl_ps(z, z));
+    return _mm_cvtss_f32(_mm_add_ss(w, _mm_shuffle_ps(w, w, 1)));
+}
+/* x's largest lane, or a NaN lane where there is one (a max's value does not depend on
+ * the order, but for a zero's sign) */
+static inline float fa_hmax_nan_ps(__m512 x)
+{
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    if (nan) {
+        float lanes[16];
+        _mm512_storeu_ps(lanes, x);
+        return lanes[__builtin_ctz(nan)];
+    }
+    const __m256 y = _mm256_max_ps(_mm512_castps512_ps256(x),
+                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    const __m128 z = _mm_max_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
+    const __m128 w = _mm_max_ps(z, _mm_movehl_ps(z, z));
+    return _mm_cvtss_f32(_mm_max_ss(w, _mm_shuffle_ps(w, w, 1)));
+}
+
 /* ---------------- the float32 vector operations (kernels_tmpl.h lists them) ---------------- */
 #define FA_T float
 #define FA_V __m512
@@ -376,6 +403,8 @@ static inline __m512 fa_bf16_loadu_n(const uint16_t *p, int n)
 #define FA_VEXP_LOGIT4(x) fa_exp_logit_n_f32_avx512((x), 4)
 #define FA_VNEGINF_TO_ZERO(x) fa_neginf_to_zero_ps(x)
 #define FA_VREDUCE(x) _mm512_reduce_add_ps(x)
+#define FA_VHSUM_HALVES(x) fa_hsum_halves_ps(x)
+#define FA_VHMAX_NAN(x) fa_hmax_nan_ps(x)
 #define FA_VABS(x) _mm512_abs_ps(x)
 #define FA_VDIV(a, b) _mm512_div_ps((a), (b))
 #define FA_VCOPYSIGN(m, s) fa_copysign_ps((m), (s))

@@ -37,6 +37,8 @@
 #undef FA_KV16_LO
 #undef FA_KV16_HI
 #undef FA_VREDUCE
+#undef FA_VHSUM_HALVES
+#undef FA_VHMAX_NAN
 #undef FA_KV
 #undef FA_KV_BCAST
 #undef FA_KV_LOADU
