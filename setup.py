@@ -30,6 +30,11 @@ STRIP_LINK = ["-Wl,--strip-debug"] if platform.system() == "Linux" else []
 if "-fsanitize" in os.environ.get("CFLAGS", ""):
     COMMON_C = ["-O1", "-g"] + COMMON_C[2:]
     STRIP_LINK = []
+# The SIMD files without Python's -fwrapv (in its CFLAGS, which the extension inherits):
+# under it GCC 12 kept an accumulator of the one-row int4 decode kernel on the stack,
+# loaded, FMA'd and stored at every feature (signed overflow is a bug there anyway:
+# .ci/sanitize's UBSan build would report it).
+KERNEL_C = ["-fno-wrapv"]
 # Per-file instruction-set flags: only these files get them.
 SIMD_FILES = {
     "kernels_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
@@ -268,7 +273,7 @@ class BuildExt(build_ext):
         def simd_args(name, flags):  # one SIMD file, with its own flags only
             return dict(sources=[os.path.join(SRC, name)], output_dir=self.build_temp,
                         macros=ext.define_macros, include_dirs=ext.include_dirs,
-                        extra_postargs=(flags if name == JAX_FILE else COMMON_C + flags),
+                        extra_postargs=(flags if name == JAX_FILE else COMMON_C + KERNEL_C + flags),
                         depends=[os.path.join(SRC, h) for h in HEADERS])
         ext.extra_objects = list(ext.extra_objects or [])
         # the separately compiled files are the extension's too: a change to one relinks it
