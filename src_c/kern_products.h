@@ -629,8 +629,8 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_lanes_uni)(const int R, const int G, const i
 /* Each (rows, groups, key type) of the two lanes micro-kernels as a function of its own:
  * inlined all into fa_qk_lanes (48 loops in one function), GCC (12) kept most of their
  * accumulators on the stack, loaded and stored at every feature (78-102 FMAs from
- * memory in each ISA's function); apart, and with fa_lanes_pf, 2-4 in the one-row ones
- * (one accumulator; none without Python's -fwrapv, which measured level). */
+ * memory in each ISA's function); apart, and with fa_lanes_pf, 2-6 in the one-row ones
+ * under Python's -fwrapv, none since setup.py compiles these files with -fno-wrapv. */
 #define FA_QKL_FNS(R, G, Q)                                                                                   \
     static __attribute__((noinline)) void FA_NAME(fa_qk_uni_##R##_##Q)(                                       \
         const FA_T *FA_RESTRICT qt, int64_t brp, const char *base, int64_t gstride, const float *sp,           \
