@@ -31,8 +31,8 @@ if "-fsanitize" in os.environ.get("CFLAGS", ""):
     COMMON_C = ["-O1", "-g"] + COMMON_C[2:]
     STRIP_LINK = []
 # The SIMD files without Python's -fwrapv (in its CFLAGS, which the extension inherits):
-# under it GCC 12 kept an accumulator of the one-row int4 decode kernel on the stack,
-# loaded, FMA'd and stored at every feature (signed overflow is a bug there anyway:
+# under it GCC 12 kept accumulators of the one-row decode kernels (int8, int4, 16-bit K)
+# on the stack, loaded, FMA'd and stored at every feature (signed overflow is a bug there anyway:
 # .ci/sanitize's UBSan build would report it).
 KERNEL_C = ["-fno-wrapv"]
 # Per-file instruction-set flags: only these files get them.

@@ -23,6 +23,24 @@
  * even and odd keys it had were 7-11% of a decode's samples, bound by the adds' latency).
  * Here one load and add per key a query vector, after the exps: next to the key's 2D
  * FMAs of the products, nothing. */
+#if FA_VL > 16
+#error "kern_softmax.h's halves start at FA_VL / 2 <= 8"
+#endif
+#ifndef FA_BY_HALVES
+/* a[k] = OP(a[k], a[k + w]) for k < w, w = FA_VL / 2, ..., 2, 1: the chains (or lanes)
+ * combined by halves, each step unrolled (w a constant in each) */
+#define FA_HALF_STEP(a, OP, w)                \
+    if (FA_VL >= 2 * (w))                     \
+        FA_PRAGMA_UNROLL(8)                   \
+        for (int k_ = 0; k_ < (w); k_++) (a)[k_] = OP((a)[k_], (a)[k_ + (w)]);
+#define FA_BY_HALVES(a, OP)                                                                      \
+    do {                                                                                         \
+        FA_HALF_STEP(a, OP, 8) FA_HALF_STEP(a, OP, 4) FA_HALF_STEP(a, OP, 2) FA_HALF_STEP(a, OP, 1) \
+    } while (0)
+#define FA_ADD1(x, y) ((x) + (y))
+/* NaN wins, as in FA_VMAX */
+#define FA_MAX1(x, y) ((y) > (x) || (y) != (y) ? (y) : (x))
+#endif
 FA_ALWAYS_INLINE FA_V FA_NAME(fa_tile_sums)(const FA_T *FA_RESTRICT sc, int64_t nk, int64_t brp)
 {
     FA_V acc[FA_VL];
@@ -35,12 +53,7 @@ FA_ALWAYS_INLINE FA_V FA_NAME(fa_tile_sums)(const FA_T *FA_RESTRICT sc, int64_t 
     FA_PRAGMA_UNROLL(16)
     for (int k = 0; k < FA_VL; k++)
         if (j + k < nk) acc[k] = FA_VADD(acc[k], FA_VLOAD(sc + (j + k) * brp));
-#define FA_HALVES(w)                                                      \
-    if (FA_VL >= 2 * (w))                                                 \
-        FA_PRAGMA_UNROLL(8)                                               \
-        for (int k = 0; k < (w); k++) acc[k] = FA_VADD(acc[k], acc[k + (w)]);
-    FA_HALVES(8) FA_HALVES(4) FA_HALVES(2) FA_HALVES(1)
-#undef FA_HALVES
+    FA_BY_HALVES(acc, FA_VADD);
     return acc[0];
 }
 
@@ -147,13 +160,7 @@ static void FA_NAME(fa_softmax_row)(FA_T *FA_RESTRICT s, int64_t nk, FA_T *FA_RE
     /* the lanes' max by halves (4 steps at 16 lanes, not a chain of 16: NaN wins, as in
      * FA_VMAX; the max's value does not depend on the order, up to a zero's sign,
      * which no result sees: s - m and exp(m - m') are the same for -0 and +0) */
-#define FA_HALVES(w)                                                                   \
-    if (FA_VL >= 2 * (w))                                                              \
-        FA_PRAGMA_UNROLL(8)                                                            \
-        for (int k = 0; k < (w); k++)                                                  \
-            if (lanes[k + (w)] > lanes[k] || lanes[k + (w)] != lanes[k + (w)]) lanes[k] = lanes[k + (w)];
-    FA_HALVES(8) FA_HALVES(4) FA_HALVES(2) FA_HALVES(1)
-#undef FA_HALVES
+    FA_BY_HALVES(lanes, FA_MAX1);
     const FA_T mx1 = lanes[0];
 #endif
     FA_T m_new = m[0];
@@ -184,13 +191,7 @@ static void FA_NAME(fa_softmax_row)(FA_T *FA_RESTRICT s, int64_t nk, FA_T *FA_RE
     const FA_T sum = FA_VHSUM_HALVES(sv);
 #else
     FA_VSTOREU(lanes, sv);
-    /* the chains by halves, as fa_tile_sums */
-#define FA_HALVES(w)                  \
-    if (FA_VL >= 2 * (w))             \
-        FA_PRAGMA_UNROLL(8)           \
-        for (int k = 0; k < (w); k++) lanes[k] = lanes[k] + lanes[k + (w)];
-    FA_HALVES(8) FA_HALVES(4) FA_HALVES(2) FA_HALVES(1)
-#undef FA_HALVES
+    FA_BY_HALVES(lanes, FA_ADD1); /* the chains by halves, as fa_tile_sums */
     const FA_T sum = lanes[0];
 #endif
     const FA_V a = FA_VEXP(FA_VSUB(FA_VSET1(m[0]), mu));
