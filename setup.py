@@ -72,12 +72,14 @@ void f(const void *cfg, const void *a, const void *b, void *c) {
 # AArch64: the NEON kernel, with the baseline's flags (NEON and its float16 conversions
 # are part of every AArch64 CPU).
 ARM64_FILES = {"kernels_neon.c": ["-march=armv8-a"]}
-# SVE at 256 bits (Graviton 3), where the compiler knows SVE's fixed-length types (gcc 10+,
-# clang 12+); cpu.c runs it only on CPUs with SVE at that vector length.  Not on macOS
+# SVE at 256 bits (Graviton 3) and at 128 bits (Graviton 4, Grace, Axion), one build of
+# kernels_sve.h per length, where the compiler knows SVE's fixed-length types (gcc 10+,
+# clang 12+); cpu.c runs each only on CPUs with SVE at its vector length.  Not on macOS
 # (no Apple CPU has SVE).
-SVE256_FILE = "kernels_sve256.c"
-SVE256_FLAGS = ["-march=armv8.2-a+sve", "-msve-vector-bits=256"]
-SVE256_PROBE = r"""
+SVE_FILES = {f"kernels_sve{bits}.c": ["-march=armv8.2-a+sve", f"-msve-vector-bits={bits}"]
+             for bits in (256, 128)}
+SVE_PROBE_FLAGS = SVE_FILES["kernels_sve256.c"]
+SVE_PROBE = r"""
 #include <arm_sve.h>
 typedef svfloat32_t v8 __attribute__((arm_sve_vector_bits(256)));
 v8 f(v8 a, v8 b) { v8 t[2] = {a, b}; return svmla_f32_x(svptrue_b32(), t[0], t[1], b); }
@@ -124,6 +126,29 @@ int main(void) {
     return n >= 1 ? 0 : 1;
 }
 """
+
+
+def _libomp_flag_sets():
+    """Apple's clang has no -fopenmp of its own: with LLVM's OpenMP runtime (Homebrew's
+    `libomp`, or the prefix named by FASTATTN_LIBOMP, holding include/omp.h and
+    lib/libomp.*) it takes the pragmas through its preprocessor and the library by name.
+    One (compile flags, link flags) pair for each such prefix that exists."""
+    prefixes = [os.environ["FASTATTN_LIBOMP"]] if os.environ.get("FASTATTN_LIBOMP") else []
+    if platform.system() == "Darwin":
+        try:
+            r = subprocess.run(["brew", "--prefix", "libomp"], capture_output=True, text=True, timeout=60)
+            if r.returncode == 0 and r.stdout.strip():
+                prefixes.append(r.stdout.strip())
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        prefixes += ["/opt/homebrew/opt/libomp", "/usr/local/opt/libomp"]
+    sets = []
+    for prefix in dict.fromkeys(prefixes):
+        inc, lib = os.path.join(prefix, "include"), os.path.join(prefix, "lib")
+        if os.path.isfile(os.path.join(inc, "omp.h")):
+            sets.append((["-Xpreprocessor", "-fopenmp", f"-I{inc}"],
+                         [f"-L{lib}", "-lomp", f"-Wl,-rpath,{lib}"]))
+    return sets
 
 
 @functools.lru_cache(maxsize=None)
@@ -210,13 +235,23 @@ class BuildExt(build_ext):
         ext.define_macros = list(ext.define_macros or [])
 
         omp_flags = ["-fopenmp"]
-        if _try_compile_run(self.compiler, OPENMP_TEST, omp_flags):
+        libomp = None
+        if not _try_compile_run(self.compiler, OPENMP_TEST, omp_flags):  # (Apple's clang: libomp?)
+            libomp = next((fl for fl in _libomp_flag_sets()
+                           if _try_compile_run(self.compiler, OPENMP_TEST, fl[0] + fl[1])), None)
+            omp_flags = None
+        if omp_flags:
             ext.extra_compile_args += omp_flags
             ext.extra_link_args += omp_flags
             print("fastattn: OpenMP found (-fopenmp)")
+        elif libomp:
+            ext.extra_compile_args += libomp[0]
+            ext.extra_link_args += libomp[1]
+            print(f"fastattn: OpenMP found (libomp: {' '.join(libomp[0] + libomp[1])})")
         else:
-            msg = ("fastattn: OpenMP not found (a test program with -fopenmp did not compile "
-                   "and run); building the serial kernel")
+            msg = ("fastattn: OpenMP not found (a test program with -fopenmp, or with libomp's "
+                   "-Xpreprocessor -fopenmp -lomp where FASTATTN_LIBOMP or Homebrew names it, did "
+                   "not compile and run); building the serial kernel")
             if os.environ.get("FASTATTN_REQUIRE_OPENMP", "") not in ("", "0"):
                 raise RuntimeError(msg + " and FASTATTN_REQUIRE_OPENMP is set")
             warnings.warn(msg)
@@ -230,12 +265,12 @@ class BuildExt(build_ext):
             print(f"fastattn: building for {target}: the NEON kernel")
             if platform.system() == "Darwin":
                 pass  # (no Apple CPU has SVE)
-            elif _try_compile(self.compiler, SVE256_PROBE, SVE256_FLAGS):
-                simd[SVE256_FILE] = list(SVE256_FLAGS)
-                ext.define_macros.append(("FA_HAVE_SVE256_KERNELS", "1"))
-                print("fastattn: and the SVE kernel for a 256-bit vector length")
+            elif _try_compile(self.compiler, SVE_PROBE, SVE_PROBE_FLAGS):
+                simd.update({f: list(flags) for f, flags in SVE_FILES.items()})
+                ext.define_macros.append(("FA_HAVE_SVE_KERNELS", "1"))
+                print("fastattn: and the SVE kernels for 256-bit and 128-bit vector lengths")
             else:
-                print("fastattn: the compiler has no -msve-vector-bits=256; no SVE kernel")
+                print("fastattn: the compiler has no -msve-vector-bits; no SVE kernel")
         if is_x86:
             ext.define_macros.append(("FA_HAVE_X86_KERNELS", "1"))
             if EMULATE_BF16:

@@ -73,14 +73,23 @@ BRANCH_ARM = re.compile(r"^(b\.[a-z]+|b|cbn?z\s+[wx]\d+,|tbn?z\s+[wx]\d+,\s*#\d+
 # (one a vector: the exp's 2^n, 4 vectors of 4 logits a step; gcc writes most of the
 # polynomial's steps as fmls, so counting fmla would not find it reliably).
 ARM_CPUS = (("Neoverse V1", "neoverse-v1"), ("Neoverse V2", "neoverse-v2"),
-            ("Neoverse N1", "neoverse-n1"), ("Apple M1", "apple-m1"))
+            ("Neoverse N1", "neoverse-n1"), ("Apple M1", "apple-m1"), ("Neoverse N2", "neoverse-n2"))
 ARM_LOOPS = ((QK, "fa_qk_tile_f32_neon", "fmla"),
              (PV, "fa_pv_tile_f32_neon", "fmla"),
              (SM, "fa_softmax_tile_f32_neon", "shl"))
-# the sve256 kernel (--kernel sve256): 8 lanes; the softmax's loop by its lsl (its 2^n)
-SVE_LOOPS = ((QK, "fa_qk_tile_f32_sve256", "fmla"),
-             (PV, "fa_pv_tile_f32_sve256", "fmla"),
-             (SM, "fa_softmax_tile_f32_sve256", "lsl"))
+# the SVE kernels (--kernel sve256 / sve128): 8 and 4 lanes, each modelled on the CPUs
+# with its vector length (Neoverse V1: 256 bits; V2 and N2: 128); the softmax's loop by
+# its fexpa (one a vector: the exp's 2^N)
+SVE_CPUS = {"sve256": ("neoverse-v1",), "sve128": ("neoverse-v2", "neoverse-n2")}
+SVE_LANES = {"sve256": 8, "sve128": 4}
+
+
+def sve_loops(kernel):
+    return ((QK, f"fa_qk_tile_f32_{kernel}", "fmla"),
+            (PV, f"fa_pv_tile_f32_{kernel}", "fmla"),
+            (SM, f"fa_softmax_tile_f32_{kernel}", "fexpa"))
+
+
 SVE_PEAK_LOOPS = ("".join(f"fmla z{i}.s, p0/m, z30.s, z31.s\n" for i in range(24)),)
 # (two forms, the model's peak the faster: LLVM 19's apple-m1 model issues fmla by
 # element on three units and the plain vector form on two)
@@ -184,7 +193,7 @@ def main(argv=None):
     ap.add_argument("--D", type=int, default=64, help="head size of the forward prediction")
     ap.add_argument("--measured", type=float, help="measured forward, a fraction of the FMA peak")
     ap.add_argument("--show", help="print the picked loop of this symbol and exit")
-    ap.add_argument("--kernel", choices=("neon", "sve256"), default="neon",
+    ap.add_argument("--kernel", choices=("neon", "sve256", "sve128"), default="neon",
                     help="which kernel of an arm64 build to model (default neon)")
     args = ap.parse_args(argv)
     so = args.so
@@ -197,12 +206,16 @@ def main(argv=None):
     # a float32 vector and the mnemonic counted once a vector in the softmax's loop
     cpus, loops, peak_loops = (ARM_CPUS, ARM_LOOPS, ARM_PEAK_LOOPS) if arm else (CPUS, LOOPS, (PEAK_LOOP,))
     fma_ops, lanes, sm_vec = (("fmla",), 4, "shl") if arm else (("vfmadd", "vfmsub", "vfnmadd"), 16, "vscalefps")
-    if arm and args.kernel == "sve256":  # (it runs where SVE is 256 bits wide: Neoverse V1)
-        cpus = tuple(c for c in ARM_CPUS if c[1] == "neoverse-v1")
-        loops, peak_loops, fma_ops, lanes, sm_vec = SVE_LOOPS, SVE_PEAK_LOOPS, ("fmla", "fmad"), 8, "lsl"
+    if arm and args.kernel == "neon":
+        cpus = ARM_CPUS[:4]
+    elif arm:  # an SVE kernel, on the CPUs with its vector length
+        cpus = tuple(c for c in ARM_CPUS if c[1] in SVE_CPUS[args.kernel])
+        loops, peak_loops, fma_ops = sve_loops(args.kernel), SVE_PEAK_LOOPS, ("fmla", "fmad")
+        lanes, sm_vec = SVE_LANES[args.kernel], "fexpa"
     bodies = {}
     for label, sym, key in loops:
-        body = pick(innermost_loops(disassemble(so, sym)), key)
+        # (gcc may move a function's main loop into a split-off part: sym.part.0)
+        body = pick([lp for name in (sym, sym + ".part.0") for lp in innermost_loops(disassemble(so, name))], key)
         if body:
             bodies[label] = (sym, key, body)
     if args.show:

@@ -46,7 +46,7 @@ def fma_peak(dtype="float32", num_threads=None, *, kernel=None):
         The precision of the FMA lanes.
     num_threads : int, optional
         Threads that run the chains; default as many as a fastattn call would use.
-    kernel : {"generic", "avx2", "avx512", "neon", "sve256"}, optional
+    kernel : {"generic", "avx2", "avx512", "neon", "sve256", "sve128"}, optional
         Whose instruction set runs the chains; default the kernel fastattn runs.
         It must be one this CPU runs.
 
@@ -103,7 +103,7 @@ def read_bandwidth(num_threads=None, *, mib=256, passes=5, kernel=None):
         where the kernel allows, as it does the arrays a decode call reads.
     passes : int, default 5
         Timed passes; the fastest counts.
-    kernel : {"generic", "avx2", "avx512", "neon", "sve256"}, optional
+    kernel : {"generic", "avx2", "avx512", "neon", "sve256", "sve128"}, optional
         Whose vector loads read; default the kernel fastattn runs.
 
     Returns
@@ -233,7 +233,7 @@ def plan_balance(q_shape, k_shape, *, causal=False, num_threads=None, v_shape=No
         As in :func:`fastattn.attention`, each in [0, Lk].
     dtype : {"float32", "float64"}, default "float32"
         The dtype of the call.
-    kernel : {"generic", "avx2", "avx512", "neon", "sve256"}, optional
+    kernel : {"generic", "avx2", "avx512", "neon", "sve256", "sve128"}, optional
         Whose block sizes the plan takes; default the kernel fastattn runs.
     return_work : bool, default False
         Also return the per-thread work and the number of items.

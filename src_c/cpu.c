@@ -26,7 +26,8 @@
 #endif
 #endif
 
-static const char *const fa_isa_names[FA_ISA_COUNT] = {"generic", "avx2", "avx512", "neon", "sve256"};
+static const char *const fa_isa_names[FA_ISA_COUNT] = {"generic", "avx2", "avx512", "neon", "sve256",
+                                                           "sve128"};
 
 const char *fa_isa_name(int isa)
 {
@@ -44,8 +45,9 @@ const fa_kernel *fa_kernel_for_isa(int isa)
 #ifdef FA_HAVE_NEON_KERNELS
     case FA_ISA_NEON: return &fa_kernel_neon;
 #endif
-#ifdef FA_HAVE_SVE256_KERNELS
+#ifdef FA_HAVE_SVE_KERNELS
     case FA_ISA_SVE256: return &fa_kernel_sve256;
+    case FA_ISA_SVE128: return &fa_kernel_sve128;
 #endif
     default: return NULL;
     }
@@ -78,18 +80,19 @@ static int fa_arm_neon(void)
 #endif
 }
 
-/* SVE at a vector length of 256 bits, the one the sve256 kernel is compiled for: Linux's
- * AT_HWCAP bit 22 (SVE) and the process's vector length, PR_SVE_GET_VL's low 16 bits
- * (bytes; a process may change it, but not while fastattn's threads run).  Elsewhere no. */
-static int fa_arm_sve256(void)
+/* The SVE vector length in bytes where an SVE kernel is built for it (32: sve256, 16:
+ * sve128), else 0: Linux's AT_HWCAP bit 22 (SVE) and the process's vector length,
+ * PR_SVE_GET_VL's low 16 bits (a process may change it, but not while fastattn's threads
+ * run).  Elsewhere 0. */
+static int fa_arm_sve_vl(void)
 {
-#if defined(__linux__) && defined(FA_HAVE_SVE256_KERNELS)
+#if defined(__linux__) && defined(FA_HAVE_SVE_KERNELS)
 #ifndef PR_SVE_GET_VL
 #define PR_SVE_GET_VL 51
 #endif
     if (!((getauxval(AT_HWCAP) >> 22) & 1ul)) return 0;
     const int vl = prctl(PR_SVE_GET_VL, 0, 0, 0, 0);
-    return vl >= 0 && (vl & 0xffff) == 32;
+    return (vl >= 0 && ((vl & 0xffff) == 32 || (vl & 0xffff) == 16)) ? (vl & 0xffff) : 0;
 #else
     return 0;
 #endif
@@ -115,7 +118,9 @@ unsigned fa_cpu_supported_isas(void)
 #ifdef FA_ARM64
     if (fa_arm_neon()) {
         isas |= 1u << FA_ISA_NEON;
-        if (fa_arm_sve256()) isas |= 1u << FA_ISA_SVE256;
+        const int vl = fa_arm_sve_vl();
+        if (vl == 32) isas |= 1u << FA_ISA_SVE256;
+        if (vl == 16) isas |= 1u << FA_ISA_SVE128;
     }
 #endif
     return isas;
@@ -417,7 +422,7 @@ static int fa_list_has(const char *list, const char *name)
 /* Disabling a feature disables every kernel that needs it: the avx512 kernel needs
  * AVX512F and (for its FMA and the OS/CPU baseline it assumes) AVX2, FMA and F16C;
  * the avx2 kernel AVX2, FMA and F16C; the neon kernel (AArch64) NEON, also named ASIMD;
- * the sve256 kernel SVE (a 256-bit vector length) and NEON. */
+ * the sve256 and sve128 kernels SVE (at their vector lengths) and NEON. */
 int fa_cpu_select(const char *disabled, char *why, int why_len)
 {
     unsigned have = fa_cpu_supported_isas();
@@ -431,13 +436,17 @@ int fa_cpu_select(const char *disabled, char *why, int why_len)
     const char *reason;
     const int noneon = disabled && (fa_list_has(disabled, "NEON") || fa_list_has(disabled, "ASIMD"));
     const int nosve = noneon || (disabled && fa_list_has(disabled, "SVE"));
+    const unsigned sve = (1u << FA_ISA_SVE256) | (1u << FA_ISA_SVE128);
     if ((have & (1u << FA_ISA_SVE256)) && !nosve) {
         isa = FA_ISA_SVE256;
         reason = "the CPU has SVE at a vector length of 256 bits (and NEON)";
+    } else if ((have & (1u << FA_ISA_SVE128)) && !nosve) {
+        isa = FA_ISA_SVE128;
+        reason = "the CPU has SVE at a vector length of 128 bits (and NEON)";
     } else if (have & (1u << FA_ISA_NEON)) {
         if (!noneon) {
             isa = FA_ISA_NEON;
-            reason = (have & (1u << FA_ISA_SVE256))
+            reason = (have & sve)
                          ? "SVE disabled by FASTATTN_DISABLE_CPU_FEATURES; the CPU has Advanced SIMD (NEON, AArch64)"
                          : "the CPU has Advanced SIMD (NEON, AArch64)";
         } else {

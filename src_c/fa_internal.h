@@ -446,8 +446,9 @@ extern const fa_kernel fa_kernel_avx512;
 #ifdef FA_HAVE_NEON_KERNELS
 extern const fa_kernel fa_kernel_neon;
 #endif
-#ifdef FA_HAVE_SVE256_KERNELS
+#ifdef FA_HAVE_SVE_KERNELS
 extern const fa_kernel fa_kernel_sve256;
+extern const fa_kernel fa_kernel_sve128;
 #endif
 
 /* Is this an AMD (or Hygon) CPU?  (cpu.c; the block sizes differ by vendor) */

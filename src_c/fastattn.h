@@ -65,7 +65,7 @@ enum fa_status {
 
 /* Instruction sets a kernel can be compiled for, lowest first. */
 enum fa_isa { FA_ISA_GENERIC = 0, FA_ISA_AVX2 = 1, FA_ISA_AVX512 = 2, FA_ISA_NEON = 3, FA_ISA_SVE256 = 4,
-              FA_ISA_COUNT = 5 };
+              FA_ISA_SVE128 = 5, FA_ISA_COUNT = 6 };
 
 typedef struct fa_params {
     int dtype;          /* enum fa_dtype                                          */

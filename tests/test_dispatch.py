@@ -19,12 +19,13 @@ import fastattn
 from fastattn import _kernels
 
 SUPPORTED = _kernels.supported_kernels()
-ORDER = ["generic", "avx2", "avx512", "neon", "sve256"]  # lowest first, as supported_kernels() lists them
+ORDER = ["generic", "avx2", "avx512", "neon", "sve256", "sve128"]  # lowest first, as supported_kernels() lists them
 
 # What each kernel needs (docs: avx2 = AVX2 + FMA + F16C; avx512 = AVX512F on top; neon,
 # on AArch64, Advanced SIMD and FP).
 NEEDS = {"avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx512f", "avx2", "fma", "f16c"},
-         "neon": {"fp", "asimd"}, "sve256": {"fp", "asimd", "sve", "sve-vl256"}}
+         "neon": {"fp", "asimd"}, "sve256": {"fp", "asimd", "sve", "sve-vl256"},
+         "sve128": {"fp", "asimd", "sve", "sve-vl128"}}
 # NumPy's names for the same features.
 NUMPY_NAMES = {"avx2": "AVX2", "fma": "FMA3", "f16c": "F16C", "avx512f": "AVX512F"}
 # FASTATTN_DISABLE_CPU_FEATURES's other name for a feature
@@ -84,7 +85,7 @@ def _is_aarch64():
 def _auxv_hwcap():
     """AArch64 Linux: the kernel's hardware capabilities, getauxval(AT_HWCAP) through the
     C library (bit 0 FP, bit 1 ASIMD, bit 22 SVE; under qemu-user, the emulated CPU's),
-    and "sve-vl256" where prctl(PR_SVE_GET_VL) gives 32 bytes; or None."""
+    and "sve-vl256" or "sve-vl128" where prctl(PR_SVE_GET_VL) gives 32 or 16 bytes; or None."""
     try:
         import ctypes
         libc = ctypes.CDLL(None)
@@ -92,8 +93,9 @@ def _auxv_hwcap():
         libc.getauxval.argtypes = [ctypes.c_ulong]
         hw = libc.getauxval(16)  # AT_HWCAP
         flags = {name for bit, name in ((0, "fp"), (1, "asimd"), (22, "sve")) if (hw >> bit) & 1}
-        if "sve" in flags and (libc.prctl(51, 0, 0, 0, 0) & 0xFFFF) == 32:  # PR_SVE_GET_VL
-            flags.add("sve-vl256")
+        vl = libc.prctl(51, 0, 0, 0, 0) & 0xFFFF if "sve" in flags else 0  # PR_SVE_GET_VL
+        if vl in (32, 16):
+            flags.add(f"sve-vl{8 * vl}")
     except (OSError, AttributeError):
         return None
     return flags
@@ -121,7 +123,7 @@ def _kernels_for(flags, disabled=""):
     off = {f.lower() for f in re.split(r"[,\s]+", disabled) if f}
     off |= {ALIASES[f] for f in off if f in ALIASES}
     if _is_aarch64():
-        return ["generic"] + [k for k in ("neon", "sve256") if NEEDS[k] <= set(flags) - off]
+        return ["generic"] + [k for k in ("neon", "sve128", "sve256") if NEEDS[k] <= set(flags) - off]
     have = set(flags) - off if _is_x86_64() else set()
     return ["generic"] + [k for k in ("avx2", "avx512") if NEEDS[k] <= have]
 

@@ -66,7 +66,8 @@ def test_exp_special_values(name, dtype):
 # costs up to |x| / 4 units in the last place more: relative error <= u (2 + |x| / 4),
 # u = 2^-24 (float32), 2^-53 (float64).  Measured maxima on a Xeon: 0.88 (float32) and
 # 0.92 (float64) of that bound; AVX2 on an AMD EPYC 0.88 and 0.92 (the shorter fit),
-# AVX-512's float64 with that fit on an AMD EPYC (Zen 4) 0.92.
+# AVX-512's float64 with that fit on an AMD EPYC (Zen 4) 0.92; the SVE kernels' float32
+# (FEXPA and a degree-2 polynomial, src_c/kernels_sve.h) under qemu 0.98.
 @pytest.mark.parametrize("name", _kernels.supported_kernels())
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_exp_logit_error(name, dtype):
