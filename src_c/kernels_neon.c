@@ -45,37 +45,55 @@ static inline float32x4_t fa_exp_f32_neon(float32x4_t x)
     return vreinterpretq_f32_u32(vandq_u32(keep, vreinterpretq_u32_f32(vmulq_f32(y, two_n))));
 }
 
+/* A constant in every lane (p: 4 copies, 16-byte aligned), loaded afresh where it is
+ * asked for.  For an FMA's addend,
+ * which NEON's FMLA overwrites: a constant kept in a register would cost a copy (a
+ * `mov`) on the vector pipes, which bind the softmax's loop; the load pipes have room. */
+static inline float32x4_t fa_fresh_dup_neon(const float *p)
+{
+    /* (a plain 128-bit load of 4 copies in memory: LD1R would take a vector pipe too;
+     * volatile, so that it is neither merged with the same load beside it nor hoisted) */
+    float32x4_t v;
+    __asm__ volatile("ldr %q0, %1" : "=w"(v) : "m"(*(const float32x4_t *)(const void *)p));
+    return v;
+}
+
 /* e^x of the softmax's logits (kernels_avx2.c: fa_exp_logit_n_f32_avx2): f = x log2(e)
- * - n in one rounding (n - x log2 e by vfmsq, then negated: exact), 2^f by the fitted
- * polynomial; relative error at most u (2 + |x| / 4), u = 2^-24; e^0 = 1 exactly.  nv
- * vectors at once, each step for all of them before the next. */
+ * - n in one rounding (x log2 e + (MAGIC - j): the same sum as the other kernels'
+ * n - x log2 e negated, so the same value), 2^f by the fitted polynomial; relative error
+ * at most u (2 + |x| / 4), u = 2^-24; e^0 = 1 exactly.  nv vectors at once, each step
+ * for all of them before the next; each FMA's addend a fresh load (fa_fresh_dup_neon). */
+#define FA_X4(v) v, v, v, v
+static const float fa_exp_logit_addends_neon[7 * 4] __attribute__((aligned(16))) = {
+    FA_X4(FA_EXP_F32_MAGIC), FA_X4(2 * FA_EXP2_F32_P5), FA_X4(2 * FA_EXP2_F32_P4), FA_X4(2 * FA_EXP2_F32_P3),
+    FA_X4(2 * FA_EXP2_F32_P2), FA_X4(2 * FA_EXP2_F32_P1), FA_X4(2.0f)};
+#undef FA_X4
 FA_ALWAYS_INLINE void fa_exp_logit_n_f32_neon(float32x4_t *x, const int nv)
 {
+    const float *c = fa_exp_logit_addends_neon;
     const float32x4_t magic = vdupq_n_f32(FA_EXP_F32_MAGIC), l2e = vdupq_n_f32(FA_LOG2E_F);
-    uint32x4_t keep[4];
+    uint32x4_t flush[4];
     float32x4_t j[4], f[4], y[4];
     FA_PRAGMA_UNROLL(4)
     for (int k = 0; k < nv; k++) {
-        keep[k] = vmvnq_u32(vcltq_f32(x[k], vdupq_n_f32(FA_EXP_F32_FLUSH)));
+        flush[k] = vcltq_f32(x[k], vdupq_n_f32(FA_EXP_F32_FLUSH));
         x[k] = vminq_f32(vdupq_n_f32(FA_EXP_F32_HI), x[k]);
     }
     FA_PRAGMA_UNROLL(4)
-    for (int k = 0; k < nv; k++) j[k] = vfmaq_f32(magic, x[k], l2e);
+    for (int k = 0; k < nv; k++) j[k] = vfmaq_f32(fa_fresh_dup_neon(c), x[k], l2e);
     FA_PRAGMA_UNROLL(4)
-    for (int k = 0; k < nv; k++) f[k] = vnegq_f32(vfmsq_f32(vsubq_f32(j[k], magic), x[k], l2e));
+    for (int k = 0; k < nv; k++) f[k] = vfmaq_f32(vsubq_f32(magic, j[k]), x[k], l2e);
     FA_PRAGMA_UNROLL(4)
-    for (int k = 0; k < nv; k++) y[k] = vfmaq_f32(vdupq_n_f32(2 * FA_EXP2_F32_P5), vdupq_n_f32(2 * FA_EXP2_F32_P6), f[k]);
-    static const float coef[5] = {2 * FA_EXP2_F32_P4, 2 * FA_EXP2_F32_P3, 2 * FA_EXP2_F32_P2,
-                                  2 * FA_EXP2_F32_P1, 2.0f};
+    for (int k = 0; k < nv; k++) y[k] = vfmaq_f32(fa_fresh_dup_neon(c + 4), vdupq_n_f32(2 * FA_EXP2_F32_P6), f[k]);
     FA_PRAGMA_UNROLL(5)
     for (int i = 0; i < 5; i++) {
         FA_PRAGMA_UNROLL(4)
-        for (int k = 0; k < nv; k++) y[k] = vfmaq_f32(vdupq_n_f32(coef[i]), y[k], f[k]);
+        for (int k = 0; k < nv; k++) y[k] = vfmaq_f32(fa_fresh_dup_neon(c + 4 * (2 + i)), y[k], f[k]);
     }
     FA_PRAGMA_UNROLL(4)
     for (int k = 0; k < nv; k++) {
         const float32x4_t two_n = vreinterpretq_f32_s32(vshlq_n_s32(vreinterpretq_s32_f32(j[k]), 23));
-        x[k] = vreinterpretq_f32_u32(vandq_u32(keep[k], vreinterpretq_u32_f32(vmulq_f32(y[k], two_n))));
+        x[k] = vreinterpretq_f32_u32(vbicq_u32(vreinterpretq_u32_f32(vmulq_f32(y[k], two_n)), flush[k]));
     }
 }
 static inline float32x4_t fa_exp_logit_f32_neon(float32x4_t x)
