@@ -46,9 +46,9 @@ static inline float32x4_t fa_exp_f32_neon(float32x4_t x)
 }
 
 /* A constant in every lane (p: 4 copies, 16-byte aligned), loaded afresh where it is
- * asked for.  For an FMA's addend,
- * which NEON's FMLA overwrites: a constant kept in a register would cost a copy (a
- * `mov`) on the vector pipes, which bind the softmax's loop; the load pipes have room. */
+ * asked for.  For an FMA's addend, which NEON's FMLA overwrites: a constant kept in a
+ * register would cost a copy (a `mov`) on the vector pipes, which bind the softmax's
+ * loop; the load pipes have room. */
 static inline float32x4_t fa_fresh_dup_neon(const float *p)
 {
     /* (a plain 128-bit load of 4 copies in memory: LD1R would take a vector pipe too;
