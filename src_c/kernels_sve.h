@@ -74,7 +74,7 @@ static inline fa_sf32 fa_exp_f32_sve(fa_sf32 x)
  *   f = x log2e - N in one rounding (FNMLS), |f| <= 1/128;
  *   2^f = 1 + f (C1 + C2 f), the minimax degree-2 fit of 2^f over [-1/128, 1/128] in
  *       relative error (0.113 u with C1, C2 rounded to float32), as T + (T f)(C1 + C2 f):
- *       one rounding of the result; those of T f, C1 + C2 f and f at most 0.01 u.
+ *       one rounding of the result; those of T f, C1 + C2 f and f at most 0.015 u.
  * Relative error, entry i of the table: e_i (its rounding, relative) + 1 / (2^(i/64)
  * (1 - 0.0055)) u (the result's rounding, whose mantissa is 2^(i/64) (1 + q), |q| <=
  * 0.0055) + 0.113 u (the fit) + 0.015 u (the other roundings) + 0.224 u |x| (log2e's
