@@ -234,20 +234,15 @@ class BuildExt(build_ext):
         ext.extra_link_args = list(STRIP_LINK)
         ext.define_macros = list(ext.define_macros or [])
 
-        omp_flags = ["-fopenmp"]
-        libomp = None
-        if not _try_compile_run(self.compiler, OPENMP_TEST, omp_flags):  # (Apple's clang: libomp?)
-            libomp = next((fl for fl in _libomp_flag_sets()
-                           if _try_compile_run(self.compiler, OPENMP_TEST, fl[0] + fl[1])), None)
-            omp_flags = None
-        if omp_flags:
-            ext.extra_compile_args += omp_flags
-            ext.extra_link_args += omp_flags
-            print("fastattn: OpenMP found (-fopenmp)")
-        elif libomp:
-            ext.extra_compile_args += libomp[0]
-            ext.extra_link_args += libomp[1]
-            print(f"fastattn: OpenMP found (libomp: {' '.join(libomp[0] + libomp[1])})")
+        # OpenMP's (compile flags, link flags): -fopenmp, else (Apple's clang) libomp's
+        omp = (["-fopenmp"], ["-fopenmp"])
+        if not _try_compile_run(self.compiler, OPENMP_TEST, omp[0]):
+            omp = next((fl for fl in _libomp_flag_sets()
+                        if _try_compile_run(self.compiler, OPENMP_TEST, fl[0] + fl[1])), None)
+        if omp:
+            ext.extra_compile_args += omp[0]
+            ext.extra_link_args += omp[1]
+            print(f"fastattn: OpenMP found ({' '.join(dict.fromkeys(omp[0] + omp[1]))})")
         else:
             msg = ("fastattn: OpenMP not found (a test program with -fopenmp, or with libomp's "
                    "-Xpreprocessor -fopenmp -lomp where FASTATTN_LIBOMP or Homebrew names it, did "

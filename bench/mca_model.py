@@ -73,14 +73,15 @@ BRANCH_ARM = re.compile(r"^(b\.[a-z]+|b|cbn?z\s+[wx]\d+,|tbn?z\s+[wx]\d+,\s*#\d+
 # (one a vector: the exp's 2^n, 4 vectors of 4 logits a step; gcc writes most of the
 # polynomial's steps as fmls, so counting fmla would not find it reliably).
 ARM_CPUS = (("Neoverse V1", "neoverse-v1"), ("Neoverse V2", "neoverse-v2"),
-            ("Neoverse N1", "neoverse-n1"), ("Apple M1", "apple-m1"), ("Neoverse N2", "neoverse-n2"))
+            ("Neoverse N1", "neoverse-n1"), ("Apple M1", "apple-m1"))
 ARM_LOOPS = ((QK, "fa_qk_tile_f32_neon", "fmla"),
              (PV, "fa_pv_tile_f32_neon", "fmla"),
              (SM, "fa_softmax_tile_f32_neon", "shl"))
 # the SVE kernels (--kernel sve256 / sve128): 8 and 4 lanes, each modelled on the CPUs
 # with its vector length (Neoverse V1: 256 bits; V2 and N2: 128); the softmax's loop by
 # its fexpa (one a vector: the exp's 2^N)
-SVE_CPUS = {"sve256": ("neoverse-v1",), "sve128": ("neoverse-v2", "neoverse-n2")}
+SVE_CPUS = {"sve256": (("Neoverse V1", "neoverse-v1"),),
+            "sve128": (("Neoverse V2", "neoverse-v2"), ("Neoverse N2", "neoverse-n2"))}
 SVE_LANES = {"sve256": 8, "sve128": 4}
 
 
@@ -167,7 +168,7 @@ def mca_cycles(mca, cpu, src, iterations=400):
         f.write(src)
         path = f.name
     try:
-        triple = ["-mtriple=aarch64-linux-gnu"] if cpu in dict(ARM_CPUS).values() else []
+        triple = [] if cpu in dict(CPUS).values() else ["-mtriple=aarch64-linux-gnu"]  # (x86 models: the host's triple)
         r = subprocess.run([mca, *triple, f"-mcpu={cpu}", f"-iterations={iterations}", "-resource-pressure",
                             "-timeline=false", path], capture_output=True, text=True)
     finally:
@@ -206,10 +207,8 @@ def main(argv=None):
     # a float32 vector and the mnemonic counted once a vector in the softmax's loop
     cpus, loops, peak_loops = (ARM_CPUS, ARM_LOOPS, ARM_PEAK_LOOPS) if arm else (CPUS, LOOPS, (PEAK_LOOP,))
     fma_ops, lanes, sm_vec = (("fmla",), 4, "shl") if arm else (("vfmadd", "vfmsub", "vfnmadd"), 16, "vscalefps")
-    if arm and args.kernel == "neon":
-        cpus = ARM_CPUS[:4]
-    elif arm:  # an SVE kernel, on the CPUs with its vector length
-        cpus = tuple(c for c in ARM_CPUS if c[1] in SVE_CPUS[args.kernel])
+    if arm and args.kernel != "neon":  # an SVE kernel, on the CPUs with its vector length
+        cpus = SVE_CPUS[args.kernel]
         loops, peak_loops, fma_ops = sve_loops(args.kernel), SVE_PEAK_LOOPS, ("fmla", "fmad")
         lanes, sm_vec = SVE_LANES[args.kernel], "fexpa"
     bodies = {}
