@@ -79,6 +79,21 @@ ARM64_FILES = {"kernels_neon.c": ["-march=armv8-a"]}
 SVE_FILES = {f"kernels_sve{bits}.c": ["-march=armv8.2-a+sve", f"-msve-vector-bits={bits}"]
              for bits in (256, 128)}
 SVE_PROBE_FLAGS = SVE_FILES["kernels_sve256.c"]
+# The bfloat16 pair products (BFDOT) of each AArch64 kernel, its own flags and +bf16
+# (gcc 10+, clang 11+); cpu.c runs each where the CPU reports FEAT_BF16 (SVE's too for
+# the SVE ones) and its float32 kernel runs.
+ARM_BF16_FILES = {"kernels_neon_bf16.c": ["-march=armv8.2-a+bf16"]}
+SVE_BF16_FILES = {f"kernels_sve{bits}_bf16.c": ["-march=armv8.2-a+sve+bf16", f"-msve-vector-bits={bits}"]
+                  for bits in (256, 128)}
+ARM_BF16_PROBE = r"""
+#include <arm_neon.h>
+float32x4_t f(float32x4_t a, bfloat16x8_t b, bfloat16x8_t c) { return vbfdotq_f32(a, b, c); }
+bfloat16x4_t g(float32x4_t a) { return vcvt_bf16_f32(a); }
+"""
+SVE_BF16_PROBE = r"""
+#include <arm_sve.h>
+svfloat32_t f(svfloat32_t a, svbfloat16_t b, svbfloat16_t c) { return svbfdot_f32(a, b, c); }
+"""
 SVE_PROBE = r"""
 #include <arm_sve.h>
 typedef svfloat32_t v8 __attribute__((arm_sve_vector_bits(256)));
@@ -258,14 +273,25 @@ class BuildExt(build_ext):
             simd.update(ARM64_FILES)
             ext.define_macros.append(("FA_HAVE_NEON_KERNELS", "1"))
             print(f"fastattn: building for {target}: the NEON kernel")
+            sve = False
             if platform.system() == "Darwin":
                 pass  # (no Apple CPU has SVE)
             elif _try_compile(self.compiler, SVE_PROBE, SVE_PROBE_FLAGS):
                 simd.update({f: list(flags) for f, flags in SVE_FILES.items()})
                 ext.define_macros.append(("FA_HAVE_SVE_KERNELS", "1"))
+                sve = True
                 print("fastattn: and the SVE kernels for 256-bit and 128-bit vector lengths")
             else:
                 print("fastattn: the compiler has no -msve-vector-bits; no SVE kernel")
+            if _try_compile(self.compiler, ARM_BF16_PROBE, ARM_BF16_FILES["kernels_neon_bf16.c"]) and (
+                    not sve or _try_compile(self.compiler, SVE_BF16_PROBE, SVE_BF16_FILES["kernels_sve256_bf16.c"])):
+                simd.update({f: list(flags) for f, flags in ARM_BF16_FILES.items()})
+                if sve:
+                    simd.update({f: list(flags) for f, flags in SVE_BF16_FILES.items()})
+                ext.define_macros.append(("FA_HAVE_ARM_BF16_KERNELS", "1"))
+                print("fastattn: and their bfloat16 products on BFDOT")
+            else:
+                print("fastattn: the compiler has no +bf16; bfloat16 computes in float32")
         if is_x86:
             ext.define_macros.append(("FA_HAVE_X86_KERNELS", "1"))
             if EMULATE_BF16:
@@ -304,7 +330,8 @@ class BuildExt(build_ext):
             return dict(sources=[os.path.join(SRC, name)], output_dir=self.build_temp,
                         macros=ext.define_macros, include_dirs=ext.include_dirs,
                         extra_postargs=(flags if name == JAX_FILE else COMMON_C + KERNEL_C + flags),
-                        depends=[os.path.join(SRC, h) for h in HEADERS])
+                        depends=[os.path.join(SRC, h) for h in HEADERS] +
+                        ([os.path.join(SRC, "kernels_neon.c")] if name == "kernels_neon_bf16.c" else []))
         ext.extra_objects = list(ext.extra_objects or [])
         # the separately compiled files are the extension's too: a change to one relinks it
         ext.depends = list(ext.depends) + [os.path.join(SRC, n) for n in simd

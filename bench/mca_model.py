@@ -3,6 +3,7 @@
     python bench/mca_model.py                       # the table, for the built extension
     python bench/mca_model.py --blocks 192x64 --D 64 --measured 0.77
     python bench/mca_model.py --show fa_qk_tile_f32_avx512   # a loop's body, as fed to llvm-mca
+    python bench/mca_model.py --so ARM64.so --kernel sve256 --bf16   # an arm64 kernel's BFDOT tiles
 
 It disassembles the installed extension (``objdump``), finds each hot function's
 innermost loops (a backward branch with no other backward branch inside), picks the
@@ -83,6 +84,22 @@ ARM_LOOPS = ((QK, "fa_qk_tile_f32_neon", "fmla"),
 SVE_CPUS = {"sve256": (("Neoverse V1", "neoverse-v1"),),
             "sve128": (("Neoverse V2", "neoverse-v2"), ("Neoverse N2", "neoverse-n2"))}
 SVE_LANES = {"sve256": 8, "sve128": 4}
+
+
+# --bf16: the bfloat16 pair kernels' products (BFDOT, kernels_arm_bf16.h) of an arm64
+# kernel, the 5 x 4 tiles' 20 bfdot a step; each BFDOT does two multiply-adds a lane
+QK_DP, PV_DP = "QK^T pair tile (bfdot)", "P.V pair tile (bfdot)"
+
+
+def bf16_loops(kernel):
+    return ((QK_DP, f"fa_qk_tile_dp_bdp_{kernel}", "bfdot"),
+            (PV_DP, f"fa_pv_tile_dp_bdp_{kernel}", "bfdot"))
+
+
+def bf16_peak_loop(kernel):
+    if kernel == "neon":
+        return "".join(f"bfdot v{i}.4s, v30.8h, v31.8h\n" for i in range(24))
+    return "".join(f"bfdot z{i}.s, z30.h, z31.h\n" for i in range(24))
 
 
 def sve_loops(kernel):
@@ -196,6 +213,8 @@ def main(argv=None):
     ap.add_argument("--show", help="print the picked loop of this symbol and exit")
     ap.add_argument("--kernel", choices=("neon", "sve256", "sve128"), default="neon",
                     help="which kernel of an arm64 build to model (default neon)")
+    ap.add_argument("--bf16", action="store_true",
+                    help="model that arm64 kernel's bfloat16 pair products (BFDOT) instead")
     args = ap.parse_args(argv)
     so = args.so
     if not so:
@@ -211,6 +230,8 @@ def main(argv=None):
         cpus = SVE_CPUS[args.kernel]
         loops, peak_loops, fma_ops = sve_loops(args.kernel), SVE_PEAK_LOOPS, ("fmla", "fmad")
         lanes, sm_vec = SVE_LANES[args.kernel], "fexpa"
+    if arm and args.bf16:
+        return model_bf16(mca, so, args.kernel, cpus)
     bodies = {}
     for label, sym, key in loops:
         # (gcc may move a function's main loop into a split-off part: sym.part.0)
@@ -267,6 +288,45 @@ def main(argv=None):
             if args.measured is not None:
                 line += f" (measured {args.measured:.1%}: {ideal / total - args.measured:+.1%} unmodelled)"
             print(line)
+    return 0
+
+
+def model_bf16(mca, so, kernel, cpus):
+    """The BFDOT tiles of an arm64 kernel: each loop's cycles, its fraction of the
+    model's BFDOT rate, and the multiply-adds a cycle it does against the float32
+    tiles' peak (the same kernel's FMLA rate in the same model)."""
+    if kernel == "neon":  # the CPUs with FEAT_BF16 that run neon (Apple's; the Neoverse ones run SVE)
+        cpus = (("Neoverse V1", "neoverse-v1"), ("Neoverse V2", "neoverse-v2"), ("Neoverse N2", "neoverse-n2"),
+                ("Apple M2", "apple-m2"))
+    fmla_peak = {cpu: 24 / min(mca_cycles(mca, cpu, loop)[0]
+                               for loop in (SVE_PEAK_LOOPS if kernel != "neon" else ARM_PEAK_LOOPS))
+                 for _, cpu in cpus}
+    dp_peak = {cpu: 24 / mca_cycles(mca, cpu, bf16_peak_loop(kernel))[0] for _, cpu in cpus}
+    print(f"extension: {so}\nllvm-mca: {mca}\n")
+    print(f"{kernel}: vector instructions a cycle in each model, FMLA / BFDOT: " +
+          ", ".join(f"{n} {fmla_peak[c]:.2f} / {dp_peak[c]:.2f}" for n, c in cpus))
+    print(f"\n{'loop':32} {'insns':>5} {'DOT':>4}  " + "  ".join(f"{n:>40}" for n, _ in cpus))
+    for label, sym, key in bf16_loops(kernel):
+        # (gcc folds the forward's and the backward's identical tile functions into one,
+        # the other name an alias that objdump's --disassemble does not find: try both)
+        names = (sym, sym + ".part.0", sym.replace("_bdp_", "_bbw_"))
+        body = pick([lp for name in names for lp in innermost_loops(disassemble(so, name))], key)
+        if not body:
+            print(f"{label:32} (no loop found in {sym})")
+            continue
+        src = mca_source(body)
+        ndot = sum(t.startswith("bfdot") for t in body)
+        cells = []
+        for name, cpu in cpus:
+            cyc, busy = mca_cycles(mca, cpu, src)
+            if cyc is None:
+                cells.append(f"{'(' + busy[:36] + ')':>40}")
+                continue
+            frac = ndot / dp_peak[cpu] / cyc
+            # multiply-adds a cycle against the float32 tiles' FMLA peak: 2 a lane a BFDOT
+            gain = 2 * ndot / cyc / fmla_peak[cpu]
+            cells.append(f"{cyc:6.1f} cy {frac:4.0%} of BFDOT, {gain:.2f}x FMLA peak".rjust(40))
+        print(f"{label:32} {len(body):5d} {ndot:4d}  " + "  ".join(cells))
     return 0
 
 

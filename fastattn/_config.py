@@ -34,6 +34,28 @@ def config() -> dict[str, Any]:
     }
 
 
+def _bf16_line_arm(info: dict[str, Any]) -> str:
+    """_bf16_line on AArch64: the BFDOT path."""
+    kern, bk = _kernels.current_kernel(), _kernels.bf16_kernel()
+    if info.get("bf16_bfdot"):
+        cpu = "this CPU has FEAT_BF16 (BFDOT)" + (", SVE's too" if info.get("bf16_sve") else ", not SVE's")
+    else:
+        cpu = "this CPU has no FEAT_BF16 (BFDOT)"
+    if bk:
+        return (f"the {kern} kernel takes both products on BFDOT pairs ({bk}: float32 sums, "
+                "rounded to odd as the instruction does without FEAT_EBF16; float32 softmax, P "
+                "rounded to bfloat16; the backward's five products too); "
+                f"{cpu}; FASTATTN_DISABLE_CPU_FEATURES=BF16 turns it off")
+    if "bfdot" not in _kernels.bf16_paths_built():
+        why = f"{cpu}, but this build has no BFDOT kernel (its compiler lacked +bf16)"
+    elif "bfdot" in _kernels.bf16_paths():
+        why = (f"{cpu}; BFDOT is off here (FASTATTN_DISABLE_CPU_FEATURES=BF16, or the {kern} "
+               "kernel has no BFDOT on this CPU)")
+    else:
+        why = cpu
+    return f"the {kern} kernel reads bfloat16 and computes in float32 (converted in registers); {why}"
+
+
 def _lower_switch(kernels: list[str]) -> str:
     """The FASTATTN_DISABLE_CPU_FEATURES value that turns this machine's SIMD kernels off."""
     return "NEON" if "neon" in kernels else "AVX512F,AVX2"
@@ -41,10 +63,10 @@ def _lower_switch(kernels: list[str]) -> str:
 
 def _bf16_line(info: dict[str, Any]) -> str:
     """How bfloat16 q, k, v compute, and why."""
+    if "neon" in _kernels.supported_kernels():
+        return _bf16_line_arm(info)
     have = [n for n, k in (("AVX512-BF16", "bf16_avx512"), ("AMX-BF16", "bf16_amx")) if info.get(k)]
     cpu = f"this CPU has {' and '.join(have)}" if have else "this CPU has no AVX512-BF16 or AMX-BF16"
-    if "neon" in _kernels.supported_kernels():  # AArch64: no bfloat16 products in this build
-        cpu = "this build has no bfloat16 products for AArch64 (BFDOT/BFMMLA)"
     if info.get("bf16_amx_refused"):
         cpu += " (and AMX-BF16, whose tile data Linux refused this process)"
     pair_kernels = ("avx2", "avx512") if _kernels.bf16_emulated() else ("avx512",)

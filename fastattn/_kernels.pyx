@@ -100,6 +100,7 @@ cdef extern from "fastattn.h" nogil:
     long fa_bf16_model_check(long count)
     int fa_set_bf16_path(int path)
     const char *fa_bf16_path_name(int path)
+    const char *fa_bf16_kernel_name()
     int FA_BF16_COUNT, FA_BF16_EMULATED
     int fa_set_default_isa(int isa)
     int fa_set_lookahead(int mode)

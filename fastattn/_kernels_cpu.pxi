@@ -48,7 +48,8 @@ def kernel_reason():
 def bf16_paths():
     """How bfloat16 q/k/v can compute here: "float32" (converted in registers, every
     kernel) and, where the build and CPU have them, "avx512-bf16" (the products on
-    vdpbf16ps pairs, avx512 kernel) and "amx-bf16" (the products on AMX tiles)."""
+    vdpbf16ps pairs, avx512 kernel), "amx-bf16" (the products on AMX tiles) and, on
+    AArch64, "bfdot" (the products on BFDOT pairs, neon, sve256 or sve128 kernel)."""
     cdef unsigned have = fa_bf16_paths()
     return [fa_bf16_path_name(i).decode() for i in range(FA_BF16_COUNT) if have & (1u << i)]
 
@@ -74,6 +75,13 @@ def bf16_model_check(long count):
 
 def bf16_path():
     return fa_bf16_path_name(fa_bf16_path()).decode()
+
+
+def bf16_kernel():
+    """The name of the bfloat16 kernel that calls with q, k and v bfloat16 take on the
+    current kernel under the current path, or None where they convert to float32."""
+    cdef const char *name = fa_bf16_kernel_name()
+    return None if name == NULL else name.decode()
 
 
 def set_bf16_path(name):
@@ -112,7 +120,9 @@ def build_info():
             "bf16_avx512": bool(fa_cpu_bf16_features() & 1),
             "bf16_amx": bool(fa_cpu_bf16_features() & 2),
             "bf16_amx_refused": bool(fa_cpu_bf16_features() & 4),
-            "bf16_pairs_slow": bool(fa_cpu_bf16_features() & 8)}
+            "bf16_pairs_slow": bool(fa_cpu_bf16_features() & 8),
+            "bf16_bfdot": bool(fa_cpu_bf16_features() & 16),
+            "bf16_sve": bool(fa_cpu_bf16_features() & 32)}
 
 
 def max_threads():

@@ -156,10 +156,23 @@ static int fa_amx_permission(void)
  * Intel's cores vdpbf16ps issues once a cycle on one port, half the float32 FMA rate
  * (measured on a Sapphire Rapids-class Xeon: 123 against 247 GFLOP/s a core), where
  * AMD's Zen 4/5 run it at twice that rate.  Read once (CPUID traps to the hypervisor
- * in a VM: microseconds). */
+ * in a VM: microseconds).  AArch64: bit 4 FEAT_BF16 (BFDOT and BFCVTN on Advanced
+ * SIMD: Linux's AT_HWCAP2 bit 14, BF16; macOS's hw.optional.arm.FEAT_BF16), bit 5 SVE's
+ * bfloat16 instructions as well (AT_HWCAP2 bit 12, SVEBF16). */
 static unsigned fa_bf16_features_read(void)
 {
     unsigned f = 0;
+#ifdef FA_ARM64
+#if defined(__linux__)
+    const unsigned long hw2 = getauxval(AT_HWCAP2);
+    if ((hw2 >> 14) & 1ul) f |= 16;
+    if ((f & 16) && ((hw2 >> 12) & 1ul)) f |= 32;
+#elif defined(__APPLE__)
+    int v = 0;
+    size_t n = sizeof v;
+    if (sysctlbyname("hw.optional.arm.FEAT_BF16", &v, &n, NULL, 0) == 0 && v) f |= 16;
+#endif
+#endif
 #ifdef FA_X86
     unsigned a, b, c, d;
     if (__get_cpuid_max(0, NULL) >= 7 && __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 5) & 1)) f |= 1;
@@ -184,7 +197,7 @@ unsigned fa_cpu_bf16_features(void)
 }
 
 /* ---- the bfloat16 path (fastattn.h) ---- */
-static const char *const fa_bf16_names[FA_BF16_COUNT] = {"float32", "avx512-bf16", "amx-bf16"};
+static const char *const fa_bf16_names[FA_BF16_COUNT] = {"float32", "avx512-bf16", "amx-bf16", "bfdot"};
 
 #ifndef FA_EMULATE_AMX
 long fa_amx_model_ops(void) { return -1; } /* (kernels_amx.c in the emulated build) */
@@ -200,12 +213,33 @@ unsigned fa_bf16_paths_built(void)
 #ifdef FA_HAVE_AMX_KERNELS
     paths |= 1u << FA_BF16_AMX;
 #endif
+#ifdef FA_HAVE_ARM_BF16_KERNELS
+    paths |= 1u << FA_BF16_BFDOT;
+#endif
     return paths;
 }
+
+#ifdef FA_HAVE_ARM_BF16_KERNELS
+/* The BFDOT kernel that goes with an AArch64 float32 kernel, where the CPU has its
+ * instructions (SVE's for the SVE kernels), else NULL. */
+const fa_bf16_kernel *fa_arm_bf16_kernel(const fa_kernel *kern)
+{
+    const unsigned f = fa_cpu_bf16_features();
+    if (kern == &fa_kernel_neon && (f & 16)) return &fa_kernel_bf16_neon;
+#ifdef FA_HAVE_SVE_KERNELS
+    if (kern == &fa_kernel_sve256 && (f & 32)) return &fa_kernel_bf16_sve256;
+    if (kern == &fa_kernel_sve128 && (f & 32)) return &fa_kernel_bf16_sve128;
+#endif
+    return NULL;
+}
+#endif
 
 const fa_bf16_kernel *fa_bf16_kernel_for_path(int path)
 {
     switch (path) {
+#ifdef FA_HAVE_ARM_BF16_KERNELS
+    case FA_BF16_BFDOT: return fa_arm_bf16_kernel(fa_kernel_for_isa(fa_default_isa()));
+#endif
 #ifdef FA_HAVE_BF16_KERNELS
     case FA_BF16_AVX512: return &fa_kernel_avx512_bf16;
 #endif
@@ -247,6 +281,10 @@ unsigned fa_bf16_paths(void)
 #endif
     }
 #endif
+#endif
+#ifdef FA_HAVE_ARM_BF16_KERNELS /* (the neon kernel's BFDOT: the SVE kernels' need SVEBF16 too) */
+    if ((fa_cpu_supported_isas() & (1u << FA_ISA_NEON)) && (fa_cpu_bf16_features() & 16))
+        paths |= 1u << FA_BF16_BFDOT;
 #endif
     return paths;
 }
@@ -488,5 +526,11 @@ int fa_cpu_select(const char *disabled, char *why, int why_len)
     else if (kern_ok && !no_bf16 && (paths & (1u << FA_BF16_AVX512)) &&
              (FA_BF16_EMULATED || !(fa_cpu_bf16_features() & 8)))
         fa_bf16_current = FA_BF16_AVX512; /* (not on Intel: half the FMA rate; set_bf16_path can) */
+#ifdef FA_HAVE_ARM_BF16_KERNELS
+    /* BFDOT where the kernel that runs has it: FASTATTN_DISABLE_CPU_FEATURES=BF16 turns it off */
+    if (!(disabled && fa_list_has(disabled, "BF16")) && (paths & (1u << FA_BF16_BFDOT)) &&
+        fa_arm_bf16_kernel(fa_kernel_for_isa(isa)))
+        fa_bf16_current = FA_BF16_BFDOT;
+#endif
     return isa;
 }

@@ -55,8 +55,11 @@ int64_t fa_max_seq_len(const int64_t *cu, int64_t B, int64_t fixed);
 int fa_make_plan(const fa_kernel *kern, const fa_params *p, int nth, fa_plan *pl);
 int64_t fa_chunk_keys(const fa_kernel *kern, const fa_params *p);
 /* Does a forward call on `kern` take the bfloat16 pair products (fa_bf16_kernel):
- * q, k and v bfloat16 on the avx512 kernel with the AVX512-BF16 path selected? */
+ * q, k and v bfloat16, and a bfloat16 path selected that runs from `kern` (avx512's
+ * pairs or tiles, an AArch64 kernel's BFDOT)? */
 int fa_bf16_pairs(const fa_kernel *kern, const fa_params *p);
+/* The bfloat16 kernel of the selected path for calls on `kern`, or NULL (fa_plan.c). */
+const fa_bf16_kernel *fa_bf16_kernel_of(const fa_kernel *kern);
 /* The bfloat16 backward for this call (a bfloat16 path selected, bp->bf16, float32, on
  * the kernel fa_bf16_pairs takes): the selected path's kernel (pairs or AMX tiles), or
  * NULL. */

@@ -346,15 +346,13 @@ int fa_attention_forward(const fa_params *p)
     const int ki = p->kv_store == FA_STORE_BF16 ? FA_KVB16 : p->kv_store == FA_STORE_F16 ? FA_KV16 : p->dtype;
     fa_qblock_fn qblock = kern->qblock[ki];
     size_t scratch_bytes = kern->scratch_bytes[ki](p, &pl.bl);
-#ifdef FA_HAVE_BF16_KERNELS
-    /* q, k and v bfloat16 on the avx512 kernel: the products on AVX512-BF16 pairs or
-     * AMX tiles */
+    /* q, k and v bfloat16 on a kernel with a bfloat16 path selected: the products on
+     * AVX512-BF16 or BFDOT pairs, or AMX tiles */
     if (fa_bf16_pairs(kern, p)) {
-        const fa_bf16_kernel *bk = fa_bf16_kernel_for_path(fa_bf16_path());
+        const fa_bf16_kernel *bk = fa_bf16_kernel_of(kern);
         qblock = bk->qblock;
         scratch_bytes = bk->scratch_bytes(p, &pl.bl);
     }
-#endif
     const int64_t items = pl.items;
 
     int nth = nth_req;
@@ -391,10 +389,8 @@ int fa_attention_forward(const fa_params *p)
     int64_t per = 0;
     int pk_kept = 0;
     if (vfin && fa_bf16_pairs(kern, p)) {
-#ifdef FA_HAVE_BF16_KERNELS
-        const fa_bf16_kernel *bk = fa_bf16_kernel_for_path(fa_bf16_path());
+        const fa_bf16_kernel *bk = fa_bf16_kernel_of(kern);
         per = bk && bk->share_bytes ? bk->share_bytes(p, &pl.bl) : 0;
-#endif
     } else if (vfin && p->dtype == FA_F32 && fa_store16(p->kv_store))
         per = pl.bl.k * (p->D + p->Dv) * (int64_t)sizeof(float);
     if (per > 0 && (double)(p->B * p->Hkv * share_n) * (double)per <= FA_PK_MAX_BYTES) {

@@ -508,12 +508,26 @@ typedef struct fa_bf16_kernel {
     /* bytes of a whole key block packed for the call's blocks to share (fa_share_slot), 0
      * where the call's block does not share them; NULL: never */
     int64_t (*share_bytes)(const fa_params *p, const fa_blocks *bl);
+    int64_t lanes; /* float32 lanes of its vectors: the call's blocks are made of them */
 } fa_bf16_kernel;
 #ifdef FA_HAVE_BF16_KERNELS
 extern const fa_bf16_kernel fa_kernel_avx512_bf16;
 #endif
 #ifdef FA_HAVE_AMX_KERNELS
 extern const fa_bf16_kernel fa_kernel_amx_bf16;
+#endif
+#ifdef FA_HAVE_ARM_BF16_KERNELS
+extern const fa_bf16_kernel fa_kernel_bf16_neon;
+#ifdef FA_HAVE_SVE_KERNELS
+extern const fa_bf16_kernel fa_kernel_bf16_sve256;
+extern const fa_bf16_kernel fa_kernel_bf16_sve128;
+#endif
+/* The BFDOT kernel of an AArch64 float32 kernel where the CPU has its instructions,
+ * else NULL (cpu.c). */
+const fa_bf16_kernel *fa_arm_bf16_kernel(const fa_kernel *kern);
+#endif
+#if defined(FA_HAVE_BF16_KERNELS) || defined(FA_HAVE_ARM_BF16_KERNELS)
+#define FA_HAVE_PAIR_KERNELS 1 /* some bfloat16 pair (or tile) kernel is built */
 #endif
 /* The bfloat16 kernel of a path (fastattn.h), or NULL for FA_BF16_FLOAT32 and a path
  * this build lacks. */

@@ -92,46 +92,50 @@
  *   avx512 f32 D=128 L=2048: q=384 k=64 80.8 | q=192 k=64 79.7 | q=96 k=64 78.1 | q=192 k=128 74.0
  * and 96- and 72-key blocks (192 x 96, 288 x 96, 192 x 72) behind 192 x 64 in a second run.
  */
-/* Is a bfloat16 path on for calls on `kern`: one selected (not FA_BF16_FLOAT32) and
- * the kernel the pairs run from, avx512 (the emulated test build's avx2 too)? */
-static int fa_bf16_on(const fa_kernel *kern)
+/* The bfloat16 kernel that calls on `kern` with q, k and v bfloat16 take, or NULL: the
+ * selected path's (not FA_BF16_FLOAT32) where `kern` is the kernel its pairs run from:
+ * avx512 (the emulated test build's avx2 too) for the x86 paths; for BFDOT the
+ * AArch64 kernel's own (fa_arm_bf16_kernel). */
+const fa_bf16_kernel *fa_bf16_kernel_of(const fa_kernel *kern)
 {
-#ifdef FA_HAVE_BF16_KERNELS
-    return (kern == fa_kernel_for_isa(FA_ISA_AVX512) ||
-            (FA_BF16_EMULATED && kern == fa_kernel_for_isa(FA_ISA_AVX2))) &&
-           fa_bf16_path() != FA_BF16_FLOAT32;
-#else
-    (void)kern;
-    return 0;
+    const int path = fa_bf16_path();
+    if (path == FA_BF16_FLOAT32) return NULL;
+#ifdef FA_HAVE_ARM_BF16_KERNELS
+    if (path == FA_BF16_BFDOT) return fa_arm_bf16_kernel(kern);
 #endif
+#ifdef FA_HAVE_BF16_KERNELS
+    if (kern == fa_kernel_for_isa(FA_ISA_AVX512) || (FA_BF16_EMULATED && kern == fa_kernel_for_isa(FA_ISA_AVX2)))
+        return fa_bf16_kernel_for_path(path);
+#endif
+    (void)kern;
+    return NULL;
+}
+
+const char *fa_bf16_kernel_name(void)
+{
+    const fa_bf16_kernel *bk = fa_bf16_kernel_of(fa_kernel_for_isa(fa_default_isa()));
+    return bk ? bk->name : NULL;
 }
 
 int fa_bf16_pairs(const fa_kernel *kern, const fa_params *p)
 {
-    return fa_bf16_on(kern) && p->q_store == FA_STORE_BF16 && p->kv_store == FA_STORE_BF16;
+    return p->q_store == FA_STORE_BF16 && p->kv_store == FA_STORE_BF16 && fa_bf16_kernel_of(kern);
 }
 
+/* The backward of the selected bfloat16 path: the pairs' on a pair path, the tiles' on
+ * the AMX path (kernels_amx.c). */
 const fa_bf16_kernel *fa_bf16_bwd_kernel(const fa_kernel *kern, const fa_bwd_params *bp)
 {
-#ifdef FA_HAVE_BF16_KERNELS
-    /* the backward of the selected bfloat16 path: the pairs' on the pair path, the
-     * tiles' on the AMX path (kernels_amx.c) */
-    if (fa_bf16_on(kern) && bp->bf16 && bp->f.dtype == FA_F32) {
-        const fa_bf16_kernel *bk = fa_bf16_kernel_for_path(fa_bf16_path());
-        if (bk && bk->bwd_kv) return bk;
-    }
-#else
-    (void)kern;
-    (void)bp;
-#endif
-    return NULL;
+    const fa_bf16_kernel *bk = bp->bf16 && bp->f.dtype == FA_F32 ? fa_bf16_kernel_of(kern) : NULL;
+    return bk && bk->bwd_kv ? bk : NULL;
 }
 
-/* The vector width a call's blocks are made of: the kernel's, or the pair products'
- * 16 float32 lanes (which the emulated build also runs from the 8-lane avx2 kernel). */
+/* The vector width a call's blocks are made of: the kernel's, or its pair products'
+ * (16 float32 lanes on the x86 paths, which the emulated build also runs from the
+ * 8-lane avx2 kernel; the float32 kernel's own on AArch64). */
 static int64_t fa_plan_lanes(const fa_kernel *kern, const fa_params *p)
 {
-    return fa_bf16_pairs(kern, p) ? 16 : kern->lanes[p->dtype];
+    return fa_bf16_pairs(kern, p) ? fa_bf16_kernel_of(kern)->lanes : kern->lanes[p->dtype];
 }
 
 static fa_blocks fa_default_blocks(const fa_kernel *kern, const fa_params *p)

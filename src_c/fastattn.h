@@ -255,16 +255,20 @@ const char *fa_cpu_l2_source(void);
 /* bfloat16 instructions of this CPU: bit 0 AVX512-BF16, bit 1 AMX-BF16 (with AMX-TILE,
  * the OS's tile state and Linux's permission for it; bit 2 set where the permission
  * was refused), bit 3 AVX512-BF16 at half the float32 FMA rate (not an AMD CPU: on
- * Intel's cores the pairs are never the default, for the forward or the backward). */
+ * Intel's cores the pairs are never the default, for the forward or the backward);
+ * AArch64: bit 4 FEAT_BF16 (NEON's BFDOT), bit 5 SVE's BFDOT too. */
 unsigned fa_cpu_bf16_features(void);
-/* How calls with q, k and v all bfloat16 compute on the avx512 kernel: FA_BF16_FLOAT32
- * converts to float32 in registers (every kernel does, and the other kernels always);
- * FA_BF16_AVX512 takes the products on AVX512-BF16 (vdpbf16ps) pairs; FA_BF16_AMX on
- * AMX tiles (tdpbf16ps), its tails on the pairs.  fa_cpu_select picks the best this
- * build and CPU run, unless its list names AVX512_BF16 (both) or AMX;
+/* How calls with q, k and v all bfloat16 compute: FA_BF16_FLOAT32 converts to float32
+ * in registers (every kernel does, and the generic and avx2 kernels always);
+ * FA_BF16_AVX512 takes the products on AVX512-BF16 (vdpbf16ps) pairs on the avx512
+ * kernel; FA_BF16_AMX on AMX tiles (tdpbf16ps), its tails on the pairs; FA_BF16_BFDOT
+ * (AArch64) on BFDOT pairs on the neon, sve256 or sve128 kernel, whichever runs, where
+ * the CPU has the instruction for it.  fa_cpu_select picks the best this build and CPU
+ * run, unless its list names AVX512_BF16 (both x86 paths), AMX, or BF16 (BFDOT);
  * fa_bf16_paths has bit `path` set for each one that can run; fa_set_bf16_path
  * (tests, start-up) returns FA_ERR_ARG for one that cannot. */
-enum fa_bf16_path { FA_BF16_FLOAT32 = 0, FA_BF16_AVX512 = 1, FA_BF16_AMX = 2, FA_BF16_COUNT = 3 };
+enum fa_bf16_path { FA_BF16_FLOAT32 = 0, FA_BF16_AVX512 = 1, FA_BF16_AMX = 2, FA_BF16_BFDOT = 3,
+                    FA_BF16_COUNT = 4 };
 #ifdef FA_EMULATE_BF16 /* a test build: the bfloat16 products over SIMDe and the AMX model (setup.py) */
 #define FA_BF16_EMULATED 1
 #else
@@ -272,6 +276,9 @@ enum fa_bf16_path { FA_BF16_FLOAT32 = 0, FA_BF16_AVX512 = 1, FA_BF16_AMX = 2, FA
 #endif
 int fa_bf16_path(void);
 unsigned fa_bf16_paths(void);
+/* The name of the bfloat16 kernel that calls with q, k and v bfloat16 take on the
+ * default kernel under the selected path, or NULL where they convert to float32. */
+const char *fa_bf16_kernel_name(void);
 /* The paths this build compiled, whatever the CPU (bit `path` each). */
 unsigned fa_bf16_paths_built(void);
 /* The emulated test build: how many tdpbf16ps the AMX model has run (all threads, since

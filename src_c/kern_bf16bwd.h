@@ -29,8 +29,9 @@
  * pairs of W, dS, Q and dO A and B tiles of 32 rows), only padded to whole tiles:
  * K and V rows to 32 features, row pairs to 16 (fa_bw_width, fa_bw_rpairs), zero.
  *
- * Needs from the ISA file: FA_DP_* (kern_bf16dp.h) and FA_DP_CVT1(x), 16 float32 values
- * as 16 bfloat16 (round to nearest even) in a __m256i.
+ * Needs from the ISA file: FA_DP_* (kern_bf16dp.h) and FA_DP_STORE16(y, x), a vector's
+ * FA_VL float32 values stored at y (uint16_t *, unaligned) as FA_VL bfloat16 in order
+ * (round to nearest even).
  */
 
 /* n rows of `width` float32 values (row stride sl) as bfloat16 rows fa_bw_width(width)
@@ -43,7 +44,7 @@ static const uint16_t *FA_NAME(fa_bw_rows16)(const FA_T *FA_RESTRICT src, int64_
         const FA_T *x = src + j * sl;
         uint16_t *y = dst + j * ds;
         int64_t c = 0;
-        for (; c < full; c += FA_VL) _mm256_storeu_si256((__m256i *)(void *)(y + c), FA_DP_CVT1(FA_VLOADU(x + c)));
+        for (; c < full; c += FA_VL) FA_DP_STORE16(y + c, FA_VLOADU(x + c));
         for (; c < width; c++) y[c] = fa_float_to_bf16(x[c]);
         for (; c < ds; c++) y[c] = 0;
     }
@@ -93,7 +94,7 @@ static void FA_NAME(fa_bw_tile16)(const FA_T *FA_RESTRICT t, int64_t nk, int64_t
         const FA_T *x = t + j * brp;
         uint16_t *y = (uint16_t *)(void *)(w + j * ws);
         int64_t c = 0;
-        for (; c < full; c += FA_VL) _mm256_storeu_si256((__m256i *)(void *)(y + c), FA_DP_CVT1(FA_VLOAD(x + c)));
+        for (; c < full; c += FA_VL) FA_DP_STORE16(y + c, FA_VLOAD(x + c));
         for (; c < nr; c++) y[c] = fa_float_to_bf16(x[c]);
         for (; c < 2 * FA_NAME(fa_bw_rpairs)(nr); c++) y[c] = 0;
     }

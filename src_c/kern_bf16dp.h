@@ -1,29 +1,35 @@
 /*
  * kern_bf16dp.h -- part of the kernel template (kernels_tmpl.h), only where the ISA file
  * defines FA_BF16_DP: the two products of a prefill block on bfloat16 pairs, for q, k
- * and v all bfloat16 (the AVX512-BF16 instruction vdpbf16ps: each 32-bit lane adds the
- * products of one pair of bfloat16 values to a float32 accumulator).
+ * and v all bfloat16 (the AVX512-BF16 instruction vdpbf16ps, AArch64's BFDOT: each
+ * 32-bit lane adds the products of one pair of bfloat16 values to a float32
+ * accumulator).
  *   fa_pack_q_pairs  a block's Q rows as pairs of features, qp[t][r] = (q[r][2t],
  *                    q[r][2t+1]) as one 32-bit word (low half the first; 0 past D),
  *                    not scaled: the scale goes on the float32 logits
  *   fa_qk_tile_dp    S^T = K Q^T over the pairs: one key's pair broadcast (read in place
- *                    from its bfloat16 row) against 16 queries' pairs, then times the
+ *                    from its bfloat16 row) against FA_VL queries' pairs, then times the
  *                    scale (scale / softcap with a softcap), stored as float32 logits
  *   fa_pv_tile_dp    P rounded to bfloat16 (round to nearest even, as PyTorch and
  *                    FlashAttention do) and paired along the keys, V paired along the
  *                    keys once per tile, then O = alpha O + P V in float32
+ *   fa_dp_chains     the instruction's peak loop (not in the AMX kernel)
  * The softmax, the logit steps, the merge and the statistics are the float32 ones.
  * Calls whose items have at most FA_DOT_ROWS rows (decoding) take the float32 products;
  * the others take the pairs in every block, however few rows it has (fa_few_rows).
  *
- * Needs from the ISA file, on FA_DP_V (16 pairs of bfloat16):
- *   FA_DP_LOAD(p)         16 pairs from 64-byte-aligned uint32 words
+ * Needs from the ISA file, on FA_DP_V (FA_VL pairs of bfloat16, one a float32 lane):
+ *   FA_DP_LOAD(p)         FA_VL pairs from aligned uint32 words
  *   FA_DP_BCAST(w)        a uint32 pair in every lane
- *   FA_DP_FMA(acc, a, b)  acc + a.lo * b.lo + a.hi * b.hi per lane (float32 acc)
+ *   FA_DP_FMA(acc, a, b)  acc + a.lo * b.lo + a.hi * b.hi per lane (float32 acc; the
+ *                         instruction's own rounding: vdpbf16ps's, BFDOT's)
  *   FA_DP_CVT2(x0, x1)    pairs (bf16(x0[i]), bf16(x1[i])) of two float32 vectors
- *   FA_DP_ZIP(a, b, n, lo, hi)  the first n (<= 32) bfloat16 values of rows a and b
- *                         (b NULL: zeros) as pairs: lo = channels 0-15, hi = 16-31
- *   FA_DP_STORE(p, x)     store 16 pairs (64-byte aligned)
+ *   FA_DP_ZIP(a, b, n, lo, hi)  the first n (<= 2 FA_VL) bfloat16 values of rows a and
+ *                         b (b NULL: zeros) as pairs: lo = channels 0 .. FA_VL-1, hi =
+ *                         FA_VL .. 2 FA_VL-1
+ *   FA_DP_STORE(p, x)     store FA_VL pairs (aligned)
+ * (AVX512-BF16: 16 pairs, kernels_avx512bf16.h; AArch64's BFDOT: 4 on NEON, 8 or 4 on
+ * SVE, kernels_arm_bf16.h.)
  */
 
 /* Q pairs of a block's rows (padded rows nr .. nvl-1 zero). */
@@ -178,3 +184,26 @@ static void FA_NAME(fa_pv_tile_dp)(const FA_T *FA_RESTRICT s, int64_t nq, int nv
 }
 #undef FA_PV_DP_CASE
 #endif /* FA_BF16_AMX */
+
+#if defined(FA_BF16_DP) && !defined(FA_BF16_AMX)
+/* The pair instruction's peak loop (fastattn.bench.bf16_peak): iters rounds of
+ * FA_PEAK_CHAINS independent FA_DP_FMA, acc += 1 * a + 1 * a (a as bfloat16; the chains
+ * grow by 2a a round, far from overflow), returning the lanes' sum. */
+static double FA_NAME(fa_dp_chains)(int64_t iters, double m, double a)
+{
+    (void)m;
+    uint32_t ones = 0x3F803F80u; /* (two bfloat16 1s) */
+    const uint32_t ab = fa_float_to_bf16((float)a);
+    /* (the empty asm hides the constant: AArch64's gcc 12 otherwise materializes the
+     * vector of bfloat16 1s as FMOV .8h #1.0, an FP16 instruction with FP16's bits) */
+    __asm__("" : "+r"(ones));
+    const FA_DP_V x = FA_DP_BCAST(ones), y = FA_DP_BCAST(ab | ab << 16);
+    FA_V acc[FA_PEAK_CHAINS];
+    for (int c = 0; c < FA_PEAK_CHAINS; c++) acc[c] = FA_VSET1((float)c);
+    for (int64_t i = 0; i < iters; i++)
+        for (int c = 0; c < FA_PEAK_CHAINS; c++) acc[c] = FA_DP_FMA(acc[c], x, y);
+    FA_V s = acc[0];
+    for (int c = 1; c < FA_PEAK_CHAINS; c++) s = FA_VADD(s, acc[c]);
+    return (double)FA_VREDUCE(s);
+}
+#endif

@@ -155,4 +155,5 @@ const fa_bf16_kernel fa_kernel_amx_bf16 = {
     fa_bwd_reduce_abw_amx,
     192, /* the backward's query rows: see the sweep above */
     fa_rows_share_bytes_amx,
+    16,
 };

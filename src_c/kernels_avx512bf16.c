@@ -45,23 +45,6 @@
 #undef FA_BF16_BWD
 #include "kernels_undef.h"
 
-/* The pair instruction's peak loop (fastattn.bench.bf16_peak): iters rounds of
- * FA_PEAK_CHAINS independent vdpbf16ps, acc += 1 * a + 1 * a (a as bfloat16; the
- * chains grow by 2a a round, far from overflow), returning the lanes' sum. */
-static double fa_dp_chains(int64_t iters, double m, double a)
-{
-    (void)m;
-    const uint32_t one = 0x3F80u, ab = fa_float_to_bf16((float)a);
-    const __m512i x = _mm512_set1_epi32((int)(one | one << 16)), y = _mm512_set1_epi32((int)(ab | ab << 16));
-    __m512 acc[FA_PEAK_CHAINS];
-    for (int c = 0; c < FA_PEAK_CHAINS; c++) acc[c] = _mm512_set1_ps((float)c);
-    for (int64_t i = 0; i < iters; i++)
-        for (int c = 0; c < FA_PEAK_CHAINS; c++) acc[c] = FA_DP_FMA(acc[c], x, y);
-    __m512 s = acc[0];
-    for (int c = 1; c < FA_PEAK_CHAINS; c++) s = _mm512_add_ps(s, acc[c]);
-    return (double)_mm512_reduce_add_ps(s);
-}
-
 const fa_bf16_kernel fa_kernel_avx512_bf16 = {
 #ifdef FA_EMULATE_BF16
     "avx512-bf16 (emulated over SIMDe: a test build)",
@@ -70,7 +53,7 @@ const fa_bf16_kernel fa_kernel_avx512_bf16 = {
 #endif
     fa_qblock_bdp_avx512,
     fa_scratch_bytes_bdp_avx512,
-    fa_dp_chains,
+    fa_dp_chains_bdp_avx512,
     4.0 * FA_PEAK_CHAINS * 16, /* 16 lanes, each two products and two adds */
     fa_bwd_kv_bbw_avx512,
     fa_bwd_q_bbw_avx512,
@@ -78,4 +61,5 @@ const fa_bf16_kernel fa_kernel_avx512_bf16 = {
     fa_bwd_reduce_bbw_avx512,
     0,
     NULL,
+    16,
 };

@@ -62,5 +62,7 @@ static inline __m512i fa_dp_cvt2(__m512 x0, __m512 x1)
 /* 16 float32 values as 16 bfloat16 (vcvtneps2bf16), in order */
 #define FA_DP_CVT1(x) ((__m256i)_mm512_cvtneps_pbh(x))
 #endif
+/* 16 float32 values stored as 16 bfloat16 (kern_bf16bwd.h) */
+#define FA_DP_STORE16(y, x) _mm256_storeu_si256((__m256i *)(void *)(y), FA_DP_CVT1(x))
 
 #endif /* FA_KERNELS_AVX512BF16_H */

@@ -296,6 +296,7 @@ static inline void fa_transpose_f64_neon(const double *const *rows, int64_t off,
 #define FA_VTRANSPOSE_REGS(x) fa_transpose_regs_f32_neon(x)
 #define FA_I8_LOADU(p) fa_i8_loadu_neon((const int8_t *)(const void *)(p))
 #define FA_U4_LOADU(p, sh) fa_u4_loadu_neon((const uint8_t *)(const void *)(p), (sh))
+#ifndef FA_ARM_BF16 /* (kernels_neon_bf16.c: only the bfloat16 instantiations below) */
 #include "kernels_tmpl.h"
 
 /* ---------------- float32 with float16 K/V: converted in registers (FCVTL) ---------------- */
@@ -336,6 +337,7 @@ static inline void fa_row_to_half_neon(uint16_t *d, const float *s, int64_t n)
 #define FA_KV_SCALAR(x) fa_half_to_float(x)
 #define FA_ROW_TO_16(d, s, n) fa_row_to_half_neon((d), (s), (n))
 #include "kernels_tmpl.h"
+#endif /* FA_ARM_BF16 */
 
 /* ---------------- float32 with bfloat16 K/V: a bfloat16 is a float's high half ---------------- */
 static inline float32x4_t fa_bf16_loadu_neon(const uint16_t *p)
@@ -349,7 +351,47 @@ static inline float32x4_t fa_bf16_loadu_n_neon(const uint16_t *p, int n)
     return fa_bf16_loadu_neon(t);
 }
 #include "kernels_kv16.h"
+#ifdef FA_ARM_BF16
+/* q, k and v bfloat16 with both products on BFDOT pairs (kern_bf16dp.h): 4 pairs a
+ * vector, one a float32 lane */
+#define FA_DP_V bfloat16x8_t
+#define FA_DP_LOAD(p) vreinterpretq_bf16_u32(vld1q_u32((const uint32_t *)(const void *)(p)))
+#define FA_DP_STORE(p, x) vst1q_u32((uint32_t *)(void *)(p), vreinterpretq_u32_bf16(x))
+#define FA_DP_BCAST(w) vreinterpretq_bf16_u32(vdupq_n_u32(w))
+#define FA_DP_ZERO() vreinterpretq_bf16_u32(vdupq_n_u32(0))
+#define FA_DP_FMA(acc, a, b) vbfdotq_f32((acc), (a), (b))
+/* BFCVTN puts x0's 4 values (rounded to nearest even) in elements 0-3, x1's likewise;
+ * ZIP1 interleaves them into pairs */
+static inline bfloat16x8_t fa_dp_cvt2_neon(float32x4_t x0, float32x4_t x1)
+{
+    const uint16x8_t a = vreinterpretq_u16_bf16(vcvtq_low_bf16_f32(x0));
+    const uint16x8_t b = vreinterpretq_u16_bf16(vcvtq_low_bf16_f32(x1));
+    return vreinterpretq_bf16_u16(vzip1q_u16(a, b));
+}
+#define FA_DP_CVT2(x0, x1) fa_dp_cvt2_neon((x0), (x1))
+#define FA_DP_STORE16(y, x) vst1_u16((y), vreinterpret_u16_bf16(vcvt_bf16_f32(x)))
+/* the first n (<= 8) values of rows a and b (b NULL: zeros) as pairs: lo channels 0-3,
+ * hi 4-7 */
+static inline uint16x8_t fa_dp_load8_neon(const uint16_t *a, int n)
+{
+    if (!a) return vdupq_n_u16(0);
+    if (n >= 8) return vld1q_u16(a);
+    uint16_t t[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    memcpy(t, a, (size_t)n * sizeof(uint16_t));
+    return vld1q_u16(t);
+}
+static inline void fa_dp_zip_neon(const uint16_t *a, const uint16_t *b, int n, bfloat16x8_t *lo, bfloat16x8_t *hi)
+{
+    const uint16x8_t x = fa_dp_load8_neon(a, n), y = fa_dp_load8_neon(b, n);
+    *lo = vreinterpretq_bf16_u16(vzip1q_u16(x, y));
+    *hi = vreinterpretq_bf16_u16(vzip2q_u16(x, y));
+}
+#define FA_DP_ZIP(a, b, n, lo, hi) fa_dp_zip_neon((a), (b), (n), &(lo), &(hi))
+#define FA_BF16_DP 1
+#define FA_NAME(x) x##_bdp_neon
+#else
 #define FA_NAME(x) x##_kvb16_neon
+#endif
 #define FA_KV_HALF 1
 #define FA_KV uint16_t
 #define FA_KV_BCAST(p) vdupq_n_f32(fa_bf16_to_float(*(p)))
@@ -359,6 +401,11 @@ static inline float32x4_t fa_bf16_loadu_n_neon(const uint16_t *p, int n)
 #define FA_16_TO_FLOAT(x) fa_bf16_to_float(x)
 #define FA_FLOAT_TO_16(x) fa_float_to_bf16(x)
 #include "kernels_tmpl.h"
+#ifdef FA_ARM_BF16
+#define FA_ARM_BF16_NAME(x) x##_neon
+#define FA_ARM_BF16_KERNEL_NAME "neon-bfdot"
+#include "kernels_arm_bf16.h"
+#else
 #include "kernels_undef.h"
 
 /* ---------------- float64 ---------------- */
@@ -412,3 +459,4 @@ const fa_kernel fa_kernel_neon = {
     {fa_bwd_reduce_f32_neon, fa_bwd_reduce_f64_neon},
     {fa_mass_kv_f32_neon, fa_mass_kv_f64_neon},
 };
+#endif /* FA_ARM_BF16 */

@@ -290,6 +290,7 @@ static inline fa_sf64 fa_mask_bytes_f64_sve(fa_sf64 x, const uint8_t *p)
 #define FA_VMASK_BYTES(x, p) fa_mask_bytes_f32_sve((x), (p))
 #define FA_I8_LOADU(p) fa_i8_loadu_sve((const int8_t *)(const void *)(p))
 #define FA_U4_LOADU(p, sh) fa_u4_loadu_sve((const uint8_t *)(const void *)(p), (sh))
+#ifndef FA_ARM_BF16 /* (kernels_sve*_bf16.c: only the bfloat16 instantiations below) */
 #include "kernels_tmpl.h"
 
 /* ---------------- float32 with float16 K/V: converted in registers ---------------- */
@@ -313,6 +314,7 @@ static inline fa_sf32 fa_half_loadu_n_sve(const uint16_t *p, int n)
 #define FA_KV_LOADU_N(p, n) fa_half_loadu_n_sve((p), (n))
 #define FA_KV_SCALAR(x) fa_half_to_float(x)
 #include "kernels_tmpl.h"
+#endif /* FA_ARM_BF16 */
 
 /* ---------------- float32 with bfloat16 K/V: a bfloat16 is a float's high half ---------------- */
 static inline fa_sf32 fa_bf16_loadu_sve(const uint16_t *p)
@@ -325,7 +327,37 @@ static inline fa_sf32 fa_bf16_loadu_n_sve(const uint16_t *p, int n)
     return svreinterpret_f32_u32(svlsl_n_u32_z(pn, svld1uh_u32(pn, p), 16));
 }
 #include "kernels_kv16.h"
+#ifdef FA_ARM_BF16
+/* q, k and v bfloat16 with both products on BFDOT pairs (kern_bf16dp.h): FA_SVE_VL32
+ * pairs a vector, one a float32 lane */
+typedef svbfloat16_t fa_sbf16 __attribute__((arm_sve_vector_bits(FA_SVE_BITS)));
+#define FA_DP_V fa_sbf16
+#define FA_DP_LOAD(p) svreinterpret_bf16_u32(svld1_u32(FA_PT32, (const uint32_t *)(const void *)(p)))
+#define FA_DP_STORE(p, x) svst1_u32(FA_PT32, (uint32_t *)(void *)(p), svreinterpret_u32_bf16(x))
+#define FA_DP_BCAST(w) svreinterpret_bf16_u32(svdup_n_u32(w))
+#define FA_DP_ZERO() svreinterpret_bf16_u32(svdup_n_u32(0))
+#define FA_DP_FMA(acc, a, b) svbfdot_f32((acc), (a), (b))
+/* BFCVT rounds x0 (to nearest even) into each lane's low half, BFCVTNT x1 into its high
+ * half: the pairs, in two instructions */
+#define FA_DP_CVT2(x0, x1) svcvtnt_bf16_f32_x(svcvt_bf16_f32_x(FA_PT32, (x0)), FA_PT32, (x1))
+/* a vector's values as bfloat16 in order: BFCVT, then ST1H stores each lane's low half */
+#define FA_DP_STORE16(y, x) \
+    svst1h_u32(FA_PT32, (uint16_t *)(y), svreinterpret_u32_bf16(svcvt_bf16_f32_x(FA_PT32, (x))))
+/* the first n (<= 2 FA_SVE_VL32) values of rows a and b (b NULL: zeros) as pairs: ZIP1
+ * the first FA_SVE_VL32 channels, ZIP2 the rest */
+static inline void fa_dp_zip_sve(const uint16_t *a, const uint16_t *b, int n, fa_sbf16 *lo, fa_sbf16 *hi)
+{
+    const svbool_t pn = svwhilelt_b16_s32(0, n);
+    const svuint16_t x = svld1_u16(pn, a), y = b ? svld1_u16(pn, b) : svdup_n_u16(0);
+    *lo = svreinterpret_bf16_u16(svzip1_u16(x, y));
+    *hi = svreinterpret_bf16_u16(svzip2_u16(x, y));
+}
+#define FA_DP_ZIP(a, b, n, lo, hi) fa_dp_zip_sve((a), (b), (n), &(lo), &(hi))
+#define FA_BF16_DP 1
+#define FA_NAME(x) FA_SVE_NAME(x##_bdp)
+#else
 #define FA_NAME(x) FA_SVE_NAME(x##_kvb16)
+#endif
 #define FA_KV_HALF 1
 #define FA_KV uint16_t
 #define FA_KV_BCAST(p) svdup_n_f32(fa_bf16_to_float(*(p)))
@@ -335,6 +367,11 @@ static inline fa_sf32 fa_bf16_loadu_n_sve(const uint16_t *p, int n)
 #define FA_16_TO_FLOAT(x) fa_bf16_to_float(x)
 #define FA_FLOAT_TO_16(x) fa_float_to_bf16(x)
 #include "kernels_tmpl.h"
+#ifdef FA_ARM_BF16
+#define FA_ARM_BF16_NAME(x) FA_SVE_NAME(x)
+#define FA_ARM_BF16_KERNEL_NAME FA_SVE_KERNEL_NAME
+#include "kernels_arm_bf16.h"
+#else
 #include "kernels_undef.h"
 
 /* ---------------- float64 ---------------- */
@@ -386,3 +423,4 @@ const fa_kernel FA_SVE_NAME(fa_kernel) = {
     {FA_SVE_NAME(fa_bwd_reduce_f32), FA_SVE_NAME(fa_bwd_reduce_f64)},
     {FA_SVE_NAME(fa_mass_kv_f32), FA_SVE_NAME(fa_mass_kv_f64)},
 };
+#endif /* FA_ARM_BF16 */

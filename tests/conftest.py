@@ -47,12 +47,17 @@ def kernel(request):
 
 
 # bfloat16 q/k/v compute either converted to float32 (every kernel) or, on the avx512
-# kernel where the build and CPU have it, on AVX512-BF16 pairs (the emulated test build,
-# FASTATTN_EMULATE_BF16, runs them from the avx2 kernel too): each kernel with the
-# float32 path, and each kernel that runs a pair path with it.
+# kernel where the build and CPU have it, on AVX512-BF16 pairs or AMX tiles (the emulated
+# test build, FASTATTN_EMULATE_BF16, runs them from the avx2 kernel too), or on AArch64's
+# neon, sve256 and sve128 kernels on BFDOT pairs where the CPU has FEAT_BF16 (every CPU
+# with SVE and FEAT_BF16 has SVE's BFDOT too: Neoverse V1, V2, N2, qemu's "max"): each
+# kernel with the float32 path, and each kernel that runs a pair path with it.
 BF16_PATHS = _kernels.bf16_paths()
-PAIR_KERNELS = [k for k in (("avx2", "avx512") if _kernels.bf16_emulated() else ("avx512",))
-                if k in KERNELS and len(BF16_PATHS) > 1]
+if "bfdot" in BF16_PATHS:
+    PAIR_KERNELS = [k for k in ("neon", "sve256", "sve128") if k in KERNELS]
+else:
+    PAIR_KERNELS = [k for k in (("avx2", "avx512") if _kernels.bf16_emulated() else ("avx512",))
+                    if k in KERNELS and len(BF16_PATHS) > 1]
 BF16_KERNELS = [(k, "float32") for k in KERNELS] + \
     [(k, p) for k in PAIR_KERNELS for p in BF16_PATHS if p != "float32"]
 

@@ -85,14 +85,16 @@ def _is_aarch64():
 def _auxv_hwcap():
     """AArch64 Linux: the kernel's hardware capabilities, getauxval(AT_HWCAP) through the
     C library (bit 0 FP, bit 1 ASIMD, bit 22 SVE; under qemu-user, the emulated CPU's),
-    and "sve-vl256" or "sve-vl128" where prctl(PR_SVE_GET_VL) gives 32 or 16 bytes; or None."""
+    AT_HWCAP2's bit 14 BF16 and bit 12 SVEBF16, and "sve-vl256" or "sve-vl128" where
+    prctl(PR_SVE_GET_VL) gives 32 or 16 bytes; or None."""
     try:
         import ctypes
         libc = ctypes.CDLL(None)
         libc.getauxval.restype = ctypes.c_ulong
         libc.getauxval.argtypes = [ctypes.c_ulong]
-        hw = libc.getauxval(16)  # AT_HWCAP
+        hw, hw2 = libc.getauxval(16), libc.getauxval(26)  # AT_HWCAP, AT_HWCAP2
         flags = {name for bit, name in ((0, "fp"), (1, "asimd"), (22, "sve")) if (hw >> bit) & 1}
+        flags |= {name for bit, name in ((14, "bf16"), (12, "svebf16")) if (hw2 >> bit) & 1}
         vl = libc.prctl(51, 0, 0, 0, 0) & 0xFFFF if "sve" in flags else 0  # PR_SVE_GET_VL
         if vl in (32, 16):
             flags.add(f"sve-vl{8 * vl}")
@@ -259,8 +261,15 @@ def _bf16_path_for(flags, disabled=""):
     The emulated build starts on the pairs (its tiles are a slow software model).  A
     real build never starts on the pairs on a CPU that is not AMD's (Hygon's are AMD's
     design): Intel's vdpbf16ps runs at half the float32 FMA rate, so there the path is
-    the AMX tiles or float32."""
+    the AMX tiles or float32.  AArch64: BFDOT pairs where the build has them, the CPU
+    reports BF16 (SVEBF16 too for an SVE kernel), the kernel that runs is neon, sve256 or
+    sve128, and BF16 is not disabled."""
     off = {f.lower() for f in re.split(r"[,\s]+", disabled) if f}
+    if _is_aarch64():
+        kern = _kernels_for(flags, disabled)[-1]
+        ok = ("bfdot" in _kernels.bf16_paths_built() and "bf16" in flags and "bf16" not in off and
+              (kern == "neon" or (kern.startswith("sve") and "svebf16" in flags)))
+        return "bfdot" if ok else "float32"
     if _kernels.bf16_emulated():  # over SIMDe, from the avx2 kernel up
         ok = _kernels_for(flags, disabled)[-1] in ("avx2", "avx512")
         amx = False
@@ -278,19 +287,22 @@ def _bf16_path_for(flags, disabled=""):
 
 
 @pytest.mark.parametrize("disabled", ["", "AVX512_BF16", "avx512_bf16, SSE3", "AVX512F", "AVX2", "AMX",
-                                      "amx_bf16"])
+                                      "amx_bf16", "BF16", "sve", "NEON", "bf16,SVE"])
 def test_bf16_path_follows_the_cpu(disabled):
     """The bfloat16 path (expected from the CPU's flags, not from fastattn), and
     show_config's line naming it."""
     flags, source = _cpu_features()
-    if _proc_cpuinfo_flags() is None:
+    if not _is_aarch64() and _proc_cpuinfo_flags() is None:
         pytest.skip("AVX512-BF16 is read from /proc/cpuinfo here, which this system lacks")
     want = _bf16_path_for(flags, disabled)
     lines = _in_subprocess(disabled)
-    assert lines[-2] == want, (lines, sorted(flags & {"avx512bw", "avx512_bf16"}))
+    assert lines[-2] == want, (lines, sorted(flags & {"avx512bw", "avx512_bf16", "bf16", "svebf16"}))
     bf = [ln for ln in lines if ln.strip().startswith("bfloat16:")]
     assert bf and (("takes both products on AVX512-BF16 pairs" in bf[0]) == (want == "avx512-bf16")), bf
     assert ("on AMX tiles" in bf[0]) == (want == "amx-bf16"), bf
+    assert ("takes both products on BFDOT pairs" in bf[0]) == (want == "bfdot"), bf
+    if want == "bfdot":  # the kernel that runs, and its BFDOT kernel
+        assert f"({lines[-1]}-bfdot:" in bf[0], bf
     if want == "amx-bf16":  # the backward's products: the tiles too
         assert "the backward on AMX tiles too" in bf[0], bf
     assert _kernels.build_info()["bf16_pairs_slow"] == ("avx512_bf16" in flags and _intel_like())
@@ -299,7 +311,8 @@ def test_bf16_path_follows_the_cpu(disabled):
 def test_bf16_paths_built_and_run():
     """Every path that runs was built; the emulated build builds both products' paths
     and runs them from the avx2 kernel up; a real build runs the AMX tiles only where
-    /proc/cpuinfo shows AMX-TILE and AMX-BF16."""
+    /proc/cpuinfo shows AMX-TILE and AMX-BF16, and BFDOT (AArch64) where getauxval shows
+    BF16."""
     built, runs = _kernels.bf16_paths_built(), _kernels.bf16_paths()
     assert set(runs) <= set(built) and built[0] == runs[0] == "float32"
     flags = _proc_cpuinfo_flags()
@@ -311,3 +324,8 @@ def test_bf16_paths_built_and_run():
         assert _kernels.amx_model_ops() == -1
         if flags is not None and "amx-bf16" in runs:
             assert {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags)
+    if _is_aarch64():  # BFDOT runs where it is built and the CPU reports BF16
+        hw = _auxv_hwcap()
+        if hw is not None:
+            assert ("bfdot" in runs) == ("bfdot" in built and "bf16" in hw and "asimd" in hw), (runs, built, hw)
+        assert not {"avx512-bf16", "amx-bf16"} & set(built)

@@ -5,15 +5,15 @@ lanes where every call is slow: the arm64 lane runs the kernels under qemu-user,
 SVE code costs hundreds of times its native time (.ci/arm64 runs this file under each
 emulated CPU).  Each case is a handful of small calls on every kernel this machine runs:
 prefill and decode (L = 1, lengths off the block grid, odd D, Lq != Lk both ways, a
-strided view, bshd), each variant, float64, float16 and bfloat16 K/V, bfloat16 q/k/v,
-the int8 cache, fastattn.KVCache of every dtype, the backward, the bits across thread
+strided view, bshd), each variant, float64, float16 and bfloat16 K/V, bfloat16 q/k/v
+on every bfloat16 path (forward and backward), the int8 cache, fastattn.KVCache of every dtype, the backward, the bits across thread
 counts and call shapes, and arrays against guard pages.
 """
 import numpy as np
 import pytest
 
 import fastattn
-from fastattn import reference
+from fastattn import _kernels, reference
 from conftest import BF16, TOL, rel_err
 from guardpages import guarded
 
@@ -88,13 +88,51 @@ def test_16bit_kv(kernel, rng, kvtype):
         _close(fastattn.attention(q, k16, v16, causal=True), ref)
 
 
-def test_bf16_qkv(kernel, rng):
+@pytest.mark.parametrize("shape", [(1, 2, 2, 19, 35, 32, 32), (1, 4, 2, 37, 20, 9, 5), (2, 2, 1, 3, 70, 16, 24)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_bf16_qkv(bf16_kernel, rng, shape):
+    """q, k, v bfloat16 on each (kernel, bfloat16 path): the float32 products and the
+    pair paths (AVX512-BF16, AMX, BFDOT), odd D and Dv, GQA, Lq != Lk both ways; and
+    the backward, its gradients bfloat16."""
     if BF16 is None:
         pytest.skip("ml_dtypes is not installed")
-    q, k, v = (x.astype(BF16) for x in _qkv(rng, 1, 2, 19, 35, 32))
-    ref = reference.attention(*(x.astype(np.float64) for x in (q, k, v)), causal=True)
-    out = fastattn.attention(q, k, v, causal=True)
+    B, H, Hkv, Lq, Lk, D, Dv = shape
+    q, k, v = (x.astype(BF16) for x in _qkv(rng, B, H, Lq, Lk, D, Hkv=Hkv, Dv=Dv))
+    ref, ref_lse = reference.attention(*(x.astype(np.float64) for x in (q, k, v)), causal=True, return_lse=True)
+    out, lse = fastattn.attention(q, k, v, causal=True, return_lse=True)
     assert out.dtype == BF16 and rel_err(out.astype(np.float64), ref) <= 1e-2
+    dout = rng.standard_normal(out.shape).astype(BF16)
+    got = fastattn.attention_backward(dout, q, k, v, out, lse, causal=True)
+    f64 = [x.astype(np.float64) for x in (dout, q, k, v, out)]
+    want = reference.attention_backward(*f64, lse.astype(np.float64), causal=True)
+    for g, w in zip(got, want):
+        assert g.dtype == BF16 and rel_err(g.astype(np.float64), w) <= 1e-2
+
+
+def test_bf16_bits_across_threads(bf16_kernel, rng):
+    """bfloat16 q, k, v on each path: the same bits on 1 and 2 threads, forward and
+    backward; on a pair path not the float32 products' bits (P rounded to bfloat16:
+    the pairs ran)."""
+    if BF16 is None:
+        pytest.skip("ml_dtypes is not installed")
+    q, k, v = (x.astype(BF16) for x in _qkv(rng, 1, 4, 45, 45, 24, Hkv=2))
+    dout = rng.standard_normal(q.shape).astype(BF16)
+
+    def run(nth):
+        out, lse = fastattn.attention(q, k, v, causal=True, return_lse=True, num_threads=nth)
+        grads = fastattn.attention_backward(dout, q, k, v, out, lse, causal=True, num_threads=nth)
+        return [a.tobytes() for a in (out, *grads)]
+
+    runs = [run(1), run(2)]
+    assert runs[0] == runs[1]
+    if bf16_kernel[1] != "float32":
+        path = _kernels.bf16_path()
+        try:
+            _kernels.set_bf16_path("float32")
+            f32 = run(1)
+        finally:
+            _kernels.set_bf16_path(path)
+        assert all(a != b for a, b in zip(runs[0], f32))
 
 
 def test_int8_cache(kernel, rng):
