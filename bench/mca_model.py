@@ -231,7 +231,7 @@ def main(argv=None):
         loops, peak_loops, fma_ops = sve_loops(args.kernel), SVE_PEAK_LOOPS, ("fmla", "fmad")
         lanes, sm_vec = SVE_LANES[args.kernel], "fexpa"
     if arm and args.bf16:
-        return model_bf16(mca, so, args.kernel, cpus)
+        return model_bf16(mca, so, args.kernel, cpus, args.blocks, args.D)
     bodies = {}
     for label, sym, key in loops:
         # (gcc may move a function's main loop into a split-off part: sym.part.0)
@@ -291,10 +291,13 @@ def main(argv=None):
     return 0
 
 
-def model_bf16(mca, so, kernel, cpus):
+def model_bf16(mca, so, kernel, cpus, blocks, D):
     """The BFDOT tiles of an arm64 kernel: each loop's cycles, its fraction of the
     model's BFDOT rate, and the multiply-adds a cycle it does against the float32
-    tiles' peak (the same kernel's FMLA rate in the same model)."""
+    tiles' peak (the same kernel's FMLA rate in the same model); then a block's
+    predicted time on pairs against its float32 time (the same softmax loop; the
+    pairs' packing of P and V, and everything the float32 prediction leaves out, left
+    out of both)."""
     if kernel == "neon":  # the CPUs with FEAT_BF16 that run neon (Apple's; the Neoverse ones run SVE)
         cpus = (("Neoverse V1", "neoverse-v1"), ("Neoverse V2", "neoverse-v2"), ("Neoverse N2", "neoverse-n2"),
                 ("Apple M2", "apple-m2"))
@@ -306,6 +309,7 @@ def model_bf16(mca, so, kernel, cpus):
     print(f"{kernel}: vector instructions a cycle in each model, FMLA / BFDOT: " +
           ", ".join(f"{n} {fmla_peak[c]:.2f} / {dp_peak[c]:.2f}" for n, c in cpus))
     print(f"\n{'loop':32} {'insns':>5} {'DOT':>4}  " + "  ".join(f"{n:>40}" for n, _ in cpus))
+    bodies = {}
     for label, sym, key in bf16_loops(kernel):
         # (gcc folds the forward's and the backward's identical tile functions into one,
         # the other name an alias that objdump's --disassemble does not find: try both)
@@ -327,6 +331,28 @@ def model_bf16(mca, so, kernel, cpus):
             gain = 2 * ndot / cyc / fmla_peak[cpu]
             cells.append(f"{cyc:6.1f} cy {frac:4.0%} of BFDOT, {gain:.2f}x FMLA peak".rjust(40))
         print(f"{label:32} {len(body):5d} {ndot:4d}  " + "  ".join(cells))
+        bodies[label] = (src, ndot)
+    lanes = SVE_LANES.get(kernel, 4)
+    f32 = {}
+    for label, sym, key in (sve_loops(kernel) if kernel != "neon" else ARM_LOOPS):
+        body = pick([lp for name in (sym, sym + ".part.0") for lp in innermost_loops(disassemble(so, name))], key)
+        if body:
+            count = sum(t.startswith(("fmla", "fmad")) for t in body) if label != SM else \
+                sum(t.startswith("fexpa" if kernel != "neon" else "shl") for t in body)
+            f32[label] = (mca_source(body), count)
+    if len(bodies) < 2 or len(f32) < 3:
+        return 0
+    bq, bk = (int(x) for x in blocks.lower().split("x"))
+    print(f"\nblock {bq} x {bk}, D = Dv = {D}, on pairs against float32 (the same softmax; P and V packing not modelled):")
+    for name, cpu in cpus:
+        cyc = {lab: mca_cycles(mca, cpu, src)[0] for lab, (src, _) in list(bodies.items()) + list(f32.items())}
+        if None in cyc.values():
+            continue
+        fmas = bq * bk * D / lanes  # vector FMAs of each float32 product; half as many BFDOTs
+        sm = bq * bk / lanes / f32[SM][1] * cyc[SM]
+        t32 = fmas / f32[QK][1] * cyc[QK] + fmas / f32[PV][1] * cyc[PV] + sm
+        t16 = fmas / 2 / bodies[QK_DP][1] * cyc[QK_DP] + fmas / 2 / bodies[PV_DP][1] * cyc[PV_DP] + sm
+        print(f"  {name:28} float32 {t32:8.0f} cycles, pairs {t16:8.0f}: {t32 / t16:.2f}x")
     return 0
 
 

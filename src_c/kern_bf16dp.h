@@ -28,6 +28,10 @@
  *                         b (b NULL: zeros) as pairs: lo = channels 0 .. FA_VL-1, hi =
  *                         FA_VL .. 2 FA_VL-1
  *   FA_DP_STORE(p, x)     store FA_VL pairs (aligned)
+ * and optionally FA_DP_K4 (a vector of 4 pairs), FA_DP_LOAD_K4(p) (8 bfloat16 values,
+ * unaligned) and FA_DP_FMA_K4(acc, q, kv, u) (FA_DP_FMA with pair u of kv in every
+ * lane: NEON's BFDOT by element), which QK^T (and P.V for its first 4 rows) then take
+ * in place of a broadcast a pair
  * (AVX512-BF16: 16 pairs, kernels_avx512bf16.h; AArch64's BFDOT: 4 on NEON, 8 or 4 on
  * SVE, kernels_arm_bf16.h.)
  */
@@ -64,7 +68,28 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_dp_micro)(const int R, const int NV, const u
     for (int r = 0; r < R; r++)
         for (int c = 0; c < NV; c++) acc[r][c] = FA_VZERO();
     const int64_t full = D / 2;
-    for (int64_t t = 0; t < full; t++) {
+    int64_t t = 0;
+#ifdef FA_DP_K4
+    /* four pairs of each key row in one vector, each used by its index (no broadcast);
+     * the same products in the same order as below, so the same bits */
+    for (; t + 4 <= full; t += 4) {
+        FA_DP_K4 kv[FA_QK_R];
+        for (int r = 0; r < R; r++) kv[r] = FA_DP_LOAD_K4(k + r * k_sl + 2 * t);
+#define FA_QK_DP_K4_STEP(u)                                                                        \
+        {                                                                                          \
+            FA_DP_V qv[FA_QK_NV];                                                                  \
+            for (int c = 0; c < NV; c++) qv[c] = FA_DP_LOAD(qp + (t + (u)) * brp + c * FA_VL);     \
+            for (int r = 0; r < R; r++)                                                            \
+                for (int c = 0; c < NV; c++) acc[r][c] = FA_DP_FMA_K4(acc[r][c], qv[c], kv[r], u); \
+        }
+        FA_QK_DP_K4_STEP(0)
+        FA_QK_DP_K4_STEP(1)
+        FA_QK_DP_K4_STEP(2)
+        FA_QK_DP_K4_STEP(3)
+#undef FA_QK_DP_K4_STEP
+    }
+#endif
+    for (; t < full; t++) {
         FA_DP_V qv[FA_QK_NV];
         for (int c = 0; c < NV; c++) qv[c] = FA_DP_LOAD(qp + t * brp + c * FA_VL);
         for (int r = 0; r < R; r++) {
@@ -127,6 +152,30 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_dp_micro)(const int R, const int NC, const u
 {
     FA_V acc[FA_PV_R][2 * FA_PV_NC];
     FA_NAME(fa_pv_load)(R, NC, acc, o, dvp, alpha);
+#ifdef FA_DP_K4
+    /* rows 0-3's pairs of P at step t are adjacent words: one vector, each row's pair
+     * used by its index (the same products in the same order: the same bits) */
+    if (R >= 4) {
+        for (int64_t t = 0; t < npairs; t++) {
+            FA_DP_V vv[FA_PV_NC];
+            for (int c = 0; c < NC; c++) vv[c] = FA_DP_LOAD(vp + t * dvp + c * FA_VL);
+            const FA_DP_K4 p4 = FA_DP_LOAD_K4((const uint16_t *)(const void *)(pp + t * brp));
+            for (int c = 0; c < NC; c++) {
+                acc[0][c] = FA_DP_FMA_K4(acc[0][c], vv[c], p4, 0);
+                acc[1][c] = FA_DP_FMA_K4(acc[1][c], vv[c], p4, 1);
+                acc[2][c] = FA_DP_FMA_K4(acc[2][c], vv[c], p4, 2);
+                acc[3][c] = FA_DP_FMA_K4(acc[3][c], vv[c], p4, 3);
+            }
+            for (int r = 4; r < R; r++) {
+                const FA_DP_V pb = FA_DP_BCAST(pp[t * brp + r]);
+                for (int c = 0; c < NC; c++) acc[r][c] = FA_DP_FMA(acc[r][c], pb, vv[c]);
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < NC; c++) FA_VSTORE(o + r * dvp + c * FA_VL, acc[r][c]);
+        return;
+    }
+#endif
     for (int64_t t = 0; t < npairs; t++) {
         FA_DP_V vv[FA_PV_NC];
         for (int c = 0; c < NC; c++) vv[c] = FA_DP_LOAD(vp + t * dvp + c * FA_VL);

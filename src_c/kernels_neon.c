@@ -360,6 +360,12 @@ static inline float32x4_t fa_bf16_loadu_n_neon(const uint16_t *p, int n)
 #define FA_DP_BCAST(w) vreinterpretq_bf16_u32(vdupq_n_u32(w))
 #define FA_DP_ZERO() vreinterpretq_bf16_u32(vdupq_n_u32(0))
 #define FA_DP_FMA(acc, a, b) vbfdotq_f32((acc), (a), (b))
+/* QK^T by element: a key row's 4 pairs loaded once, pair u of them against every lane
+ * (a broadcast is LDR + DUP, the DUP on a vector pipe: 25 vector instructions for 20
+ * BFDOT in the 5 x 4 tile) */
+#define FA_DP_K4 bfloat16x8_t
+#define FA_DP_LOAD_K4(p) vreinterpretq_bf16_u16(vld1q_u16(p))
+#define FA_DP_FMA_K4(acc, q, kv, u) vbfdotq_laneq_f32((acc), (q), (kv), (u))
 /* BFCVTN puts x0's 4 values (rounded to nearest even) in elements 0-3, x1's likewise;
  * ZIP1 interleaves them into pairs */
 static inline bfloat16x8_t fa_dp_cvt2_neon(float32x4_t x0, float32x4_t x1)

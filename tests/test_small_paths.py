@@ -192,3 +192,23 @@ def test_guard_pages(kernel, rng):
             out = guarded(np.zeros_like(q), place=place, writable=True)
             fastattn.attention(gq, gk, gv, causal=True, out=out)
             _close(out, ref)
+
+
+def test_bf16_guard_pages(bf16_kernel, rng):
+    """bfloat16 q, k, v (odd D and Dv: the last feature alone in its pair) flush against
+    PROT_NONE pages on each bfloat16 path, the output against one too, and the backward
+    reading them: a stray read or write faults here."""
+    if BF16 is None:
+        pytest.skip("ml_dtypes is not installed")
+    for place in ("end", "start"):
+        for Lq, Lk in ((1, 45), (29, 45)):
+            q, k, v = (x.astype(BF16) for x in _qkv(rng, 1, 2, Lq, Lk, 19, Dv=13))
+            ref = reference.attention(*(x.astype(np.float64) for x in (q, k, v)), causal=True)
+            gq, gk, gv = (guarded(x, place=place) for x in (q, k, v))
+            out = guarded(np.zeros((1, 2, Lq, 13), BF16), place=place, writable=True)
+            _, lse = fastattn.attention(gq, gk, gv, causal=True, out=out, return_lse=True)
+            assert rel_err(out.astype(np.float64), ref) <= 1e-2
+            dout = guarded(rng.standard_normal(out.shape).astype(BF16), place=place)
+            got = fastattn.attention_backward(dout, gq, gk, gv, guarded(np.array(out), place=place), lse,
+                                              causal=True)
+            assert all(np.isfinite(g.astype(np.float32)).all() for g in got)
