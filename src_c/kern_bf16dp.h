@@ -30,8 +30,8 @@
  *   FA_DP_STORE(p, x)     store FA_VL pairs (aligned)
  * and optionally FA_DP_K4 (a vector of 4 pairs), FA_DP_LOAD_K4(p) (8 bfloat16 values,
  * unaligned) and FA_DP_FMA_K4(acc, q, kv, u) (FA_DP_FMA with pair u of kv in every
- * lane: NEON's BFDOT by element), which QK^T (and P.V for its first 4 rows) then take
- * in place of a broadcast a pair
+ * lane: NEON's BFDOT by element), which QK^T (P.V for its first 4 rows, and the
+ * backward's row-pair products, kern_bf16bwd.h) then take in place of a broadcast a pair
  * (AVX512-BF16: 16 pairs, kernels_avx512bf16.h; AArch64's BFDOT: 4 on NEON, 8 or 4 on
  * SVE, kernels_arm_bf16.h.)
  */
