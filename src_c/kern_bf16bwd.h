@@ -115,18 +115,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_bw_kv_micro)(const int R, const int NC, const u
     for (; t + 4 <= npairs; t += 4) {
         FA_DP_K4 w4[FA_PV_R];
         for (int r = 0; r < R; r++) w4[r] = FA_DP_LOAD_K4((const uint16_t *)(const void *)(w + r * ws + t));
-#define FA_BW_KV_K4_STEP(u)                                                                        \
-        {                                                                                          \
-            FA_DP_V zv[FA_PV_NC];                                                                  \
-            for (int c = 0; c < NC; c++) zv[c] = FA_DP_LOAD(z + (t + (u)) * zs + c * FA_VL);       \
-            for (int r = 0; r < R; r++)                                                            \
-                for (int c = 0; c < NC; c++) acc[r][c] = FA_DP_FMA_K4(acc[r][c], zv[c], w4[r], u); \
-        }
-        FA_BW_KV_K4_STEP(0)
-        FA_BW_KV_K4_STEP(1)
-        FA_BW_KV_K4_STEP(2)
-        FA_BW_KV_K4_STEP(3)
-#undef FA_BW_KV_K4_STEP
+        FA_DP_K4_STEPS(acc, R, NC, w4, z, zs, t, FA_PV_NC);
     }
 #endif
     for (; t < npairs; t++) {

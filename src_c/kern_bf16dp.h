@@ -57,6 +57,24 @@ static void FA_NAME(fa_pack_q_pairs)(const fa_params *p, const fa_item *it, int6
 #endif
 }
 
+#if defined(FA_DP_K4) && !defined(FA_DP_K4_STEPS)
+/* The 4 steps of a by-element loop at pair t: at step u, NV vectors of pairs loaded
+ * from src + (t + u) * ld, and acc[r][c] += pair u of k4[r] against vector c (QK^T here,
+ * the backward's row-pair products in kern_bf16bwd.h) */
+#define FA_DP_K4_STEP(acc, R, NV, k4, src, ld, t, NVMAX, u)                                      \
+    {                                                                                            \
+        FA_DP_V v_[NVMAX];                                                                       \
+        for (int c = 0; c < (NV); c++) v_[c] = FA_DP_LOAD((src) + ((t) + (u)) * (ld) + c * FA_VL); \
+        for (int r = 0; r < (R); r++)                                                            \
+            for (int c = 0; c < (NV); c++) (acc)[r][c] = FA_DP_FMA_K4((acc)[r][c], v_[c], (k4)[r], u); \
+    }
+#define FA_DP_K4_STEPS(acc, R, NV, k4, src, ld, t, NVMAX)  \
+    FA_DP_K4_STEP(acc, R, NV, k4, src, ld, t, NVMAX, 0)    \
+    FA_DP_K4_STEP(acc, R, NV, k4, src, ld, t, NVMAX, 1)    \
+    FA_DP_K4_STEP(acc, R, NV, k4, src, ld, t, NVMAX, 2)    \
+    FA_DP_K4_STEP(acc, R, NV, k4, src, ld, t, NVMAX, 3)
+#endif
+
 /* R keys x NV query vectors of logits, accumulators in registers; with cm, each
  * lane's max folded in (as fa_qk_micro). */
 FA_ALWAYS_INLINE void FA_NAME(fa_qk_dp_micro)(const int R, const int NV, const uint32_t *FA_RESTRICT qp,
@@ -75,18 +93,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_dp_micro)(const int R, const int NV, const u
     for (; t + 4 <= full; t += 4) {
         FA_DP_K4 kv[FA_QK_R];
         for (int r = 0; r < R; r++) kv[r] = FA_DP_LOAD_K4(k + r * k_sl + 2 * t);
-#define FA_QK_DP_K4_STEP(u)                                                                        \
-        {                                                                                          \
-            FA_DP_V qv[FA_QK_NV];                                                                  \
-            for (int c = 0; c < NV; c++) qv[c] = FA_DP_LOAD(qp + (t + (u)) * brp + c * FA_VL);     \
-            for (int r = 0; r < R; r++)                                                            \
-                for (int c = 0; c < NV; c++) acc[r][c] = FA_DP_FMA_K4(acc[r][c], qv[c], kv[r], u); \
-        }
-        FA_QK_DP_K4_STEP(0)
-        FA_QK_DP_K4_STEP(1)
-        FA_QK_DP_K4_STEP(2)
-        FA_QK_DP_K4_STEP(3)
-#undef FA_QK_DP_K4_STEP
+        FA_DP_K4_STEPS(acc, R, NV, kv, qp, brp, t, FA_QK_NV);
     }
 #endif
     for (; t < full; t++) {
