@@ -14,6 +14,10 @@
  * exp is the AVX2 kernel's scheme (fa_exp.h: the magic-constant rounding, the doubled
  * polynomial, one multiply by 2^(n-1)) in NEON instructions: the same operations, so
  * the same error bounds (tests/test_exp.py measures them on every kernel).
+ *
+ * kernels_neon_bf16.c compiles this file again with FA_ARM_BF16 (and +bf16): only the
+ * bfloat16 instantiations, with the BFDOT pair operations below, and
+ * kernels_arm_bf16.h's table.
  */
 #include <arm_neon.h>
 #include <math.h>

@@ -11,7 +11,10 @@
  *
  * The including file defines FA_SVE_BITS, FA_SVE_VL32 and FA_SVE_VL64 (float32 and
  * float64 lanes: FA_SVE_BITS / 32 and / 64, as literals), FA_SVE_NAME(x) (x with the
- * kernel's suffix) and FA_SVE_KERNEL_NAME (its name as a string).
+ * kernel's suffix) and FA_SVE_KERNEL_NAME (its name as a string); with FA_ARM_BF16
+ * (kernels_sve256_bf16.c, kernels_sve128_bf16.c, compiled with +bf16 too) the file is
+ * the kernel's bfloat16 pair products on BFDOT instead: only the bfloat16
+ * instantiations, with the pair operations below, and kernels_arm_bf16.h's table.
  *
  * Register tiles as the neon kernel's (5 x 4, 20 accumulators of the 32 registers).
  * The general exp is the scheme of the other kernels (fa_exp.h), its polynomial in
