@@ -178,10 +178,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_dp_micro)(const int R, const int NC, const u
                 for (int c = 0; c < NC; c++) acc[r][c] = FA_DP_FMA(acc[r][c], pb, vv[c]);
             }
         }
-        for (int r = 0; r < R; r++)
-            for (int c = 0; c < NC; c++) FA_VSTORE(o + r * dvp + c * FA_VL, acc[r][c]);
-        return;
-    }
+    } else
 #endif
     for (int64_t t = 0; t < npairs; t++) {
         FA_DP_V vv[FA_PV_NC];
