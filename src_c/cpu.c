@@ -388,6 +388,15 @@ int fa_cpu_amd(void)
     return fa_amd_cached;
 }
 
+int fa_cpu_pf_l2(void)
+{
+#ifdef FA_X86
+    return !fa_cpu_amd();
+#else
+    return 0;
+#endif
+}
+
 int64_t fa_cpu_l2_bytes(void)
 {
     if (fa_l2_cached) return fa_l2_cached;
