@@ -453,17 +453,22 @@ extern const fa_kernel fa_kernel_sve128;
 
 /* Is this an AMD (or Hygon) CPU?  (cpu.c; the block sizes differ by vendor) */
 int fa_cpu_amd(void);
-/* Where a decode step's software prefetches of the cache's K and V lines (fastattn.KVCache:
- * the keys on the lanes, the value rows) put them: 1, into L2 (prefetcht1), on x86 CPUs
- * other than AMD's; 0, into L1 (prefetcht0), elsewhere.  On Intel a prefetch into L1 holds
- * one of the core's few line fill buffers until its line arrives, so the lines in flight,
- * and with them the read rate, stop at that count; one into L2 waits in L2's longer queue.
- * Measured on a Sapphire-Rapids-class Xeon (lscpu family 6 model 167, 2 threads, B1 H32
- * Lk8192 D128): a float16 cache decodes 1.15-1.25x as fast, Lq = 4 1.15-1.2x; float32
- * MHA and GQA level (bench/NOTEBOOK.md).  AMD keeps L1: its kernels were tuned there and
- * Zen 4 drops some prefetches into L2. */
+/* Where a decode step's software prefetches of a float cache's K and V (fastattn.KVCache:
+ * the keys on the lanes, the value rows) put their lines: fa_cpu_pf_l2() is 1 on x86 CPUs
+ * other than AMD's, where they go into L2 (prefetcht1; the lanes' float32 keys are not
+ * asked for at all, kern_products.h), 0 elsewhere, into L1 (prefetcht0), as int8 and
+ * int4 caches' everywhere.  On Intel a
+ * prefetch into L1 holds one of the core's few line fill buffers until its line arrives,
+ * and the lines in flight stop at that count.  Measured on a Sapphire-Rapids-class Xeon
+ * (lscpu family 6 model 167, 2 threads bound, B1 Lk8192 D128, float16 cache): from L3
+ * 1.15-1.25x as fast (H32, Lq 4), from memory (caches larger than the L3 in turn)
+ * 1.05-1.1x (bench/NOTEBOOK.md, 2026-12-07).  AMD keeps L1: its kernels were tuned there,
+ * and Zen 4 drops some prefetches into L2. */
 int fa_cpu_pf_l2(void);
-#define FA_PF_KV(a, l2) ((l2) ? __builtin_prefetch((a), 0, 2) : __builtin_prefetch((a), 0, 3))
+#define FA_PF_L1 0
+#define FA_PF_L2 1
+#define FA_PF_OFF 2
+#define FA_PF_KV(a, to) ((to) == FA_PF_L2 ? __builtin_prefetch((a), 0, 2) : __builtin_prefetch((a), 0, 3))
 
 /* The next item's rows, asked for a few lines at a time while this item's products run
  * (fa_forward.c, fa_pf_item on Intel): up to FA_PF_RANGES runs of rows, each `rows`
