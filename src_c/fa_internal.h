@@ -453,17 +453,17 @@ extern const fa_kernel fa_kernel_sve128;
 
 /* Is this an AMD (or Hygon) CPU?  (cpu.c; the block sizes differ by vendor) */
 int fa_cpu_amd(void);
-/* Where a decode step's software prefetches of a float cache's K and V (fastattn.KVCache:
- * the keys on the lanes, the value rows) put their lines: fa_cpu_pf_l2() is 1 on x86 CPUs
- * other than AMD's, where they go into L2 (prefetcht1; the lanes' float32 keys are not
- * asked for at all, kern_products.h), 0 elsewhere, into L1 (prefetcht0), as int8 and
- * int4 caches' everywhere.  On Intel a
+/* Where a decode step's software prefetches put float K and V lines (the keys on the
+ * lanes of a fastattn.KVCache, and the V rows of few-row P.V, a cache's or the caller's
+ * arrays'): fa_cpu_pf_l2() is 1 on x86 CPUs other than AMD's, where they go into L2
+ * (prefetcht1; the lanes' float32 keys are not asked for at all, kern_products.h); 0
+ * elsewhere, into L1 (prefetcht0), as int8 and int4 lines everywhere.  On Intel a
  * prefetch into L1 holds one of the core's few line fill buffers until its line arrives,
  * and the lines in flight stop at that count.  Measured on a Sapphire-Rapids-class Xeon
- * (lscpu family 6 model 167, 2 threads bound, B1 Lk8192 D128, float16 cache): from L3
+ * (lscpu family 6 model 167, 2 threads bound, B1 Lk8192 D128): a float16 cache from L3
  * 1.15-1.25x as fast (H32, Lq 4), from memory (caches larger than the L3 in turn)
- * 1.05-1.1x (bench/NOTEBOOK.md, 2026-12-07).  AMD keeps L1: its kernels were tuned there,
- * and Zen 4 drops some prefetches into L2. */
+ * 1.05-1.1x; arrays and paged pools level (bench/NOTEBOOK.md, 2026-12-07).  AMD keeps L1: its
+ * kernels were tuned there, and Zen 4 drops some prefetches into L2. */
 int fa_cpu_pf_l2(void);
 #define FA_PF_L1 0
 #define FA_PF_L2 1
