@@ -467,7 +467,7 @@ int fa_cpu_amd(void);
 int fa_cpu_pf_l2(void);
 #define FA_PF_L1 0
 #define FA_PF_L2 1
-#define FA_PF_OFF 2
+#define FA_PF_OFF 2 /* (not asked for: the caller skips FA_PF_KV, which would ask into L1) */
 #define FA_PF_KV(a, to) ((to) == FA_PF_L2 ? __builtin_prefetch((a), 0, 2) : __builtin_prefetch((a), 0, 3))
 
 /* The next item's rows, asked for a few lines at a time while this item's products run

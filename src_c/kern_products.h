@@ -440,8 +440,8 @@ FA_ALWAYS_INLINE int64_t FA_NAME(fa_lane_off)(const int Q, int64_t d, int64_t la
  * of unknown count inside the feature loop made GCC keep accumulators on the stack) */
 FA_ALWAYS_INLINE void FA_NAME(fa_lanes_pf)(const int G, const int Q, const char *pf, int64_t a, int64_t b, int pf_to)
 {
-    const int maxl = (int)((G * FA_VL * (Q == 4 ? 1 : Q == 8 ? 2 : 2 * (int)sizeof(FA_KV)) / 2 + 63) / 64) + 1;
     if (pf_to == FA_PF_OFF) return;
+    const int maxl = (int)((G * FA_VL * (Q == 4 ? 1 : Q == 8 ? 2 : 2 * (int)sizeof(FA_KV)) / 2 + 63) / 64) + 1;
     int64_t o = (a + 63) & ~(int64_t)63;
     FA_PRAGMA_UNROLL(16)
     for (int i = 0; i < maxl; i++, o += 64)
@@ -818,6 +818,13 @@ FA_ALWAYS_INLINE int64_t FA_NAME(fa_pv_pf_end)(int64_t pf_end)
     return pf_end;
 }
 
+/* Where a P.V of few rows asks for its V rows ahead: float rows into L2 on Intel, int8
+ * and int4 rows (and every row elsewhere) into L1 (fa_cpu_pf_l2, fa_internal.h) */
+FA_ALWAYS_INLINE int FA_NAME(fa_pv_pf_to)(const int I8)
+{
+    return fa_cpu_pf_l2() && !I8 ? FA_PF_L2 : FA_PF_L1;
+}
+
 /* P.V of R <= 2 rows whose output row is NC whole vectors (a constant): the rows'
  * outputs stay in registers over the keys, each V vector loaded (dequantized) once and
  * FMA'd into each row, key after key: the operations per output element of
@@ -837,7 +844,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_rows_reg)(const int R, const int NC, const i
      * rows' loads: int8 B1 H32 Lk8192, half its samples on the instructions after them) */
     const int64_t rb = (int64_t)NC * FA_VL * (I8 == 2 ? 1 : I8 ? 2 : 2 * (int64_t)sizeof(FA_KV)) / 2;
     const int64_t pf_lim = FA_NAME(fa_pv_pf_end)(pf_end);
-    const int pf_to = fa_cpu_pf_l2() && !I8 ? FA_PF_L2 : FA_PF_L1; /* (float rows: fa_cpu_pf_l2) */
+    const int pf_to = FA_NAME(fa_pv_pf_to)(I8);
     for (int64_t j = 0; j < nk; j++) {
         const char *vj = v + j * row;
         const float *sj = I8 ? vs8 + j * vs8_sl : vs8;
@@ -905,7 +912,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_rows_seq_r)(const int R, const int I8, const
     FA_V pb[FA_PV_SEQ_ROWS][4];
     const int64_t rb = (I8 == 2 ? (Dv + 1) / 2 : I8 ? Dv : Dv * (int64_t)sizeof(FA_KV)); /* V row bytes */
     const int64_t pf_lim = FA_NAME(fa_pv_pf_end)(pf_end);
-    const int pf_to = fa_cpu_pf_l2() && !I8 ? FA_PF_L2 : FA_PF_L1; /* (float rows: fa_cpu_pf_l2) */
+    const int pf_to = FA_NAME(fa_pv_pf_to)(I8);
     for (; (R >= 2 || I8) && j + 4 <= nk; j += 4) {
         const char *v0 = FA_VROW(j), *v1 = FA_VROW(j + 1), *v2 = FA_VROW(j + 2), *v3 = FA_VROW(j + 3);
         const float *s0 = FA_SROW(j), *s1 = FA_SROW(j + 1), *s2 = FA_SROW(j + 2), *s3 = FA_SROW(j + 3);
