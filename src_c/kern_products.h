@@ -695,15 +695,20 @@ static void FA_NAME(fa_qk_lanes)(const fa_params *p, const fa_item *it, const FA
     const int G = nr <= 2 ? 4 : nr <= 4 ? 2 : 1;
     const int64_t bs = p->k_lanes;
     /* bytes of K a group set reads (G * FA_VL keys of D features): contiguous where the
-     * set starts a block; those two sets ahead are prefetched, pf_step bytes a feature */
+     * set starts a block; those pf_sets sets ahead are prefetched, pf_step bytes a feature */
     const int64_t set_bytes = (int64_t)G * FA_VL * p->D * (Q == 4 ? 1 : Q == 8 ? 2 : 2 * (int64_t)sizeof(FA_KV)) / 2;
     const int64_t pf_step = set_bytes / p->D;
     /* on Intel, 16-bit keys into L2, float32 keys not asked for: from memory (caches
      * larger than the L3 in turn, as a model's layers are) the hardware's streams alone
      * read them faster (B1 H32 Lk8192 0.82-0.85x the time of asking for them into L2,
      * GQA 32/8 0.95x; from L3 level); int8 and int4 keys into L1 as before (into L2:
-     * level to 1.05x slower) */
+     * level to 1.05x slower).  Into L2 one set ahead, not two: from memory 0.94-0.98x
+     * the time (float16 and bfloat16, B1 H32 and Lq 4), GQA 32/8 and from L3 level;
+     * 1.5 sets 1.03x and four 1.3x the time of one; int8 and int4 keys one set ahead
+     * were 0.97x (H32) but 1.04-1.1x (GQA), and stay two sets ahead (bench/NOTEBOOK.md,
+     * 2026-12-07, third session) */
     const int pf_to = !fa_cpu_pf_l2() || Q ? FA_PF_L1 : sizeof(FA_KV) >= 4 ? FA_PF_OFF : FA_PF_L2;
+    const int64_t pf_sets = pf_to == FA_PF_L2 ? 1 : 2;
     for (int64_t a = 0; a < nk; a += G * FA_VL) {
         const char *blk[4];
         const float *sp[4] = {NULL, NULL, NULL, NULL}, *zp[4] = {NULL, NULL, NULL, NULL};
@@ -721,7 +726,7 @@ static void FA_NAME(fa_qk_lanes)(const fa_params *p, const fa_item *it, const FA
         }
         FA_T *sa = s + a * ks;
         /* (blk[0] is its block's start: lane[0] 0 where a set starts a block) */
-        const char *pf = blk[0] + 2 * set_bytes;
+        const char *pf = blk[0] + pf_sets * set_bytes;
         /* a whole set of evenly spaced groups: one base pointer (fa_qk_lanes_uni) */
         const int same = bs % (G * FA_VL) == 0 && lane[0] % (G * FA_VL) == 0, next = bs == FA_VL;
         if ((same || next) && nj[G - 1] > 0) {
