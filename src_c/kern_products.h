@@ -702,11 +702,11 @@ static void FA_NAME(fa_qk_lanes)(const fa_params *p, const fa_item *it, const FA
      * larger than the L3 in turn, as a model's layers are) the hardware's streams alone
      * read them faster (B1 H32 Lk8192 0.82-0.85x the time of asking for them into L2,
      * GQA 32/8 0.95x; from L3 level); int8 and int4 keys into L1 as before (into L2:
-     * level to 1.05x slower).  Into L2 one set ahead, not two: from memory 0.94-0.98x
+     * level to 1.05x slower).  Into L2 one set ahead, not two: from memory 0.93-0.97x
      * the time (float16 and bfloat16, B1 H32 and Lq 4), GQA 32/8 and from L3 level;
-     * 1.5 sets 1.03x and four 1.3x the time of one; int8 and int4 keys one set ahead
-     * were 0.97x (H32) but 1.04-1.1x (GQA), and stay two sets ahead (bench/NOTEBOOK.md,
-     * 2026-12-07, third session) */
+     * 1.5 sets 1.03x, four (V rows 32 ahead) 1.4x the time of one; int8 and int4 keys
+     * one set ahead were 0.97x (H32) but 1.04-1.1x (GQA), and stay two sets ahead
+     * (bench/NOTEBOOK.md, 2026-12-07, third session) */
     const int pf_to = !fa_cpu_pf_l2() || Q ? FA_PF_L1 : sizeof(FA_KV) >= 4 ? FA_PF_OFF : FA_PF_L2;
     const int64_t pf_sets = pf_to == FA_PF_L2 ? 1 : 2;
     for (int64_t a = 0; a < nk; a += G * FA_VL) {
