@@ -247,8 +247,15 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
 #ifdef FA_BF16_DP
     if (sc.dp) live_rows = 0;
 #endif
+    /* A decode block's P.V of one tile and QK^T of the next in one loop (fa_pv_qk) on
+     * x86 CPUs other than AMD's (fa_cpu_pf_l2), where it was measured (Sapphire Rapids
+     * class Xeon); next_ready: the tile's logits came with the last tile's P.V, in sc.s's
+     * rows from FA_PVQK_ROW */
+    const int fuse = FA_NAME(fa_few_rows)(nr, &sc) && nr <= 2 && p->k_lanes && !p->mask && fa_cpu_pf_l2();
+    int next_ready = 0;
     for (int64_t c0 = kv0 / ck * ck; c0 < it->kv1; c0 += ck) {
         const int64_t lo = kv0 > c0 ? kv0 : c0, hi = it->kv1 - c0 < ck ? it->kv1 : c0 + ck;
+        next_ready = 0;
         if (pvt)
             for (int64_t d = 0; d < dvp; d++)
                 for (int64_t i = 0; i < nvl; i++) sc.ot[d * brp + i] = (FA_T)0;
@@ -310,7 +317,11 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
             int64_t lr0, lr1;
             FA_NAME(fa_live_range)(&sc, nv, nr, &vc0, &vc1, &lr0, &lr1);
             const int64_t lnr = lr1 - lr0;
-            if (!FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, 0)) continue;
+            if (next_ready) { /* (fa_scores's key-major logits, as it leaves them) */
+                FA_NAME(fa_scores_taken)(&sc, nr, sc.s + FA_PVQK_ROW * sc.bcp);
+                next_ready = 0;
+            } else if (!FA_NAME(fa_scores)(p, it, nr, nv, j0, nk, lo_max, hi_min, brp, &sc, 0))
+                continue;
             if (sc.key_major)
                 for (int64_t r = 0; r < nr; r++)
                     FA_NAME(fa_softmax_row)(sc.s + r * sc.bcp, nk, sc.m + r, sc.l + r, sc.alpha + r);
@@ -361,7 +372,14 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
                  * or NaN in V, or rows that were not finite already) they are restored
                  * and the tile goes through the careful path. */
                 memcpy(sc.o2, sc.o, (size_t)(nr * dvp) * sizeof(FA_T));
-                if (sc.key_major)
+                /* the next tile of this chunk, if key-major as fa_scores would make it
+                 * (every row sees all its keys; the call-wide conditions are this tile's) */
+                const int64_t j1 = j0 + bc, nk1 = hi - j1 < bc ? hi - j1 : bc;
+                if (sc.key_major && fuse && j1 < hi && lo_max <= j1 && hi_min >= j1 + nk1 - 1 &&
+                    FA_NAME(fa_pv_qk)(p, it, sc.qt, brp, nr, sc.s, sc.bcp, nk, vt, v_sl, sc.o, dvp, sc.alpha, j1,
+                                      nk1, sc.s + FA_PVQK_ROW * sc.bcp))
+                    next_ready = 1;
+                else if (sc.key_major)
                     FA_NAME(fa_pv_tile_rows)(sc.s, nr, nk, vt, v_sl, Dv, sc.o, dvp, sc.alpha, sc.bcp);
                 else
                     FA_NAME(fa_pv_tile)(sc.s, nr, nk, vt, v_sl, Dv, sc.o, dvp, sc.alpha, brp);

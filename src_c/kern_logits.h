@@ -269,6 +269,21 @@ static int FA_NAME(fa_logit_tile)(const fa_params *p, FA_T *FA_RESTRICT s, int64
     return 1;
 }
 
+/* A decode tile whose key-major logits (row r at from + r * bcp) came with the last
+ * tile's P.V (fa_pv_qk, where fa_scores would have made them key-major): into sc->s,
+ * and the tile's state as fa_scores leaves it for them. */
+static void FA_NAME(fa_scores_taken)(FA_NAME(fa_scratch) *sc, int64_t nr, const FA_T *from)
+{
+    sc->cmx_valid = 0;
+#if defined(FA_KV_HALF) && defined(FA_F32)
+    sc->vf_shared = NULL;
+#endif
+    sc->mask_state = 2;
+    sc->need_range = 0;
+    sc->key_major = 1;
+    memcpy(sc->s, from, (size_t)(nr * sc->bcp) * sizeof(FA_T));
+}
+
 /* One key tile through step 1 (QK^T), and through steps 2-5 (fa_logit_tile) too if
  * `logits`; otherwise the caller applies fa_logit_tile column by column, while each
  * column is in L1 for its softmax.  Returns 0 if the mask hides the whole tile

@@ -205,6 +205,58 @@ def test_decode_row_has_the_bits_of_the_prefill_row(rng, kernel, dtype):
     assert np.array_equal(fastattn.attention(q[:1, :, -1:], alone, causal=True), prefill[:1, :, -1:])
 
 
+FUSED = [  # Hq, Hkv, D, Dv, lengths, block_size: one or two query rows a kv head, output rows
+    # of 2, 4 and 8 vectors of either x86 kernel's width, odd and wide D, every block size
+    (4, 4, 64, 64, [1100, 777], None),
+    (4, 2, 128, 128, [600, 1025], 16),
+    (2, 2, 37, 32, [900, 300], None),
+    (2, 1, 256, 128, [700, 513], 64),
+    (2, 2, 64, 16, [520, 1000], 32),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16",
+                                   pytest.param("bfloat16", marks=pytest.mark.skipif(
+                                       BF16 is None, reason="ml_dtypes is not installed"))])
+@pytest.mark.parametrize("shape", FUSED, ids=lambda s: f"Hq{s[0]}Hkv{s[1]}D{s[2]}Dv{s[3]}bs{s[5]}")
+def test_decode_rows_with_the_next_tiles_products_fused(rng, kernel, dtype, shape):
+    """Decode blocks of one or two rows over a float cache, where a tile's P.V runs in
+    one loop with QK^T of the next tile (fa_pv_qk, on Intel's x86 CPUs; elsewhere the
+    loops apart): the rows of Lq 1 and 2 have the bits of the same rows of a prefill, on
+    1, 2 and 3 threads; against the oracle with a window and sinks; a V row with an inf
+    (the careful P.V after a fused one) and a K row with a NaN give the oracle's rows."""
+    Hq, Hkv, D, Dv, lengths, bs = shape
+    B = len(lengths)
+    c, k, v = _filled(rng, B, Hkv, D, Dv, lengths, dtype, block_size=bs, chunks=2)
+    q = _normal(rng, (B, Hq, 6, D))
+    prefill = fastattn.attention(q, c, causal=True)
+    for nt in (1, 2, 3):
+        for lq in (1, 2):
+            dec = fastattn.attention(q[:, :, -lq:], c, causal=True, num_threads=nt)
+            assert np.array_equal(dec, prefill[:, :, -lq:]), (nt, lq)
+    qd = q[:, :, -1:]
+    sinks = np.linspace(-1, 1, Hq).astype(np.float32)
+    for kw in (dict(causal=True), dict(causal=True, window=(300, 0)), dict(causal=True, sinks=sinks)):
+        out, lse = fastattn.attention(qd, c, return_lse=True, **kw)
+        ref, ref_lse = _oracle(qd, c, **kw)
+        assert rel_err(out, ref) < 3e-5, sorted(kw)
+        np.testing.assert_allclose(lse, ref_lse, atol=3e-5 * max(1, np.abs(ref_lse).max()))
+    # a non-finite V value in slot 0's keys 130..: the tile's P.V (fused with the next
+    # tile's QK^T) is redone by the careful path; a NaN key gives NaN rows, as the oracle
+    for j, val, which in ((130, np.inf, "v"), (200, np.nan, "k")):
+        odd = KVCache(B, Hkv, D, c.capacity, dtype=dtype, v_head_dim=Dv, block_size=bs)
+        kk, vv = k.copy(), v.copy()
+        (vv if which == "v" else kk)[0, :, j, 3] = val
+        for b in range(B):
+            odd.append(kk[b:b + 1, :, :lengths[b]], vv[b:b + 1, :, :lengths[b]], slots=[b])
+        out = fastattn.attention(qd, odd, causal=True)
+        ref, _ = _oracle(qd, odd, causal=True)
+        np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+        np.testing.assert_array_equal(np.isinf(out), np.isinf(ref))
+        fin = np.isfinite(ref)
+        assert rel_err(out[fin], ref[fin]) < 3e-5, which
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_chunked_prefill_and_decode_steps_equal_the_whole_prefill(rng, kernel, dtype):
     """A float cache filled in chunks, each chunk's queries attended as it is appended,
@@ -441,13 +493,15 @@ import numpy as np, fastattn, guardpages
 from fastattn import _kernels
 _kernels.set_kernel({kernel!r})
 rng = np.random.default_rng(0)
-for dtype in ("float32", "float16", "int8", "int4"):
+# (D 32, Dv 32, one query row a kv head: the decode's fused P.V and QK^T, fa_pv_qk)
+for dtype, (D, Dv, Hq) in [(t, s) for t in ("float32", "float16", "int8", "int4")
+                           for s in ((24, 20, 4), (32, 32, 2))]:
     for place in ("end", "start"):
-        c = fastattn.KVCache(2, 2, 24, 256, dtype=dtype, v_head_dim=20)
-        k = rng.standard_normal((2, 2, 256, 24)).astype(np.float32)
-        v = rng.standard_normal((2, 2, 256, 20)).astype(np.float32)
+        c = fastattn.KVCache(2, 2, D, 256, dtype=dtype, v_head_dim=Dv)
+        k = rng.standard_normal((2, 2, 256, D)).astype(np.float32)
+        v = rng.standard_normal((2, 2, 256, Dv)).astype(np.float32)
         c.append(k, v, lengths=[256, 200])
-        q = rng.standard_normal((2, 4, 5, 24)).astype(np.float32)
+        q = rng.standard_normal((2, Hq, 5, D)).astype(np.float32)
         want = [fastattn.attention(q[:, :, :lq], c, causal=True) for lq in (1, 5)]
         for name in ("_k", "_v", "_ks", "_kz", "_vs"):
             if getattr(c, name) is not None:
