@@ -684,32 +684,6 @@ FA_QKL_ROWS(8)
         FA_QKL_SWITCH(FN, 4, __VA_ARGS__)    \
     }
 
-/* Where fa_qk_lanes (and fa_pv_qk) ask for the keys of a set ahead: pf_sets sets of
- * set_bytes ahead, pf_step bytes a feature, into pf_to.  On Intel, 16-bit keys into L2,
- * float32 keys not asked for: from memory (caches larger than the L3 in turn, as a
- * model's layers are) the hardware's streams alone read them faster (B1 H32 Lk8192
- * 0.82-0.85x the time of asking for them into L2, GQA 32/8 0.95x; from L3 level); int8
- * and int4 keys into L1 as before (into L2: level to 1.05x slower).  Into L2 one set
- * ahead, not two: from memory 0.93-0.97x the time (float16 and bfloat16, B1 H32 and Lq 4),
- * GQA 32/8 and from L3 level; 1.5 sets 1.03x, four (V rows 32 ahead) 1.4x the time of
- * one; int8 and int4 keys one set ahead were 0.97x (H32) but 1.04-1.1x (GQA), and stay
- * two sets ahead (bench/NOTEBOOK.md, 2026-12-07, third session) */
-typedef struct {
-    int64_t set_bytes, pf_step, pf_sets;
-    int pf_to;
-} FA_NAME(fa_lanes_pf_plan);
-FA_ALWAYS_INLINE FA_NAME(fa_lanes_pf_plan) FA_NAME(fa_lanes_pf_for)(const fa_params *p, const int G, const int Q)
-{
-    FA_NAME(fa_lanes_pf_plan) pl;
-    /* bytes of K a group set reads (G * FA_VL keys of D features): contiguous where the
-     * set starts a block */
-    pl.set_bytes = (int64_t)G * FA_VL * p->D * (Q == 4 ? 1 : Q == 8 ? 2 : 2 * (int64_t)sizeof(FA_KV)) / 2;
-    pl.pf_step = pl.set_bytes / p->D;
-    pl.pf_to = !fa_cpu_pf_l2() || Q ? FA_PF_L1 : sizeof(FA_KV) >= 4 ? FA_PF_OFF : FA_PF_L2;
-    pl.pf_sets = pl.pf_to == FA_PF_L2 ? 1 : 2;
-    return pl;
-}
-
 /* The G groups of FA_VL keys from key a of the tile of nk keys at j0: each group's block
  * and first lane, scales and zero points (Q), and keys (nj; 0 past the tile's end, where
  * the group repeats the first, computed, not stored).  Returns whether the set's groups
@@ -750,9 +724,21 @@ static void FA_NAME(fa_qk_lanes)(const fa_params *p, const fa_item *it, const FA
     const int Q = p->kv_store != FA_STORE_I8 ? 0 : p->k_bits == 4 ? 4 : 8;
     const int G = nr <= 2 ? 4 : nr <= 4 ? 2 : 1;
     const int64_t bs = p->k_lanes;
-    const FA_NAME(fa_lanes_pf_plan) pl = FA_NAME(fa_lanes_pf_for)(p, G, Q);
-    const int64_t pf_step = pl.pf_step;
-    const int pf_to = pl.pf_to;
+    /* bytes of K a group set reads (G * FA_VL keys of D features): contiguous where the
+     * set starts a block; those pf_sets sets ahead are prefetched, pf_step bytes a feature */
+    const int64_t set_bytes = (int64_t)G * FA_VL * p->D * (Q == 4 ? 1 : Q == 8 ? 2 : 2 * (int64_t)sizeof(FA_KV)) / 2;
+    const int64_t pf_step = set_bytes / p->D;
+    /* on Intel, 16-bit keys into L2, float32 keys not asked for: from memory (caches
+     * larger than the L3 in turn, as a model's layers are) the hardware's streams alone
+     * read them faster (B1 H32 Lk8192 0.82-0.85x the time of asking for them into L2,
+     * GQA 32/8 0.95x; from L3 level); int8 and int4 keys into L1 as before (into L2:
+     * level to 1.05x slower).  Into L2 one set ahead, not two: from memory 0.93-0.97x
+     * the time (float16 and bfloat16, B1 H32 and Lq 4), GQA 32/8 and from L3 level;
+     * 1.5 sets 1.03x, four (V rows 32 ahead) 1.4x the time of one; int8 and int4 keys
+     * one set ahead were 0.97x (H32) but 1.04-1.1x (GQA), and stay two sets ahead
+     * (bench/NOTEBOOK.md, 2026-12-07, third session) */
+    const int pf_to = !fa_cpu_pf_l2() || Q ? FA_PF_L1 : sizeof(FA_KV) >= 4 ? FA_PF_OFF : FA_PF_L2;
+    const int64_t pf_sets = pf_to == FA_PF_L2 ? 1 : 2;
     for (int64_t a = 0; a < nk; a += G * FA_VL) {
         const char *blk[4], *base;
         const float *sp[4] = {NULL, NULL, NULL, NULL}, *zp[4] = {NULL, NULL, NULL, NULL};
@@ -760,7 +746,7 @@ static void FA_NAME(fa_qk_lanes)(const fa_params *p, const fa_item *it, const FA
         const int uni = FA_NAME(fa_lanes_set)(p, it, G, Q, j0, a, nk, blk, lane, sp, zp, nj, &base, &gstride, &sstride);
         FA_T *sa = s + a * ks;
         /* (blk[0] is its block's start: lane[0] 0 where a set starts a block) */
-        const char *pf = blk[0] + pl.pf_sets * pl.set_bytes;
+        const char *pf = blk[0] + pf_sets * set_bytes;
         if (uni) { /* a whole set of evenly spaced groups: one base pointer */
             FA_QKL_BY_Q(uni, qt, brp, base, gstride, sp[0], zp[0], sstride, bs, p->D, nj, sa, ks, rs, pf, pf_step, pf_to)
             continue;
@@ -1098,20 +1084,19 @@ static void FA_NAME(fa_pv_tile_rows)(const FA_T *FA_RESTRICT p, int64_t nq, int6
     FA_NAME(fa_pv_tile_strided)(p, nq, nk, v, v_sl, Dv, o, dvp, alpha, 1, rs, INT64_MAX);
 }
 
-/* Feature d of QK^T for R rows and one evenly spaced set of 4 groups of FA_VL float keys
- * on the lanes (fa_qk_lanes_uni's step for Q 0): group g's keys at base + g * gstride,
- * row r's chain in sa[g * R + r]; the set's bytes of feature d at kpf asked for ahead. */
-FA_ALWAYS_INLINE void FA_NAME(fa_lanes_feature)(const int R, FA_V *sa, const FA_T *FA_RESTRICT qt, int64_t brp,
-                                                const char *base, int64_t gstride, int64_t bs, int64_t d,
-                                                const char *kpf, int64_t pf_step, int kpf_to)
+/* Feature d of QK^T for R rows and one evenly spaced set of G groups of FA_VL float keys
+ * on the lanes (fa_qk_lanes_uni's step for Q 0, nothing asked for ahead): group g's keys
+ * at base + g * gstride, row r's chain in sa[g * R + r]. */
+FA_ALWAYS_INLINE void FA_NAME(fa_lanes_feature)(const int R, const int G, FA_V *sa, const FA_T *FA_RESTRICT qt,
+                                                int64_t brp, const char *base, int64_t gstride, int64_t bs,
+                                                int64_t d)
 {
     const FA_T *q = qt + d * brp;
-    FA_NAME(fa_lanes_pf)(4, 0, kpf, d * pf_step, (d + 1) * pf_step, kpf_to);
     const char *bd = base + FA_NAME(fa_lane_off)(0, d, 0, bs);
     FA_PRAGMA_UNROLL(4)
-    for (int g = 0; g < 4; g++) {
+    for (int g = 0; g < G; g++) {
         const FA_V x = FA_NAME(fa_lane_vec)(0, bd + g * gstride, (int)(d & 1), NULL, NULL);
-        FA_PRAGMA_UNROLL(2)
+        FA_PRAGMA_UNROLL(4)
         for (int r = 0; r < R; r++) sa[g * R + r] = FA_VFMA(x, FA_VSET1(q[r]), sa[g * R + r]);
     }
 }
@@ -1123,13 +1108,16 @@ FA_ALWAYS_INLINE void FA_NAME(fa_lanes_feature)(const int R, FA_V *sa, const FA_
  * row the features left.  Each output and each logit takes the operations of the two
  * loops apart in the same order: the same bits.  What it is for: the two apart read 16
  * KiB of K, then 16 KiB of V (float16, D 128, a 64-key tile), and from memory lose a
- * tenth of the bandwidth to the changes of stream; here both streams run all the time. */
+ * tenth of the bandwidth to the changes of stream; here both streams run all the time.
+ * The V rows are asked for ahead as in fa_pv_rows_reg (without: 1.05x the time), the keys
+ * not (asked for as fa_qk_lanes asks: 1.05x the time, float16 and bfloat16, B1 H32
+ * Lk8192 from memory on the Sapphire Rapids class Xeon; float32 keys are not asked for
+ * there either). */
 FA_ALWAYS_INLINE void FA_NAME(fa_pv_qk_set)(const int R, const int NC, const int FPR, const FA_T *FA_RESTRICT p,
                                             int64_t rs_p, int64_t nk, const char *FA_RESTRICT v, int64_t row,
                                             FA_T *FA_RESTRICT o, int64_t dvp, const FA_T *FA_RESTRICT qt,
                                             int64_t brp, const char *base, int64_t gstride, int64_t bs, int64_t D,
-                                            FA_T *FA_RESTRICT s, int64_t rs_s, const char *kpf, int64_t pf_step,
-                                            int kpf_to)
+                                            FA_T *FA_RESTRICT s, int64_t rs_s)
 {
     FA_V acc[2][8], sa[8];
     FA_PRAGMA_UNROLL(2)
@@ -1158,9 +1146,9 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_qk_set)(const int R, const int NC, const int
         }
         FA_PRAGMA_UNROLL(4)
         for (int k = 0; k < FPR; k++)
-            if (d < D) FA_NAME(fa_lanes_feature)(R, sa, qt, brp, base, gstride, bs, d++, kpf, pf_step, kpf_to);
+            if (d < D) FA_NAME(fa_lanes_feature)(R, 4, sa, qt, brp, base, gstride, bs, d++);
     }
-    for (; d < D; d++) FA_NAME(fa_lanes_feature)(R, sa, qt, brp, base, gstride, bs, d, kpf, pf_step, kpf_to);
+    for (; d < D; d++) FA_NAME(fa_lanes_feature)(R, 4, sa, qt, brp, base, gstride, bs, d);
     FA_PRAGMA_UNROLL(2)
     for (int r = 0; r < R; r++)
         FA_PRAGMA_UNROLL(8)
@@ -1169,17 +1157,79 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_qk_set)(const int R, const int NC, const int
     FA_NAME(fa_lanes_store)(R, 4, sa, nj, s, 1, rs_s);
 }
 
-/* Each (rows, output vectors, features a V row) of fa_pv_qk_set as a function of its own
- * (its accumulators in registers, as the lanes kernels above) */
+/* fa_pv_qk_set for 3 or 4 rows: P.V as fa_pv_rows_seq_r's loop for them (four keys at a
+ * time, each output vector loaded and stored once per four keys, its four FMAs in key
+ * order; the keys left one by one) and QK^T of a set of 2 groups, FPR features after
+ * each four keys, the features left after the last key.  Dv a multiple of FA_VL. */
+FA_ALWAYS_INLINE void FA_NAME(fa_pv_qk_set4)(const int R, const int FPR, const FA_T *FA_RESTRICT p, int64_t rs_p,
+                                             int64_t nk, const char *FA_RESTRICT v, int64_t row, int64_t Dv,
+                                             FA_T *FA_RESTRICT o, int64_t dvp, const FA_T *FA_RESTRICT qt,
+                                             int64_t brp, const char *base, int64_t gstride, int64_t bs, int64_t D,
+                                             FA_T *FA_RESTRICT s, int64_t rs_s)
+{
+    FA_V sa[8], pb[4][4];
+    FA_PRAGMA_UNROLL(8)
+    for (int i = 0; i < 2 * R; i++) sa[i] = FA_VZERO();
+    const int64_t rb = Dv * (int64_t)sizeof(FA_KV);
+    const int64_t pf_lim = FA_NAME(fa_pv_pf_end)(INT64_MAX);
+    const int vpf_to = FA_NAME(fa_pv_pf_to)(0);
+    int64_t j = 0, d = 0;
+    for (; j + 4 <= nk; j += 4) {
+        const char *v0 = v + j * row;
+        if (j + 4 + FA_PV_AHEAD <= pf_lim)
+            for (int t = 0; t < 4; t++)
+                for (int64_t b = 0; b < rb; b += 64) FA_PF_KV(v0 + (t + FA_PV_AHEAD) * row + b, vpf_to);
+        FA_PRAGMA_UNROLL(4)
+        for (int r = 0; r < R; r++) {
+            const FA_T *pr = p + j + r * rs_p;
+            pb[r][0] = FA_VSET1(pr[0]);
+            pb[r][1] = FA_VSET1(pr[1]);
+            pb[r][2] = FA_VSET1(pr[2]);
+            pb[r][3] = FA_VSET1(pr[3]);
+        }
+        for (int64_t c = 0; c < Dv; c += FA_VL) {
+            const FA_V x0 = FA_NAME(fa_row_load)(0, v0, c, NULL, 0), x1 = FA_NAME(fa_row_load)(0, v0 + row, c, NULL, 0),
+                       x2 = FA_NAME(fa_row_load)(0, v0 + 2 * row, c, NULL, 0),
+                       x3 = FA_NAME(fa_row_load)(0, v0 + 3 * row, c, NULL, 0);
+            FA_PRAGMA_UNROLL(4)
+            for (int r = 0; r < R; r++) {
+                FA_T *orow = o + r * dvp;
+                FA_V x = FA_VFMA(pb[r][0], x0, FA_VLOAD(orow + c));
+                x = FA_VFMA(pb[r][1], x1, x);
+                x = FA_VFMA(pb[r][2], x2, x);
+                FA_VSTORE(orow + c, FA_VFMA(pb[r][3], x3, x));
+            }
+        }
+        FA_PRAGMA_UNROLL(16)
+        for (int k = 0; k < FPR; k++)
+            if (d < D) FA_NAME(fa_lanes_feature)(R, 2, sa, qt, brp, base, gstride, bs, d++);
+    }
+    for (; j < nk; j++) {
+        const char *vj = v + j * row;
+        FA_PRAGMA_UNROLL(4)
+        for (int r = 0; r < R; r++) pb[r][0] = FA_VSET1(p[j + r * rs_p]);
+        for (int64_t c = 0; c < Dv; c += FA_VL) {
+            const FA_V x = FA_NAME(fa_row_load)(0, vj, c, NULL, 0);
+            FA_PRAGMA_UNROLL(4)
+            for (int r = 0; r < R; r++)
+                FA_VSTORE(o + r * dvp + c, FA_VFMA(pb[r][0], x, FA_VLOAD(o + r * dvp + c)));
+        }
+    }
+    for (; d < D; d++) FA_NAME(fa_lanes_feature)(R, 2, sa, qt, brp, base, gstride, bs, d);
+    const int64_t nj[2] = {FA_VL, FA_VL};
+    FA_NAME(fa_lanes_store)(R, 2, sa, nj, s, 1, rs_s);
+}
+
+/* Each (rows, output vectors, features a V row) of fa_pv_qk_set, and (rows, features
+ * a four keys) of fa_pv_qk_set4, as a function of its own (its accumulators in registers,
+ * as the lanes kernels above) */
 #define FA_PVQK_FN(R, NC, FPR)                                                                                  \
     static __attribute__((noinline)) void FA_NAME(fa_pv_qk_##R##_##NC##_##FPR)(                                 \
         const FA_T *FA_RESTRICT p, int64_t rs_p, int64_t nk, const char *FA_RESTRICT v, int64_t row,            \
         FA_T *FA_RESTRICT o, int64_t dvp, const FA_T *FA_RESTRICT qt, int64_t brp, const char *base,            \
-        int64_t gstride, int64_t bs, int64_t D, FA_T *FA_RESTRICT s, int64_t rs_s, const char *kpf,             \
-        int64_t pf_step, int kpf_to)                                                                            \
+        int64_t gstride, int64_t bs, int64_t D, FA_T *FA_RESTRICT s, int64_t rs_s)                              \
     {                                                                                                           \
-        FA_NAME(fa_pv_qk_set)(R, NC, FPR, p, rs_p, nk, v, row, o, dvp, qt, brp, base, gstride, bs, D, s, rs_s,   \
-                              kpf, pf_step, kpf_to);                                                            \
+        FA_NAME(fa_pv_qk_set)(R, NC, FPR, p, rs_p, nk, v, row, o, dvp, qt, brp, base, gstride, bs, D, s, rs_s);  \
     }
 #define FA_PVQK_FPR(R, NC) FA_PVQK_FN(R, NC, 1) FA_PVQK_FN(R, NC, 2) FA_PVQK_FN(R, NC, 4)
 FA_PVQK_FPR(1, 2)
@@ -1190,58 +1240,77 @@ FA_PVQK_FPR(2, 4)
 FA_PVQK_FPR(2, 8)
 #undef FA_PVQK_FPR
 #undef FA_PVQK_FN
+#define FA_PVQK4_FN(R, FPR)                                                                                     \
+    static __attribute__((noinline)) void FA_NAME(fa_pv_qk4_##R##_##FPR)(                                       \
+        const FA_T *FA_RESTRICT p, int64_t rs_p, int64_t nk, const char *FA_RESTRICT v, int64_t row, int64_t Dv, \
+        FA_T *FA_RESTRICT o, int64_t dvp, const FA_T *FA_RESTRICT qt, int64_t brp, const char *base,            \
+        int64_t gstride, int64_t bs, int64_t D, FA_T *FA_RESTRICT s, int64_t rs_s)                              \
+    {                                                                                                           \
+        FA_NAME(fa_pv_qk_set4)(R, FPR, p, rs_p, nk, v, row, Dv, o, dvp, qt, brp, base, gstride, bs, D, s, rs_s); \
+    }
+FA_PVQK4_FN(3, 4)
+FA_PVQK4_FN(3, 8)
+FA_PVQK4_FN(3, 16)
+FA_PVQK4_FN(4, 4)
+FA_PVQK4_FN(4, 8)
+FA_PVQK4_FN(4, 16)
+#undef FA_PVQK4_FN
 
 /* The rows of sc->s where fa_pv_qk leaves the next tile's logits (key-major, row r at
- * FA_PVQK_ROW + r): past the two rows it runs for, inside the FA_DOT_ROWS rows of
+ * FA_PVQK_ROW + r): past the four rows it runs for, inside the FA_DOT_ROWS rows of
  * key-major logits the scratch holds (fa_layout) */
 #define FA_PVQK_ROW 4
-#if FA_PVQK_ROW + 2 > FA_DOT_ROWS
-#error "fa_pv_qk's logits need FA_PVQK_ROW + 2 <= FA_DOT_ROWS rows"
+#if FA_PVQK_ROW + 4 > FA_DOT_ROWS
+#error "fa_pv_qk's logits need FA_PVQK_ROW + 4 <= FA_DOT_ROWS rows"
 #endif
 
-/* A decode tile's P.V (nr <= 2 rows, key-major probabilities prob, row r at prob + r *
+/* A decode tile's P.V (nr <= 4 rows, key-major probabilities prob, row r at prob + r *
  * bcp; nk keys; V rows vt, v_sl elements apart) and QK^T of the next tile's keys j1 ..
- * j1+nk1-1 (into s1, key-major, row r at s1 + r * bcp), fused (fa_pv_qk_set): the tile's
- * rows split evenly over the next tile's sets of 64 keys (4 groups of FA_VL).  Where the
- * next tile is not whole sets of float keys evenly spaced on the lanes, or the output row
- * is not 2, 4 or 8 vectors, returns 0 and does nothing; else 1. */
+ * j1+nk1-1 (into s1, key-major, row r at s1 + r * bcp), fused (fa_pv_qk_set for 1 or 2
+ * rows, fa_pv_qk_set4 for 3 or 4): the tile's V rows split evenly over the next tile's
+ * group sets (4 groups of FA_VL keys for 1 or 2 rows, 2 for 3 or 4, as fa_qk_lanes).
+ * Where the next tile is not whole sets of float keys evenly spaced on the lanes, or the
+ * output row is not whole vectors (2, 4 or 8 of them for 1 or 2 rows), returns 0 and does
+ * nothing; else 1. */
 static int FA_NAME(fa_pv_qk)(const fa_params *p, const fa_item *it, const FA_T *FA_RESTRICT qt, int64_t brp,
                              int64_t nr, const FA_T *FA_RESTRICT prob, int64_t bcp, int64_t nk,
                              const FA_KV *FA_RESTRICT vt, int64_t v_sl, FA_T *FA_RESTRICT o, int64_t dvp,
                              const FA_T *FA_RESTRICT alpha, int64_t j1, int64_t nk1, FA_T *FA_RESTRICT s1)
 {
-    const int64_t setk = 4 * FA_VL, Dv = p->Dv, D = p->D;
+    const int G = nr <= 2 ? 4 : 2;
+    const int64_t setk = G * FA_VL, Dv = p->Dv, D = p->D;
     const int NC = (int)(Dv / FA_VL);
-    if (nr < 1 || nr > 2 || p->kv_store == FA_STORE_I8 || !p->k_lanes || Dv % FA_VL || (NC != 2 && NC != 4 && NC != 8) ||
-        nk < 1 || nk1 < setk || nk1 % setk || nk1 > 8 * setk || (it->koff + j1) % FA_VL)
+    if (nr < 1 || nr > 4 || p->kv_store == FA_STORE_I8 || !p->k_lanes || Dv % FA_VL ||
+        (nr <= 2 && NC != 2 && NC != 4 && NC != 8) || nk < 1 || nk1 < setk || nk1 % setk || nk1 > 8 * setk ||
+        (it->koff + j1) % FA_VL)
         return 0;
     const int64_t nsets = nk1 / setk;
-    const FA_NAME(fa_lanes_pf_plan) pl = FA_NAME(fa_lanes_pf_for)(p, 4, 0);
-    const char *base[8], *kpf[8];
+    const char *base[8];
     int64_t gstride[8];
     for (int64_t t = 0; t < nsets; t++) {
         const char *blk[4];
         const float *sp[4] = {NULL, NULL, NULL, NULL}, *zp[4] = {NULL, NULL, NULL, NULL};
         int64_t lane[4], nj[4], sstride;
-        if (!FA_NAME(fa_lanes_set)(p, it, 4, 0, j1, t * setk, nk1, blk, lane, sp, zp, nj, &base[t], &gstride[t],
+        if (!FA_NAME(fa_lanes_set)(p, it, G, 0, j1, t * setk, nk1, blk, lane, sp, zp, nj, &base[t], &gstride[t],
                                    &sstride))
             return 0;
-        kpf[t] = blk[0] + pl.pf_sets * pl.set_bytes;
     }
-    /* the rescale of fa_pv_rows_seq_r, then each set with its share of the V rows */
+    /* the rescale of fa_pv_rows_seq_r, then each set with its share of the V rows: FPR
+     * features after each V row (1 or 2 rows) or each four (3 or 4 rows) */
     for (int64_t r = 0; r < nr; r++)
         if (alpha[r] != (FA_T)1) {
             const FA_V a = FA_VSET1(alpha[r]);
             for (int64_t c = 0; c < dvp; c += FA_VL) FA_VSTORE(o + r * dvp + c, FA_VMUL(FA_VLOAD(o + r * dvp + c), a));
         }
-    const int64_t per = (nk + nsets - 1) / nsets, need = (D + per - 1) / per, row = v_sl * (int64_t)sizeof(FA_KV);
-    const int fpr = need <= 1 ? 1 : need <= 2 ? 2 : 4;
+    const int64_t per = (nk + nsets - 1) / nsets, steps = nr <= 2 ? per : (per + 3) / 4;
+    const int64_t need = (D + steps - 1) / steps, row = v_sl * (int64_t)sizeof(FA_KV);
+    const int fpr = nr <= 2 ? (need <= 1 ? 1 : need <= 2 ? 2 : 4) : (need <= 4 ? 4 : need <= 8 ? 8 : 16);
     for (int64_t t = 0; t < nsets; t++) {
         const int64_t a = t * per < nk ? t * per : nk, n = nk - a < per ? nk - a : per;
         const char *v = (const char *)(const void *)(vt + a * v_sl);
 #define FA_PVQK_CALL(R, NC_, FPR)                                                                                   \
     FA_NAME(fa_pv_qk_##R##_##NC_##_##FPR)(prob + a, bcp, n, v, row, o, dvp, qt, brp, base[t], gstride[t], p->k_lanes, \
-                                          D, s1 + t * setk, bcp, kpf[t], pl.pf_step, pl.pf_to)
+                                          D, s1 + t * setk, bcp)
 #define FA_PVQK_BY_FPR(R, NC_)        \
     if (fpr == 1)                     \
         FA_PVQK_CALL(R, NC_, 1);      \
@@ -1257,11 +1326,27 @@ static int FA_NAME(fa_pv_qk)(const fa_params *p, const fa_item *it, const FA_T *
     } else {                          \
         FA_PVQK_BY_FPR(R, 8)          \
     }
+#define FA_PVQK4_CALL(R, FPR)                                                                                       \
+    FA_NAME(fa_pv_qk4_##R##_##FPR)(prob + a, bcp, n, v, row, Dv, o, dvp, qt, brp, base[t], gstride[t], p->k_lanes,  \
+                                   D, s1 + t * setk, bcp)
+#define FA_PVQK4_BY_FPR(R)            \
+    if (fpr == 4)                     \
+        FA_PVQK4_CALL(R, 4);          \
+    else if (fpr == 8)                \
+        FA_PVQK4_CALL(R, 8);          \
+    else                              \
+        FA_PVQK4_CALL(R, 16);
         if (nr == 1) {
             FA_PVQK_BY_NC(1)
-        } else {
+        } else if (nr == 2) {
             FA_PVQK_BY_NC(2)
+        } else if (nr == 3) {
+            FA_PVQK4_BY_FPR(3)
+        } else {
+            FA_PVQK4_BY_FPR(4)
         }
+#undef FA_PVQK4_BY_FPR
+#undef FA_PVQK4_CALL
 #undef FA_PVQK_BY_NC
 #undef FA_PVQK_BY_FPR
 #undef FA_PVQK_CALL

@@ -205,8 +205,8 @@ def test_decode_row_has_the_bits_of_the_prefill_row(rng, kernel, dtype):
     assert np.array_equal(fastattn.attention(q[:1, :, -1:], alone, causal=True), prefill[:1, :, -1:])
 
 
-FUSED = [  # Hq, Hkv, D, Dv, lengths, block_size: one or two query rows a kv head, output rows
-    # of 2, 4 and 8 vectors of either x86 kernel's width, odd and wide D, every block size
+FUSED = [  # Hq, Hkv, D, Dv, lengths, block_size: one or two query heads a kv head, output
+    # rows of 2, 4 and 8 vectors of either x86 kernel's width, odd and wide D, every block size
     (4, 4, 64, 64, [1100, 777], None),
     (4, 2, 128, 128, [600, 1025], 16),
     (2, 2, 37, 32, [900, 300], None),
@@ -220,9 +220,9 @@ FUSED = [  # Hq, Hkv, D, Dv, lengths, block_size: one or two query rows a kv hea
                                        BF16 is None, reason="ml_dtypes is not installed"))])
 @pytest.mark.parametrize("shape", FUSED, ids=lambda s: f"Hq{s[0]}Hkv{s[1]}D{s[2]}Dv{s[3]}bs{s[5]}")
 def test_decode_rows_with_the_next_tiles_products_fused(rng, kernel, dtype, shape):
-    """Decode blocks of one or two rows over a float cache, where a tile's P.V runs in
+    """Decode blocks of one to four rows over a float cache, where a tile's P.V runs in
     one loop with QK^T of the next tile (fa_pv_qk, on Intel's x86 CPUs; elsewhere the
-    loops apart): the rows of Lq 1 and 2 have the bits of the same rows of a prefill, on
+    loops apart): the rows of Lq 1 to 4 have the bits of the same rows of a prefill, on
     1, 2 and 3 threads; against the oracle with a window and sinks; a V row with an inf
     (the careful P.V after a fused one) and a K row with a NaN give the oracle's rows."""
     Hq, Hkv, D, Dv, lengths, bs = shape
@@ -231,7 +231,7 @@ def test_decode_rows_with_the_next_tiles_products_fused(rng, kernel, dtype, shap
     q = _normal(rng, (B, Hq, 6, D))
     prefill = fastattn.attention(q, c, causal=True)
     for nt in (1, 2, 3):
-        for lq in (1, 2):
+        for lq in (1, 2, 3, 4):
             dec = fastattn.attention(q[:, :, -lq:], c, causal=True, num_threads=nt)
             assert np.array_equal(dec, prefill[:, :, -lq:]), (nt, lq)
     qd = q[:, :, -1:]
