@@ -888,22 +888,6 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_rows_reg)(const int R, const int NC, const i
         for (int c = 0; c < NC; c++) FA_VSTORE(o + r * dvp + c * FA_VL, acc[r][c]);
 }
 
-/* Output vector c of R rows (dvp apart) plus four keys' products, pb[r][k] times xk, in
- * key order: one load and one store of the output (fa_pv_rows_seq_r's step, and
- * fa_pv_qk_set4's) */
-FA_ALWAYS_INLINE void FA_NAME(fa_pv_four)(const int R, FA_T *FA_RESTRICT o, int64_t dvp, int64_t c,
-                                          const FA_V pb[FA_PV_SEQ_ROWS][4], FA_V x0, FA_V x1, FA_V x2, FA_V x3)
-{
-    FA_PRAGMA_UNROLL(4)
-    for (int r = 0; r < R; r++) {
-        FA_T *orow = o + r * dvp;
-        FA_V x = FA_VFMA(pb[r][0], x0, FA_VLOAD(orow + c));
-        x = FA_VFMA(pb[r][1], x1, x);
-        x = FA_VFMA(pb[r][2], x2, x);
-        FA_VSTORE(orow + c, FA_VFMA(pb[r][3], x3, x));
-    }
-}
-
 FA_ALWAYS_INLINE void FA_NAME(fa_pv_rows_seq_r)(const int R, const int I8, const FA_T *FA_RESTRICT p,
                                                 int64_t nk, const void *FA_RESTRICT v, int64_t v_sl,
                                                 const float *vs8, int64_t vs8_sl, int gshift,
@@ -969,11 +953,24 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_rows_seq_r)(const int R, const int I8, const
         int64_t c = 0;
         for (; c < full; c += FA_VL) {
             const FA_V x0 = FA_LD(v0, s0, c), x1 = FA_LD(v1, s1, c), x2 = FA_LD(v2, s2, c), x3 = FA_LD(v3, s3, c);
-            FA_NAME(fa_pv_four)(R, o, dvp, c, pb, x0, x1, x2, x3);
+            FA_PRAGMA_UNROLL(4)
+            for (int r = 0; r < R; r++) {
+                FA_T *orow = o + r * dvp;
+                FA_V x = FA_VFMA(pb[r][0], x0, FA_VLOAD(orow + c));
+                x = FA_VFMA(pb[r][1], x1, x);
+                x = FA_VFMA(pb[r][2], x2, x);
+                FA_VSTORE(orow + c, FA_VFMA(pb[r][3], x3, x));
+            }
         }
         if (tail) { /* (not with I8: Dv is a multiple of FA_VL there) */
             const FA_V x0 = FA_LDN(v0, c), x1 = FA_LDN(v1, c), x2 = FA_LDN(v2, c), x3 = FA_LDN(v3, c);
-            FA_NAME(fa_pv_four)(R, o, dvp, c, pb, x0, x1, x2, x3);
+            for (int r = 0; r < R; r++) {
+                FA_T *orow = o + r * dvp;
+                FA_V x = FA_VFMA(pb[r][0], x0, FA_VLOAD(orow + c));
+                x = FA_VFMA(pb[r][1], x1, x);
+                x = FA_VFMA(pb[r][2], x2, x);
+                FA_VSTORE(orow + c, FA_VFMA(pb[r][3], x3, x));
+            }
         }
     }
     for (; j < nk; j++) {
@@ -1170,7 +1167,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_qk_set4)(const int R, const int FPR, const F
                                              int64_t brp, const char *base, int64_t gstride, int64_t bs, int64_t D,
                                              FA_T *FA_RESTRICT s, int64_t rs_s)
 {
-    FA_V sa[8], pb[FA_PV_SEQ_ROWS][4];
+    FA_V sa[8], pb[4][4];
     FA_PRAGMA_UNROLL(8)
     for (int i = 0; i < 2 * R; i++) sa[i] = FA_VZERO();
     const int64_t rb = Dv * (int64_t)sizeof(FA_KV);
@@ -1194,7 +1191,14 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_qk_set4)(const int R, const int FPR, const F
             const FA_V x0 = FA_NAME(fa_row_load)(0, v0, c, NULL, 0), x1 = FA_NAME(fa_row_load)(0, v0 + row, c, NULL, 0),
                        x2 = FA_NAME(fa_row_load)(0, v0 + 2 * row, c, NULL, 0),
                        x3 = FA_NAME(fa_row_load)(0, v0 + 3 * row, c, NULL, 0);
-            FA_NAME(fa_pv_four)(R, o, dvp, c, pb, x0, x1, x2, x3);
+            FA_PRAGMA_UNROLL(4)
+            for (int r = 0; r < R; r++) {
+                FA_T *orow = o + r * dvp;
+                FA_V x = FA_VFMA(pb[r][0], x0, FA_VLOAD(orow + c));
+                x = FA_VFMA(pb[r][1], x1, x);
+                x = FA_VFMA(pb[r][2], x2, x);
+                FA_VSTORE(orow + c, FA_VFMA(pb[r][3], x3, x));
+            }
         }
         FA_PRAGMA_UNROLL(16)
         for (int k = 0; k < FPR; k++)
