@@ -251,7 +251,7 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
      * x86 CPUs other than AMD's (fa_cpu_pf_l2), where it was measured (Sapphire Rapids
      * class Xeon); next_ready: the tile's logits came with the last tile's P.V, in sc.s's
      * rows from FA_PVQK_ROW */
-    const int fuse = FA_NAME(fa_few_rows)(nr, &sc) && nr <= 4 && p->k_lanes && !p->mask && fa_cpu_pf_l2();
+    const int fuse = FA_NAME(fa_few_rows)(nr, &sc) && nr <= 2 && p->k_lanes && !p->mask && fa_cpu_pf_l2();
     int next_ready = 0;
     for (int64_t c0 = kv0 / ck * ck; c0 < it->kv1; c0 += ck) {
         const int64_t lo = kv0 > c0 ? kv0 : c0, hi = it->kv1 - c0 < ck ? it->kv1 : c0 + ck;

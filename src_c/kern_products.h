@@ -1157,72 +1157,8 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_qk_set)(const int R, const int NC, const int
     FA_NAME(fa_lanes_store)(R, 4, sa, nj, s, 1, rs_s);
 }
 
-/* fa_pv_qk_set for 3 or 4 rows: P.V as fa_pv_rows_seq_r's loop for them (four keys at a
- * time, each output vector loaded and stored once per four keys, its four FMAs in key
- * order; the keys left one by one) and QK^T of a set of 2 groups, FPR features after
- * each four keys, the features left after the last key.  Dv a multiple of FA_VL. */
-FA_ALWAYS_INLINE void FA_NAME(fa_pv_qk_set4)(const int R, const int FPR, const FA_T *FA_RESTRICT p, int64_t rs_p,
-                                             int64_t nk, const char *FA_RESTRICT v, int64_t row, int64_t Dv,
-                                             FA_T *FA_RESTRICT o, int64_t dvp, const FA_T *FA_RESTRICT qt,
-                                             int64_t brp, const char *base, int64_t gstride, int64_t bs, int64_t D,
-                                             FA_T *FA_RESTRICT s, int64_t rs_s)
-{
-    FA_V sa[8], pb[4][4];
-    FA_PRAGMA_UNROLL(8)
-    for (int i = 0; i < 2 * R; i++) sa[i] = FA_VZERO();
-    const int64_t rb = Dv * (int64_t)sizeof(FA_KV);
-    const int64_t pf_lim = FA_NAME(fa_pv_pf_end)(INT64_MAX);
-    const int vpf_to = FA_NAME(fa_pv_pf_to)(0);
-    int64_t j = 0, d = 0;
-    for (; j + 4 <= nk; j += 4) {
-        const char *v0 = v + j * row;
-        if (j + 4 + FA_PV_AHEAD <= pf_lim)
-            for (int t = 0; t < 4; t++)
-                for (int64_t b = 0; b < rb; b += 64) FA_PF_KV(v0 + (t + FA_PV_AHEAD) * row + b, vpf_to);
-        FA_PRAGMA_UNROLL(4)
-        for (int r = 0; r < R; r++) {
-            const FA_T *pr = p + j + r * rs_p;
-            pb[r][0] = FA_VSET1(pr[0]);
-            pb[r][1] = FA_VSET1(pr[1]);
-            pb[r][2] = FA_VSET1(pr[2]);
-            pb[r][3] = FA_VSET1(pr[3]);
-        }
-        for (int64_t c = 0; c < Dv; c += FA_VL) {
-            const FA_V x0 = FA_NAME(fa_row_load)(0, v0, c, NULL, 0), x1 = FA_NAME(fa_row_load)(0, v0 + row, c, NULL, 0),
-                       x2 = FA_NAME(fa_row_load)(0, v0 + 2 * row, c, NULL, 0),
-                       x3 = FA_NAME(fa_row_load)(0, v0 + 3 * row, c, NULL, 0);
-            FA_PRAGMA_UNROLL(4)
-            for (int r = 0; r < R; r++) {
-                FA_T *orow = o + r * dvp;
-                FA_V x = FA_VFMA(pb[r][0], x0, FA_VLOAD(orow + c));
-                x = FA_VFMA(pb[r][1], x1, x);
-                x = FA_VFMA(pb[r][2], x2, x);
-                FA_VSTORE(orow + c, FA_VFMA(pb[r][3], x3, x));
-            }
-        }
-        FA_PRAGMA_UNROLL(16)
-        for (int k = 0; k < FPR; k++)
-            if (d < D) FA_NAME(fa_lanes_feature)(R, 2, sa, qt, brp, base, gstride, bs, d++);
-    }
-    for (; j < nk; j++) {
-        const char *vj = v + j * row;
-        FA_PRAGMA_UNROLL(4)
-        for (int r = 0; r < R; r++) pb[r][0] = FA_VSET1(p[j + r * rs_p]);
-        for (int64_t c = 0; c < Dv; c += FA_VL) {
-            const FA_V x = FA_NAME(fa_row_load)(0, vj, c, NULL, 0);
-            FA_PRAGMA_UNROLL(4)
-            for (int r = 0; r < R; r++)
-                FA_VSTORE(o + r * dvp + c, FA_VFMA(pb[r][0], x, FA_VLOAD(o + r * dvp + c)));
-        }
-    }
-    for (; d < D; d++) FA_NAME(fa_lanes_feature)(R, 2, sa, qt, brp, base, gstride, bs, d);
-    const int64_t nj[2] = {FA_VL, FA_VL};
-    FA_NAME(fa_lanes_store)(R, 2, sa, nj, s, 1, rs_s);
-}
-
-/* Each (rows, output vectors, features a V row) of fa_pv_qk_set, and (rows, features
- * a four keys) of fa_pv_qk_set4, as a function of its own (its accumulators in registers,
- * as the lanes kernels above) */
+/* Each (rows, output vectors, features a V row) of fa_pv_qk_set as a function of its own
+ * (its accumulators in registers, as the lanes kernels above) */
 #define FA_PVQK_FN(R, NC, FPR)                                                                                  \
     static __attribute__((noinline)) void FA_NAME(fa_pv_qk_##R##_##NC##_##FPR)(                                 \
         const FA_T *FA_RESTRICT p, int64_t rs_p, int64_t nk, const char *FA_RESTRICT v, int64_t row,            \
@@ -1240,49 +1176,35 @@ FA_PVQK_FPR(2, 4)
 FA_PVQK_FPR(2, 8)
 #undef FA_PVQK_FPR
 #undef FA_PVQK_FN
-#define FA_PVQK4_FN(R, FPR)                                                                                     \
-    static __attribute__((noinline)) void FA_NAME(fa_pv_qk4_##R##_##FPR)(                                       \
-        const FA_T *FA_RESTRICT p, int64_t rs_p, int64_t nk, const char *FA_RESTRICT v, int64_t row, int64_t Dv, \
-        FA_T *FA_RESTRICT o, int64_t dvp, const FA_T *FA_RESTRICT qt, int64_t brp, const char *base,            \
-        int64_t gstride, int64_t bs, int64_t D, FA_T *FA_RESTRICT s, int64_t rs_s)                              \
-    {                                                                                                           \
-        FA_NAME(fa_pv_qk_set4)(R, FPR, p, rs_p, nk, v, row, Dv, o, dvp, qt, brp, base, gstride, bs, D, s, rs_s); \
-    }
-FA_PVQK4_FN(3, 4)
-FA_PVQK4_FN(3, 8)
-FA_PVQK4_FN(3, 16)
-FA_PVQK4_FN(4, 4)
-FA_PVQK4_FN(4, 8)
-FA_PVQK4_FN(4, 16)
-#undef FA_PVQK4_FN
 
 /* The rows of sc->s where fa_pv_qk leaves the next tile's logits (key-major, row r at
- * FA_PVQK_ROW + r): past the four rows it runs for, inside the FA_DOT_ROWS rows of
+ * FA_PVQK_ROW + r): past the two rows it runs for, inside the FA_DOT_ROWS rows of
  * key-major logits the scratch holds (fa_layout) */
 #define FA_PVQK_ROW 4
-#if FA_PVQK_ROW + 4 > FA_DOT_ROWS
-#error "fa_pv_qk's logits need FA_PVQK_ROW + 4 <= FA_DOT_ROWS rows"
+#if FA_PVQK_ROW + 2 > FA_DOT_ROWS
+#error "fa_pv_qk's logits need FA_PVQK_ROW + 2 <= FA_DOT_ROWS rows"
 #endif
 
-/* A decode tile's P.V (nr <= 4 rows, key-major probabilities prob, row r at prob + r *
+/* A decode tile's P.V (nr <= 2 rows, key-major probabilities prob, row r at prob + r *
  * bcp; nk keys; V rows vt, v_sl elements apart) and QK^T of the next tile's keys j1 ..
- * j1+nk1-1 (into s1, key-major, row r at s1 + r * bcp), fused (fa_pv_qk_set for 1 or 2
- * rows, fa_pv_qk_set4 for 3 or 4): the tile's V rows split evenly over the next tile's
- * group sets (4 groups of FA_VL keys for 1 or 2 rows, 2 for 3 or 4, as fa_qk_lanes).
- * Where the next tile is not whole sets of float keys evenly spaced on the lanes, or the
- * output row is not whole vectors (2, 4 or 8 of them for 1 or 2 rows), returns 0 and does
- * nothing; else 1. */
+ * j1+nk1-1 (into s1, key-major, row r at s1 + r * bcp), fused (fa_pv_qk_set): the tile's
+ * V rows split evenly over the next tile's group sets (4 groups of FA_VL keys, as
+ * fa_qk_lanes takes for 1 or 2 rows).  Where the next tile is not whole sets of float
+ * keys evenly spaced on the lanes, or the output row is not 2, 4 or 8 vectors, returns 0
+ * and does nothing; else 1.  Not for 3 or 4 rows (GQA 32/8, Lq 4): P.V four keys at a
+ * time with QK^T of 2-group sets in one loop was 1.05-1.3x the time from L3 and level
+ * to 1.1x from memory, float16 and bfloat16 (bench/NOTEBOOK.md, 2026-12-07, fourth
+ * session). */
 static int FA_NAME(fa_pv_qk)(const fa_params *p, const fa_item *it, const FA_T *FA_RESTRICT qt, int64_t brp,
                              int64_t nr, const FA_T *FA_RESTRICT prob, int64_t bcp, int64_t nk,
                              const FA_KV *FA_RESTRICT vt, int64_t v_sl, FA_T *FA_RESTRICT o, int64_t dvp,
                              const FA_T *FA_RESTRICT alpha, int64_t j1, int64_t nk1, FA_T *FA_RESTRICT s1)
 {
-    const int G = nr <= 2 ? 4 : 2;
+    const int G = 4;
     const int64_t setk = G * FA_VL, Dv = p->Dv, D = p->D;
     const int NC = (int)(Dv / FA_VL);
-    if (nr < 1 || nr > 4 || p->kv_store == FA_STORE_I8 || !p->k_lanes || Dv % FA_VL ||
-        (nr <= 2 && NC != 2 && NC != 4 && NC != 8) || nk < 1 || nk1 < setk || nk1 % setk || nk1 > 8 * setk ||
-        (it->koff + j1) % FA_VL)
+    if (nr < 1 || nr > 2 || p->kv_store == FA_STORE_I8 || !p->k_lanes || Dv % FA_VL || (NC != 2 && NC != 4 && NC != 8) ||
+        nk < 1 || nk1 < setk || nk1 % setk || nk1 > 8 * setk || (it->koff + j1) % FA_VL)
         return 0;
     const int64_t nsets = nk1 / setk;
     const char *base[8];
@@ -1295,16 +1217,15 @@ static int FA_NAME(fa_pv_qk)(const fa_params *p, const fa_item *it, const FA_T *
                                    &sstride))
             return 0;
     }
-    /* the rescale of fa_pv_rows_seq_r, then each set with its share of the V rows: FPR
-     * features after each V row (1 or 2 rows) or each four (3 or 4 rows) */
+    /* the rescale of fa_pv_rows_seq_r, then each set with its share of the V rows, FPR
+     * features after each */
     for (int64_t r = 0; r < nr; r++)
         if (alpha[r] != (FA_T)1) {
             const FA_V a = FA_VSET1(alpha[r]);
             for (int64_t c = 0; c < dvp; c += FA_VL) FA_VSTORE(o + r * dvp + c, FA_VMUL(FA_VLOAD(o + r * dvp + c), a));
         }
-    const int64_t per = (nk + nsets - 1) / nsets, steps = nr <= 2 ? per : (per + 3) / 4;
-    const int64_t need = (D + steps - 1) / steps, row = v_sl * (int64_t)sizeof(FA_KV);
-    const int fpr = nr <= 2 ? (need <= 1 ? 1 : need <= 2 ? 2 : 4) : (need <= 4 ? 4 : need <= 8 ? 8 : 16);
+    const int64_t per = (nk + nsets - 1) / nsets, need = (D + per - 1) / per, row = v_sl * (int64_t)sizeof(FA_KV);
+    const int fpr = need <= 1 ? 1 : need <= 2 ? 2 : 4;
     for (int64_t t = 0; t < nsets; t++) {
         const int64_t a = t * per < nk ? t * per : nk, n = nk - a < per ? nk - a : per;
         const char *v = (const char *)(const void *)(vt + a * v_sl);
@@ -1326,27 +1247,11 @@ static int FA_NAME(fa_pv_qk)(const fa_params *p, const fa_item *it, const FA_T *
     } else {                          \
         FA_PVQK_BY_FPR(R, 8)          \
     }
-#define FA_PVQK4_CALL(R, FPR)                                                                                       \
-    FA_NAME(fa_pv_qk4_##R##_##FPR)(prob + a, bcp, n, v, row, Dv, o, dvp, qt, brp, base[t], gstride[t], p->k_lanes,  \
-                                   D, s1 + t * setk, bcp)
-#define FA_PVQK4_BY_FPR(R)            \
-    if (fpr == 4)                     \
-        FA_PVQK4_CALL(R, 4);          \
-    else if (fpr == 8)                \
-        FA_PVQK4_CALL(R, 8);          \
-    else                              \
-        FA_PVQK4_CALL(R, 16);
         if (nr == 1) {
             FA_PVQK_BY_NC(1)
-        } else if (nr == 2) {
-            FA_PVQK_BY_NC(2)
-        } else if (nr == 3) {
-            FA_PVQK4_BY_FPR(3)
         } else {
-            FA_PVQK4_BY_FPR(4)
+            FA_PVQK_BY_NC(2)
         }
-#undef FA_PVQK4_BY_FPR
-#undef FA_PVQK4_CALL
 #undef FA_PVQK_BY_NC
 #undef FA_PVQK_BY_FPR
 #undef FA_PVQK_CALL
