@@ -21,6 +21,13 @@
  *   f32 lanes16       lanes16 for a float32 cache: four 8 KiB blocks, a line of each a feature
  *   +pf N             prefetcht1 of the bytes N ahead, a line for each one read (for
  *                     lanes16, 16K is one set of 64 keys ahead, as fastattn asks on Intel)
+ *   K then V          a float16 decode's two streams as fastattn read them before
+ *                     fa_pv_qk: K in the first half, V in the second; 64 keys of K in the
+ *                     lanes16 order (16 KiB, +pf 16K), then the same 64 keys' V rows (256
+ *                     bytes each, converted and FMA'd in order, prefetcht1 4 KiB ahead)
+ *   K with V          the same bytes as fa_pv_qk reads them: each V row of a tile with
+ *                     two features of the next tile's keys, both streams at once (V rows
+ *                     prefetched 4 KiB ahead, keys not)
  *
  * A variant with no huge pages: NOHUGE=1 in the environment.
  */
@@ -40,7 +47,7 @@ static double now(void)
     return t.tv_sec + t.tv_nsec * 1e-9;
 }
 
-enum { F32, F16, LANES16, LANES64, LANES16_F32 };
+enum { F32, F16, LANES16, LANES64, LANES16_F32, K_THEN_V, K_WITH_V };
 
 static inline __m512 h2f(const char *a) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)a)); }
 
@@ -98,6 +105,59 @@ static float pass(const char *a, size_t n, int loop, long pf)
     return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
 }
 
+/* One feature d of 64 float16 keys in the lanes16 order (set: the 16 KiB of 4 blocks) */
+#define LANES16_FEATURE(set, d)                                                                \
+    do {                                                                                       \
+        const __m512 q_ = _mm512_set1_ps(1.0f + (float)(d) * 0x1p-20f);                        \
+        s0 = _mm512_fmadd_ps(h2f((set) + (d) * 32), q_, s0);                                   \
+        s1 = _mm512_fmadd_ps(h2f((set) + 4096 + (d) * 32), q_, s1);                            \
+        s2 = _mm512_fmadd_ps(h2f((set) + 8192 + (d) * 32), q_, s2);                            \
+        s3 = _mm512_fmadd_ps(h2f((set) + 12288 + (d) * 32), q_, s3);                           \
+    } while (0)
+/* One V row of 128 float16 values times p into the eight accumulators o */
+#define V_ROW(row, p)                                                                          \
+    do {                                                                                       \
+        _mm_prefetch((row) + 4096, _MM_HINT_T1);                                               \
+        _mm_prefetch((row) + 4096 + 64, _MM_HINT_T1);                                          \
+        _mm_prefetch((row) + 4096 + 128, _MM_HINT_T1);                                         \
+        _mm_prefetch((row) + 4096 + 192, _MM_HINT_T1);                                         \
+        for (int c_ = 0; c_ < 8; c_++) o[c_] = _mm512_fmadd_ps(h2f((row) + 32 * c_), (p), o[c_]); \
+    } while (0)
+
+/* n bytes of K at k and n of V at v (multiples of 16 KiB), a decode's two streams: K
+ * then V a tile at a time, or (fused) a tile's V rows with the next tile's keys */
+static float pass_kv(const char *k, const char *v, size_t n, int fused)
+{
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, o[8];
+    for (int c = 0; c < 8; c++) o[c] = s0;
+    const __m512 p = _mm512_set1_ps(0x1p-30f);
+    for (size_t t = 0; t < n; t += 16384) {
+        const char *set = k + t, *vt = v + t;
+        if (!fused) {
+            for (int d = 0; d < 128; d++) {
+                _mm_prefetch(set + 16384 + 128 * d, _MM_HINT_T1);
+                _mm_prefetch(set + 16384 + 128 * d + 64, _MM_HINT_T1);
+                LANES16_FEATURE(set, d);
+            }
+            for (int j = 0; j < 64; j++) V_ROW(vt + 256 * j, p);
+            continue;
+        }
+        if (t == 0) /* the first tile's keys alone */
+            for (int d = 0; d < 128; d++) LANES16_FEATURE(set, d);
+        const char *next = set + 16384;
+        const int more = t + 16384 < n;
+        for (int j = 0; j < 64; j++) {
+            V_ROW(vt + 256 * j, p);
+            if (more) {
+                LANES16_FEATURE(next, 2 * j);
+                LANES16_FEATURE(next, 2 * j + 1);
+            }
+        }
+    }
+    for (int c = 0; c < 8; c++) s0 = _mm512_add_ps(s0, o[c]);
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
+}
+
 /* best GB/s of 6 passes; piece > 0: thread i reads pieces i, i + nt, ... of that size */
 static double rate(const char *a, size_t n, int loop, long pf, size_t piece, float *sink)
 {
@@ -108,7 +168,10 @@ static double rate(const char *a, size_t n, int loop, long pf, size_t piece, flo
 #pragma omp parallel reduction(+ : s)
         {
             const int i = omp_get_thread_num(), nt = omp_get_num_threads();
-            if (piece)
+            if (loop == K_THEN_V || loop == K_WITH_V)
+                s += pass_kv(a + (size_t)i * (n / 2 / nt), a + n / 2 + (size_t)i * (n / 2 / nt), n / 2 / nt,
+                             loop == K_WITH_V);
+            else if (piece)
                 for (size_t o = (size_t)i * piece; o + piece <= n; o += (size_t)nt * piece) s += pass(a + o, piece, loop, pf);
             else
                 s += pass(a + (size_t)i * (n / nt), n / nt, loop, pf);
@@ -143,6 +206,8 @@ int main(int argc, char **argv)
     printf("f16 stream, 128 KiB pieces  %5.1f GB/s\n", rate(a, n, F16, 0, 128 << 10, &sink));
     printf("f16 stream, 1 MiB pieces    %5.1f GB/s\n", rate(a, n, F16, 0, 1 << 20, &sink));
     printf("f16 lanes16, 128 KiB pieces %5.1f GB/s\n", rate(a, n, LANES16, 0, 128 << 10, &sink));
+    printf("f16 K then V        %5.1f GB/s\n", rate(a, n, K_THEN_V, 0, 0, &sink));
+    printf("f16 K with V        %5.1f GB/s\n", rate(a, n, K_WITH_V, 0, 0, &sink));
     printf("(%g)\n", (double)sink);
     return 0;
 }
