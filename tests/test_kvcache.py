@@ -220,11 +220,12 @@ FUSED = [  # Hq, Hkv, D, Dv, lengths, block_size: one or two query heads a kv he
                                        BF16 is None, reason="ml_dtypes is not installed"))])
 @pytest.mark.parametrize("shape", FUSED, ids=lambda s: f"Hq{s[0]}Hkv{s[1]}D{s[2]}Dv{s[3]}bs{s[5]}")
 def test_decode_rows_with_the_next_tiles_products_fused(rng, kernel, dtype, shape):
-    """Decode blocks of one to four rows over a float cache, where a tile's P.V runs in
-    one loop with QK^T of the next tile (fa_pv_qk, on Intel's x86 CPUs; elsewhere the
-    loops apart): the rows of Lq 1 to 4 have the bits of the same rows of a prefill, on
-    1, 2 and 3 threads; against the oracle with a window and sinks; a V row with an inf
-    (the careful P.V after a fused one) and a K row with a NaN give the oracle's rows."""
+    """Decode blocks of one or two rows over a float cache, where a tile's P.V runs in
+    one loop with QK^T of the next tile (fa_pv_qk, on Intel's x86 CPUs; elsewhere, and
+    for more rows, the loops apart): the rows of Lq 1 to 4 have the bits of the same rows
+    of a prefill, on 1, 2 and 3 threads; against the oracle with a window and sinks; a V
+    row with an inf (the careful P.V after a fused one) and a K row with a NaN give the
+    oracle's rows."""
     Hq, Hkv, D, Dv, lengths, bs = shape
     B = len(lengths)
     c, k, v = _filled(rng, B, Hkv, D, Dv, lengths, dtype, block_size=bs, chunks=2)
