@@ -888,6 +888,18 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_rows_reg)(const int R, const int NC, const i
         for (int c = 0; c < NC; c++) FA_VSTORE(o + r * dvp + c * FA_VL, acc[r][c]);
 }
 
+/* The running output's R rows (dvp apart) times their alpha, those whose alpha is not 1
+ * (the rescale before a decode tile's P.V: fa_pv_rows_seq_r, fa_pv_qk) */
+FA_ALWAYS_INLINE void FA_NAME(fa_pv_rescale)(int64_t R, FA_T *FA_RESTRICT o, int64_t dvp, const FA_T *FA_RESTRICT alpha)
+{
+    for (int64_t r = 0; r < R; r++)
+        if (alpha[r] != (FA_T)1) {
+            const FA_V a = FA_VSET1(alpha[r]);
+            for (int64_t c = 0; c < dvp; c += FA_VL)
+                FA_VSTORE(o + r * dvp + c, FA_VMUL(FA_VLOAD(o + r * dvp + c), a));
+        }
+}
+
 FA_ALWAYS_INLINE void FA_NAME(fa_pv_rows_seq_r)(const int R, const int I8, const FA_T *FA_RESTRICT p,
                                                 int64_t nk, const void *FA_RESTRICT v, int64_t v_sl,
                                                 const float *vs8, int64_t vs8_sl, int gshift,
@@ -902,12 +914,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_rows_seq_r)(const int R, const int I8, const
 #define FA_LDN(r, c) FA_KV_LOADU_N((const FA_KV *)(const void *)(r) + (c), tail)
     const int64_t full = Dv / FA_VL * FA_VL;
     const int tail = (int)(Dv - full);
-    for (int r = 0; r < R; r++)
-        if (alpha[r] != (FA_T)1) {
-            const FA_V a = FA_VSET1(alpha[r]);
-            for (int64_t c = 0; c < dvp; c += FA_VL)
-                FA_VSTORE(o + r * dvp + c, FA_VMUL(FA_VLOAD(o + r * dvp + c), a));
-        }
+    FA_NAME(fa_pv_rescale)(R, o, dvp, alpha);
     if (R <= 2 && !tail && (Dv == 2 * FA_VL || Dv == 4 * FA_VL || Dv == 8 * FA_VL)) {
         /* one or two rows of up to 8 vectors: the outputs in registers over the keys */
         if (Dv == 8 * FA_VL)
@@ -1084,19 +1091,18 @@ static void FA_NAME(fa_pv_tile_rows)(const FA_T *FA_RESTRICT p, int64_t nq, int6
     FA_NAME(fa_pv_tile_strided)(p, nq, nk, v, v_sl, Dv, o, dvp, alpha, 1, rs, INT64_MAX);
 }
 
-/* Feature d of QK^T for R rows and one evenly spaced set of G groups of FA_VL float keys
+/* Feature d of QK^T for R rows and one evenly spaced set of 4 groups of FA_VL float keys
  * on the lanes (fa_qk_lanes_uni's step for Q 0, nothing asked for ahead): group g's keys
  * at base + g * gstride, row r's chain in sa[g * R + r]. */
-FA_ALWAYS_INLINE void FA_NAME(fa_lanes_feature)(const int R, const int G, FA_V *sa, const FA_T *FA_RESTRICT qt,
-                                                int64_t brp, const char *base, int64_t gstride, int64_t bs,
-                                                int64_t d)
+FA_ALWAYS_INLINE void FA_NAME(fa_lanes_feature)(const int R, FA_V *sa, const FA_T *FA_RESTRICT qt, int64_t brp,
+                                                const char *base, int64_t gstride, int64_t bs, int64_t d)
 {
     const FA_T *q = qt + d * brp;
     const char *bd = base + FA_NAME(fa_lane_off)(0, d, 0, bs);
     FA_PRAGMA_UNROLL(4)
-    for (int g = 0; g < G; g++) {
+    for (int g = 0; g < 4; g++) {
         const FA_V x = FA_NAME(fa_lane_vec)(0, bd + g * gstride, (int)(d & 1), NULL, NULL);
-        FA_PRAGMA_UNROLL(4)
+        FA_PRAGMA_UNROLL(2)
         for (int r = 0; r < R; r++) sa[g * R + r] = FA_VFMA(x, FA_VSET1(q[r]), sa[g * R + r]);
     }
 }
@@ -1146,9 +1152,9 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_qk_set)(const int R, const int NC, const int
         }
         FA_PRAGMA_UNROLL(4)
         for (int k = 0; k < FPR; k++)
-            if (d < D) FA_NAME(fa_lanes_feature)(R, 4, sa, qt, brp, base, gstride, bs, d++);
+            if (d < D) FA_NAME(fa_lanes_feature)(R, sa, qt, brp, base, gstride, bs, d++);
     }
-    for (; d < D; d++) FA_NAME(fa_lanes_feature)(R, 4, sa, qt, brp, base, gstride, bs, d);
+    for (; d < D; d++) FA_NAME(fa_lanes_feature)(R, sa, qt, brp, base, gstride, bs, d);
     FA_PRAGMA_UNROLL(2)
     for (int r = 0; r < R; r++)
         FA_PRAGMA_UNROLL(8)
@@ -1200,7 +1206,7 @@ static int FA_NAME(fa_pv_qk)(const fa_params *p, const fa_item *it, const FA_T *
                              const FA_KV *FA_RESTRICT vt, int64_t v_sl, FA_T *FA_RESTRICT o, int64_t dvp,
                              const FA_T *FA_RESTRICT alpha, int64_t j1, int64_t nk1, FA_T *FA_RESTRICT s1)
 {
-    const int G = 4;
+    const int G = 4; /* (the groups fa_qk_lanes takes for 1 or 2 rows) */
     const int64_t setk = G * FA_VL, Dv = p->Dv, D = p->D;
     const int NC = (int)(Dv / FA_VL);
     if (nr < 1 || nr > 2 || p->kv_store == FA_STORE_I8 || !p->k_lanes || Dv % FA_VL || (NC != 2 && NC != 4 && NC != 8) ||
@@ -1219,11 +1225,7 @@ static int FA_NAME(fa_pv_qk)(const fa_params *p, const fa_item *it, const FA_T *
     }
     /* the rescale of fa_pv_rows_seq_r, then each set with its share of the V rows, FPR
      * features after each */
-    for (int64_t r = 0; r < nr; r++)
-        if (alpha[r] != (FA_T)1) {
-            const FA_V a = FA_VSET1(alpha[r]);
-            for (int64_t c = 0; c < dvp; c += FA_VL) FA_VSTORE(o + r * dvp + c, FA_VMUL(FA_VLOAD(o + r * dvp + c), a));
-        }
+    FA_NAME(fa_pv_rescale)(nr, o, dvp, alpha);
     const int64_t per = (nk + nsets - 1) / nsets, need = (D + per - 1) / per, row = v_sl * (int64_t)sizeof(FA_KV);
     const int fpr = need <= 1 ? 1 : need <= 2 ? 2 : 4;
     for (int64_t t = 0; t < nsets; t++) {
