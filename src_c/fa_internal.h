@@ -325,6 +325,10 @@ typedef struct fa_item {
     uint8_t *pkst;      /* their packed K and V's states, or NULL                 */
     char *pkbuf;        /* the packed blocks, pk_bytes a block                    */
     int64_t pk_bytes;
+    int64_t part_o, part_lse; /* nonzero: an item of split-KV partials (fa_decode_split):
+                           each chunk c's rows written alone, as a one-chunk item's, c *
+                           part_o elements past the output row and c * part_lse past
+                           lse (in the compute dtype), not merged; 0: merged here      */
 } fa_item;
 
 /* The slot of the whole key block [j0, j0 + nk) of bk keys from key 0 among the

@@ -447,6 +447,7 @@ void fa_item_make(const fa_params *p, const fa_plan *pl, int64_t b, int64_t g, i
     it->pkst = NULL;
     it->pkbuf = NULL;
     it->pk_bytes = 0;
+    it->part_o = it->part_lse = 0; /* (fa_decode_split sets them) */
     /* keys visible to some row: row i sees a-left <= j <= a+right, a = i + diag */
     const int64_t diag = fa_diag0(p, Lq, Lk);
     const int64_t right = p->causal != FA_CAUSAL_NONE ? 0 : p->window_right; /* min(right, 0) */

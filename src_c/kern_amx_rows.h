@@ -521,7 +521,7 @@ static void FA_NAME(fa_qblock_rows)(const fa_params *p, const fa_blocks *bl, con
         if (!single) FA_NAME(fa_fold_chunk)(&sc, nr, Dv, dvp);
     }
     FA_TILE_RELEASE();
-    FA_NAME(fa_write_rows)(p, it, nr, single, dvp, &sc);
+    FA_NAME(fa_write_rows)(p, it, nr, single, dvp, &sc, 0);
 }
 
 /* The kernel table's forward block: the row-major one where the call allows. */

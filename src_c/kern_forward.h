@@ -126,11 +126,13 @@ static void FA_NAME(fa_dropout_apply)(const fa_params *p, const fa_item *it, int
 /* The end of a block: each row's merged result (or, single, its one chunk: sc->o, m, l)
  * normalized, the sinks folded in, lse and the statistics written, and the output row
  * stored (unless attention_weights are wanted).  A row that saw no visible key gives 0
- * and lse -inf; a NaN row keeps its NaN in both.  mM is left holding each row's lse. */
+ * and lse -inf; a NaN row keeps its NaN in both.  mM is left holding each row's lse.
+ * For an item of split-KV partials (it->part_o, fa_decode_split), single, the rows of
+ * chunk c (from key 0): c * part_o elements past the output row, c * part_lse past lse. */
 static void FA_NAME(fa_write_rows)(const fa_params *p, const fa_item *it, int64_t nr, int single,
-                                   int64_t dvp, FA_NAME(fa_scratch) *sc)
+                                   int64_t dvp, FA_NAME(fa_scratch) *sc, int64_t c)
 {
-    const int64_t Dv = p->Dv;
+    const int64_t Dv = p->Dv, o_at = c * it->part_o, lse_at = c * it->part_lse;
     /* whether anything reads a row's lse: without, a one-chunk row skips its log (1.9%
      * of a short AMX prefill's samples; the output is the same o / l) */
     const int want_lse = p->lse || p->sinks || p->entropy || p->weights;
@@ -147,7 +149,9 @@ static void FA_NAME(fa_write_rows)(const fa_params *p, const fa_item *it, int64_
 #endif
     for (int64_t r = 0; r < nr; r++) {
         const int64_t h = it->h0 + r / it->nq, row = it->qoff + it->q0 + r % it->nq;
-        const int64_t lo_ = it->b * p->lse_sb + h * p->lse_sh + row * p->lse_sl;
+        const int64_t lo_ = it->b * p->lse_sb + h * p->lse_sh + row * p->lse_sl + lse_at;
+        /* (a partial's rows are FA_T: the split's partials are in the compute dtype) */
+        void *orow = o_at ? (void *)((FA_T *)sc->orow[r] + o_at) : sc->orow[r];
         FA_T *acc = single ? sc->o + r * dvp : sc->mo + r * dvp;
         const FA_T tot = sc->mtot[r];
         FA_T lse_r;
@@ -157,7 +161,7 @@ static void FA_NAME(fa_write_rows)(const fa_params *p, const fa_item *it, int64_
             for (int64_t c = 0; c < Dv; c++) acc[c] = (FA_T)0;
             lse_r = -(FA_T)INFINITY;
         } else if (direct) {
-            FA_NAME(fa_chunk_norm)((FA_T *)sc->orow[r], acc, sc->l[r], Dv);
+            FA_NAME(fa_chunk_norm)((FA_T *)orow, acc, sc->l[r], Dv);
             lse_r = want_lse ? FA_NAME(fa_chunk_lse)(sc->m[r], sc->l[r]) : (FA_T)0; /* (0: read by nothing) */
         } else if (want_lse)
             lse_r = FA_NAME(fa_chunk_row)(acc, sc->m[r], sc->l[r], Dv);
@@ -187,11 +191,11 @@ static void FA_NAME(fa_write_rows)(const fa_params *p, const fa_item *it, int64_
         if (p->weights || (direct && sc->l[r] != (FA_T)0)) continue; /* (written above) */
 #ifdef FA_KV_HALF
         if (fa_store16(p->out_store)) {
-            FA_ROW_TO_16((uint16_t *)sc->orow[r], acc, Dv);
+            FA_ROW_TO_16((uint16_t *)orow, acc, Dv);
             continue;
         }
 #endif
-        memcpy(sc->orow[r], acc, (size_t)Dv * sizeof(FA_T));
+        memcpy(orow, acc, (size_t)Dv * sizeof(FA_T));
     }
 }
 
@@ -230,6 +234,9 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
      * same bits), without the merge's two passes over the rows. */
     const int single = it->kv1 > kv0 && kv0 / ck == (it->kv1 - 1) / ck && !sc.u &&
                        !p->weights;
+    /* split-KV partials (it->part_o: fa_decode_split): each chunk's rows go out as a
+     * one-chunk item's would, to that chunk's partial, instead of merged here */
+    const int parts = it->part_o != 0;
     /* pvt: this block's P.V runs with the output transposed (fa_pvt_tile, on the ISAs
      * that define FA_PV_T: prefill blocks, not the pairs), into sc.ot, turned back into
      * sc.o's rows at each chunk's end (fa_pvt_rows) */
@@ -250,12 +257,12 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
     /* A decode block's P.V of one tile and QK^T of the next in one loop (fa_pv_qk) on
      * x86 CPUs other than AMD's (fa_cpu_pf_l2), where it was measured (Sapphire Rapids
      * class Xeon); next_ready: the tile's logits came with the last tile's P.V, in sc.s's
-     * rows from FA_PVQK_ROW */
+     * rows from FA_PVQK_ROW.  The next tile may be the next chunk's first (a logit does
+     * not depend on the chunk's softmax). */
     const int fuse = FA_NAME(fa_few_rows)(nr, &sc) && nr <= 2 && p->k_lanes && !p->mask && fa_cpu_pf_l2();
     int next_ready = 0;
     for (int64_t c0 = kv0 / ck * ck; c0 < it->kv1; c0 += ck) {
         const int64_t lo = kv0 > c0 ? kv0 : c0, hi = it->kv1 - c0 < ck ? it->kv1 : c0 + ck;
-        next_ready = 0;
         if (pvt)
             for (int64_t d = 0; d < dvp; d++)
                 for (int64_t i = 0; i < nvl; i++) sc.ot[d * brp + i] = (FA_T)0;
@@ -372,10 +379,13 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
                  * or NaN in V, or rows that were not finite already) they are restored
                  * and the tile goes through the careful path. */
                 memcpy(sc.o2, sc.o, (size_t)(nr * dvp) * sizeof(FA_T));
-                /* the next tile of this chunk, if key-major as fa_scores would make it
-                 * (every row sees all its keys; the call-wide conditions are this tile's) */
-                const int64_t j1 = j0 + bc, nk1 = hi - j1 < bc ? hi - j1 : bc;
-                if (sc.key_major && fuse && j1 < hi && lo_max <= j1 && hi_min >= j1 + nk1 - 1 &&
+                /* the next tile of this chunk or, after its last, the next chunk's
+                 * first, if key-major as fa_scores would make it (every row sees all its
+                 * keys; the call-wide conditions are this tile's) */
+                const int64_t j1 = j0 + bc < hi ? j0 + bc : hi;
+                const int64_t hi1 = j1 < hi ? hi : it->kv1 - j1 < ck ? it->kv1 : j1 + ck;
+                const int64_t nk1 = hi1 - j1 < bc ? hi1 - j1 : bc;
+                if (sc.key_major && fuse && j1 < hi1 && lo_max <= j1 && hi_min >= j1 + nk1 - 1 &&
                     FA_NAME(fa_pv_qk)(p, it, sc.qt, brp, nr, sc.s, sc.bcp, nk, vt, v_sl, sc.o, dvp, sc.alpha, j1,
                                       nk1, sc.s + FA_PVQK_ROW * sc.bcp))
                     next_ready = 1;
@@ -437,10 +447,13 @@ static void FA_NAME(fa_qblock)(const fa_params *p, const fa_blocks *bl, const fa
 #ifdef FA_PV_T
         if (pvt) FA_NAME(fa_pvt_rows)(sc.ot, brp, nvl, dvp, sc.o);
 #endif
-        if (!single) FA_NAME(fa_fold_chunk)(&sc, nr, Dv, dvp);
+        if (parts)
+            FA_NAME(fa_write_rows)(p, it, nr, 1, dvp, &sc, c0 / ck);
+        else if (!single)
+            FA_NAME(fa_fold_chunk)(&sc, nr, Dv, dvp);
     }
 
-    FA_NAME(fa_write_rows)(p, it, nr, single, dvp, &sc);
+    if (!parts) FA_NAME(fa_write_rows)(p, it, nr, single, dvp, &sc, 0);
     if (!p->weights) return;
 
     /* attention_weights: a second pass recomputes each tile's logits with the same

@@ -258,6 +258,48 @@ def test_decode_rows_with_the_next_tiles_products_fused(rng, kernel, dtype, shap
         assert rel_err(out[fin], ref[fin]) < 3e-5, which
 
 
+SPLIT = [  # Hq, Hkv, D, lengths, block_size: slots of 10, 5 and 1 chunks of 512 keys; a
+    # GQA group; blocks of 64 keys, where the avx2 and generic kernels fuse too
+    (4, 2, 64, [5000, 2100, 300], None),
+    (8, 2, 40, [4100], None),
+    (2, 2, 32, [4700, 1500], 64),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SPLIT, ids=lambda s: f"Hq{s[0]}Hkv{s[1]}D{s[2]}B{len(s[3])}bs{s[4]}")
+def test_split_items_of_several_chunks_keep_the_prefills_bits(rng, kernel, dtype, shape):
+    """Split-KV decoding gives a thread up to four consecutive 512-key chunks of a head as
+    one item (fewer where the threads would get under 8 items each: here 4, 2 or 1 by the
+    thread count), each chunk still written as its own partial, and a float cache's
+    fused P.V and QK^T runs across the chunks' edges: decode rows (Lq 1, 2 and 5) have
+    the bits of the same rows of a prefill (12 rows, one block: no split) on 1 to 4
+    threads; so do rows with a window whose first chunks hold no visible key (empty
+    partials inside an item's chunks), and the ragged slots' last chunks hold none;
+    against the oracle, output and lse.  The same for (B, H, T, D) arrays."""
+    Hq, Hkv, D, lengths, bs = shape
+    B = len(lengths)
+    c, k, v = _filled(rng, B, Hkv, D, D, lengths, dtype, block_size=bs, chunks=2)
+    q = _normal(rng, (B, Hq, 12, D))
+    for kw in (dict(causal=True), dict(causal=True, window=(1300, 0))):
+        prefill, plse = fastattn.attention(q, c, return_lse=True, num_threads=2, **kw)
+        for nt in (1, 2, 3, 4):
+            for lq in (1, 2, 5):
+                dec, dlse = fastattn.attention(q[:, :, -lq:], c, return_lse=True, num_threads=nt, **kw)
+                assert np.array_equal(dec, prefill[:, :, -lq:]), (nt, lq, sorted(kw))
+                assert np.array_equal(dlse, plse[:, :, -lq:]), (nt, lq, sorted(kw))
+        ref, ref_lse = _oracle(q[:, :, -2:], c, **kw)
+        tol = 3e-5 if dtype == "float32" else 1e-4
+        assert rel_err(prefill[:, :, -2:], ref) < tol, sorted(kw)
+        np.testing.assert_allclose(plse[:, :, -2:], ref_lse, atol=tol * max(1, np.abs(ref_lse).max()))
+    if B == 1:  # user-held arrays, the cache's values
+        ka, va = c.keys(0)[None], c.values(0)[None]
+        whole = fastattn.attention(q, ka, va, causal=True)
+        for nt in (1, 2, 3, 4):
+            dec = fastattn.attention(q[:, :, -1:], ka, va, causal=True, num_threads=nt)
+            assert np.array_equal(dec, whole[:, :, -1:]), nt
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_chunked_prefill_and_decode_steps_equal_the_whole_prefill(rng, kernel, dtype):
     """A float cache filled in chunks, each chunk's queries attended as it is appended,
@@ -510,6 +552,22 @@ for dtype, (D, Dv, Hq) in [(t, s) for t in ("float32", "float16", "int8", "int4"
         for lq, w in zip((1, 5), want):
             got = fastattn.attention(guardpages.guarded(q[:, :, :lq], place), c, causal=True)
             assert np.array_equal(got, w), (dtype, place, lq)
+# split-KV items of several chunks (6 chunks of 512 keys, 8 kv heads: items of 4 and 2
+# chunks on 1 or 2 threads), fused across the chunks' edges, a slot whose last chunks and
+# (with the window) first chunks hold no visible key
+for dtype, place in [(t, p) for t in ("float32", "float16", "int8", "int4") for p in ("end", "start")]:
+    c = fastattn.KVCache(2, 4, 32, 2600, dtype=dtype)
+    k = rng.standard_normal((2, 4, 2600, 32)).astype(np.float32)
+    v = rng.standard_normal((2, 4, 2600, 32)).astype(np.float32)
+    c.append(k, v, lengths=[2600, 1100])
+    q = rng.standard_normal((2, 4, 1, 32)).astype(np.float32)
+    kws = (dict(causal=True), dict(causal=True, window=(700, 0)))
+    want = [fastattn.attention(q, c, num_threads=nt, **kw) for kw in kws for nt in (1, 2)]
+    for name in ("_k", "_v", "_ks", "_kz", "_vs"):
+        if getattr(c, name) is not None:
+            setattr(c, name, guardpages.guarded(getattr(c, name), place))
+    got = [fastattn.attention(q, c, num_threads=nt, **kw) for kw in kws for nt in (1, 2)]
+    assert all(np.array_equal(g, w) for g, w in zip(got, want)), (dtype, place)
 print("done")
 """
 
