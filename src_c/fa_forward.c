@@ -208,17 +208,18 @@ static int fa_decode_split(const fa_kernel *kern, const fa_params *p, const fa_p
             fa_split_live(&it, chunk, c1, &ka, &kb);
             for (int64_t c = c0; c < c1; c++) {
                 fa_item one = it;
+                local.out = pout + (size_t)(c * rows * Dv) * item;
+                local.lse = plse + (size_t)(c * rows) * item;
                 if (c >= ka && c < kb) { /* the chunks with keys, each to its own partial */
                     if (c > ka) continue;
-                    one.part_o = rows * Dv;
-                    one.part_lse = rows;
-                    local.out = pout;
-                    local.lse = plse;
-                } else { /* a chunk with none: 0 and lse -inf, as a one-chunk item leaves it */
+                    if (kb - ka > 1) { /* (never for the bfloat16 pairs: fa_split_per) */
+                        one.part_o = rows * Dv;
+                        one.part_lse = rows;
+                        local.out = pout;
+                        local.lse = plse;
+                    }
+                } else /* a chunk with none: 0 and lse -inf, as a one-chunk item leaves it */
                     one.kv0 = one.kv1 = 0;
-                    local.out = pout + (size_t)(c * rows * Dv) * item;
-                    local.lse = plse + (size_t)(c * rows) * item;
-                }
                 qblock(&local, &pl->bl, &one, scratch);
             }
         }
