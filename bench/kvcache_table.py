@@ -24,8 +24,13 @@ import time
 
 import numpy as np
 
-import fastattn
-import fastattn.bench
+# the cores before fastattn loads libgomp, which under OMP_PROC_BIND binds this thread to
+# one of them: ONNX Runtime's pool is made on all of them (its threads start from the
+# creating thread's cores; on the one core, 1.9x the time: bench/NOTEBOOK.md, 2026-12-07,
+# fifth session)
+_CORES = sorted(os.sched_getaffinity(0))
+import fastattn  # noqa: E402
+import fastattn.bench  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peers  # noqa: E402
@@ -128,7 +133,12 @@ def main(argv=None):
             except ImportError:
                 pass
             try:
-                ort = peers.make_onnxruntime(B, Hq, Hkv, Lq, L, D, nt)
+                mine = os.sched_getaffinity(0)
+                os.sched_setaffinity(0, _CORES)
+                try:
+                    ort = peers.make_onnxruntime(B, Hq, Hkv, Lq, L, D, nt)
+                finally:
+                    os.sched_setaffinity(0, mine)
                 fns["onnxruntime"] = lambda: ort(q, k, v)
             except ImportError:
                 pass
