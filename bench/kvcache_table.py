@@ -28,7 +28,7 @@ import numpy as np
 # one of them: ONNX Runtime's pool is made on all of them (its threads start from the
 # creating thread's cores; on the one core, 1.9x the time: bench/NOTEBOOK.md, 2026-12-07,
 # fifth session)
-_CORES = sorted(os.sched_getaffinity(0))
+_CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
 import fastattn  # noqa: E402
 import fastattn.bench  # noqa: E402
 
@@ -133,12 +133,14 @@ def main(argv=None):
             except ImportError:
                 pass
             try:
-                mine = os.sched_getaffinity(0)
-                os.sched_setaffinity(0, _CORES)
+                mine = os.sched_getaffinity(0) if _CORES else None
+                if _CORES:
+                    os.sched_setaffinity(0, _CORES)
                 try:
                     ort = peers.make_onnxruntime(B, Hq, Hkv, Lq, L, D, nt)
                 finally:
-                    os.sched_setaffinity(0, mine)
+                    if mine:
+                        os.sched_setaffinity(0, mine)
                 fns["onnxruntime"] = lambda: ort(q, k, v)
             except ImportError:
                 pass

@@ -552,9 +552,9 @@ for dtype, (D, Dv, Hq) in [(t, s) for t in ("float32", "float16", "int8", "int4"
         for lq, w in zip((1, 5), want):
             got = fastattn.attention(guardpages.guarded(q[:, :, :lq], place), c, causal=True)
             assert np.array_equal(got, w), (dtype, place, lq)
-# split-KV items of several chunks (6 chunks of 512 keys, 8 kv heads: items of 4 and 2
-# chunks on 1 or 2 threads), fused across the chunks' edges, a slot whose last chunks and
-# (with the window) first chunks hold no visible key
+# split-KV items of several chunks (6 chunks of 512 keys, 2 slots x 4 kv heads: items of
+# chunks 0-3 and 4-5 on 1 or 2 threads), fused across the chunks' edges, a slot whose last
+# chunks and (with the window) first chunks hold no visible key
 for dtype, place in [(t, p) for t in ("float32", "float16", "int8", "int4") for p in ("end", "start")]:
     c = fastattn.KVCache(2, 4, 32, 2600, dtype=dtype)
     k = rng.standard_normal((2, 4, 2600, 32)).astype(np.float32)
