@@ -206,22 +206,28 @@ static int fa_decode_split(const fa_kernel *kern, const fa_params *p, const fa_p
             int64_t c0, c1, ka, kb;
             fa_split_item(p, pl, t, heads, nch, per, &it, &c0, &c1);
             fa_split_live(&it, chunk, c1, &ka, &kb);
+            /* each chunk with no key alone: 0 and lse -inf, as a one-chunk item leaves it */
             for (int64_t c = c0; c < c1; c++) {
-                fa_item one = it;
+                if (c >= ka && c < kb) continue;
+                fa_item none = it;
+                none.kv0 = none.kv1 = 0;
                 local.out = pout + (size_t)(c * rows * Dv) * item;
                 local.lse = plse + (size_t)(c * rows) * item;
-                if (c >= ka && c < kb) { /* the chunks with keys, each to its own partial */
-                    if (c > ka) continue;
-                    if (kb - ka > 1) { /* (never for the bfloat16 pairs: fa_split_per) */
-                        one.part_o = rows * Dv;
-                        one.part_lse = rows;
-                        local.out = pout;
-                        local.lse = plse;
-                    }
-                } else /* a chunk with none: 0 and lse -inf, as a one-chunk item leaves it */
-                    one.kv0 = one.kv1 = 0;
-                qblock(&local, &pl->bl, &one, scratch);
+                qblock(&local, &pl->bl, &none, scratch);
             }
+            if (ka == kb) continue;
+            /* the chunks with keys in one run, each to its own partial; one such chunk
+             * straight to its partial, as before (so always for the bfloat16 pairs, whose
+             * AMX row-major block takes no part_o: fa_split_per) */
+            local.out = pout + (size_t)(ka * rows * Dv) * item;
+            local.lse = plse + (size_t)(ka * rows) * item;
+            if (kb - ka > 1) {
+                it.part_o = rows * Dv;
+                it.part_lse = rows;
+                local.out = pout;
+                local.lse = plse;
+            }
+            qblock(&local, &pl->bl, &it, scratch);
         }
         free(scratch);
         const int out16 = fa_store16(p->out_store);
