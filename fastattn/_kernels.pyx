@@ -108,6 +108,9 @@ cdef extern from "fastattn.h" nogil:
     int fa_openmp_enabled()
     int fa_max_threads()
     int fa_last_num_threads()
+    int fa_set_spread(int mode)
+    long fa_spread_moves()
+    int fa_spread_probe(int nth, int herd, int *start, int *joined, int *moved) nogil
     const char *fa_build_info()
     int fa_exp_array(int isa, int dtype, const void *x, void *y, int64_t n, int logit)
     void fa_bf16_to_f32(const uint16_t *src, uint32_t *dst, int64_t n, int nthreads)

@@ -108,6 +108,39 @@ def set_lookahead(mode):
     fa_set_lookahead(_LOOKAHEAD[mode])
 
 
+_SPREAD = {"auto": -1, "off": 0, "on": 1}
+
+
+def set_spread(mode):
+    """Whether a call's threads, where they are not bound, move to distinct CPUs at the
+    call's start (tests use this): "on", "off", or "auto" (as FASTATTN_SPREAD says;
+    unset: on).  No bit depends on it."""
+    if mode not in _SPREAD:
+        raise ValueError(f"unknown spread mode {mode!r}; one of {sorted(_SPREAD)}")
+    fa_set_spread(_SPREAD[mode])
+
+
+def spread_moves():
+    """How many threads the spread has moved to a free CPU since fastattn loaded: how
+    often the scheduler had put two of a call's threads on one CPU."""
+    return fa_spread_moves()
+
+
+def spread_probe(int num_threads, bint herd=False):
+    """A parallel region of num_threads threads that spreads as a call's does; herd: every
+    thread but the caller put on the caller's CPU first.  Returns (start, joined, moved):
+    each thread's CPU before and after the spread (-1 where unknown or the spread is off)
+    and how many threads moved."""
+    if num_threads < 1 or num_threads > 1024:
+        raise ValueError(f"num_threads must be in 1..1024, got {num_threads}")
+    cdef int start[1024]
+    cdef int joined[1024]
+    cdef int moved = 0, ran
+    with nogil:
+        ran = fa_spread_probe(num_threads, herd, start, joined, &moved)
+    return [start[i] for i in range(ran)], [joined[i] for i in range(ran)], moved
+
+
 def bf16_emulated():
     """Is this a test build whose bfloat16 products are emulated (FASTATTN_EMULATE_BF16)?"""
     return bool(FA_BF16_EMULATED)

@@ -168,8 +168,11 @@ int fa_attention_backward(const fa_bwd_params *bp_in)
     if (nth < 1) nth = 1;
     int failed = 0, ran = 0;
     const int64_t rows = p->B * p->Hq * p->Lq;
+    fa_spread sp;
+    fa_spread_begin(&sp, nth);
 #pragma omp parallel num_threads(nth) if (nth > 1) reduction(| : failed) reduction(+ : ran)
     {
+        fa_spread_join(&sp);
         ran += 1;
         void *scratch = fa_scratch_alloc(scratch_bytes);
         void *acc = fa_scratch_alloc(acc_bytes);

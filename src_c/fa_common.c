@@ -5,10 +5,20 @@
  * merge of partial rows (fastattn.merge and split-KV decoding) and the dropout
  * decisions.  Below every other driver file: it calls none of them.
  */
+#if defined(__linux__) && !defined(_GNU_SOURCE)
+#define _GNU_SOURCE /* sched_getcpu, sched_setaffinity and cpu_set_t (fa_spread) */
+#endif
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 #include "fa_driver.h"
+#if defined(__linux__) && defined(_OPENMP)
+#include <sched.h>
+#define FA_SPREAD_CAN 1
+#else
+#define FA_SPREAD_CAN 0
+#endif
 
 /* ---- OpenMP shim: every omp_* call goes through here; builds without OpenMP. ---- */
 #ifdef _OPENMP
@@ -30,6 +40,135 @@ int fa_thread_num(void) { return 0; }
  * Python thread reads what its own last call did, whatever other threads run. */
 _Thread_local int fa_last_threads = 0;
 int fa_last_num_threads(void) { return fa_last_threads; }
+
+/* ---- A call's threads on distinct CPUs (fa_spread) ----
+ * Unbound (no OMP_PROC_BIND), a thread of the pool woken after a pause is often put
+ * on the CPU of the thread that woke it, while another CPU of the process idles: on
+ * a 2-vCPU KVM guest 25 of 40 calls after 30 ms pauses began with both threads on one
+ * vCPU and took 5x as long (a guest's idle vCPU is a halted one, which its scheduler
+ * may count as busy).  The balancer moves one only a tick or more later, after a short
+ * call has ended.  So at a region's start each thread claims the CPU it runs on; one
+ * that finds its CPU claimed by another thread of the call claims a free CPU of its own
+ * affinity mask, moves there (pinned to it alone) and gets its mask back at once, which
+ * leaves it there.  No thread's mask is changed after the call, none moves where the
+ * threads are bound (libgomp's binding, or a mask of one CPU), and no bit depends on
+ * where a thread runs.  FASTATTN_SPREAD=0 (read once) or fa_set_spread(0) turns it off. */
+static int fa_spread_mode = -1; /* -1: not yet read from FASTATTN_SPREAD; 0 off; 1 on */
+static long fa_spread_total = 0; /* threads moved since the library loaded */
+long fa_spread_moves(void) { return __atomic_load_n(&fa_spread_total, __ATOMIC_RELAXED); }
+
+int fa_set_spread(int mode)
+{
+    if (mode < -1 || mode > 1) return FA_ERR_ARG;
+    __atomic_store_n(&fa_spread_mode, mode, __ATOMIC_RELAXED);
+    return FA_OK;
+}
+
+static int fa_spread_on(void)
+{
+#if FA_SPREAD_CAN
+    int m = __atomic_load_n(&fa_spread_mode, __ATOMIC_RELAXED);
+    if (m < 0) {
+        const char *e = getenv("FASTATTN_SPREAD");
+        m = !(e && strcmp(e, "0") == 0);
+        __atomic_store_n(&fa_spread_mode, m, __ATOMIC_RELAXED);
+    }
+    return m && omp_get_proc_bind() == omp_proc_bind_false;
+#else
+    return 0;
+#endif
+}
+
+/* Claim cpu for this call: 1 if it was free. */
+static int fa_spread_claim(fa_spread *sp, int cpu)
+{
+    const uint64_t bit = (uint64_t)1 << (cpu & 63);
+    return !(__atomic_fetch_or(&sp->claimed[cpu >> 6], bit, __ATOMIC_RELAXED) & bit);
+}
+
+void fa_spread_begin(fa_spread *sp, int nth)
+{
+    memset(sp, 0, sizeof *sp);
+    sp->nth = nth;
+    sp->on = nth > 1 && fa_spread_on();
+#if FA_SPREAD_CAN
+    if (!sp->on) return;
+    const int cpu = sched_getcpu();
+    if (cpu >= 0 && cpu < FA_SPREAD_MAX) fa_spread_claim(sp, cpu);
+    else sp->on = 0;
+#endif
+}
+
+int fa_spread_join(fa_spread *sp)
+{
+#if FA_SPREAD_CAN
+    if (!sp->on) return -1;
+    const int cpu = sched_getcpu();
+    if (fa_thread_num() == 0) {
+        /* Its CPU was claimed in fa_spread_begin.  A thread woken onto this CPU waits
+         * here, under the scheduler's run-to-parity, until this one's slice ends (up
+         * to ~1.5 ms: the moved calls took 0.5-1.5 ms longer than the others); so
+         * while some have not joined, give them the CPU once (a few hundred ns where
+         * nothing waits) */
+        if (__atomic_load_n(&sp->joined, __ATOMIC_ACQUIRE) < sp->nth - 1) sched_yield();
+        return cpu;
+    }
+    int now = cpu;
+    if (cpu >= 0 && cpu < FA_SPREAD_MAX && !fa_spread_claim(sp, cpu)) {
+        cpu_set_t own, one;
+        if (sched_getaffinity(0, sizeof own, &own) == 0)
+            for (int c = 0; c < FA_SPREAD_MAX; c++) {
+                if (c == cpu || !CPU_ISSET(c, &own) || !fa_spread_claim(sp, c)) continue;
+                CPU_ZERO(&one);
+                CPU_SET(c, &one);
+                if (sched_setaffinity(0, sizeof one, &one) == 0) {
+                    now = sched_getcpu(); /* c: the mask holds no other */
+                    sched_setaffinity(0, sizeof own, &own);
+                    __atomic_fetch_add(&sp->moved, 1, __ATOMIC_RELAXED);
+                    __atomic_fetch_add(&fa_spread_total, 1, __ATOMIC_RELAXED);
+                }
+                break;
+            }
+    }
+    __atomic_fetch_add(&sp->joined, 1, __ATOMIC_RELEASE);
+    return now;
+#else
+    (void)sp;
+    return -1;
+#endif
+}
+
+int fa_spread_probe(int nth, int herd, int *start, int *joined, int *moved)
+{
+    if (nth < 1 || nth > FA_SPREAD_MAX) return FA_ERR_ARG;
+    fa_spread sp;
+    fa_spread_begin(&sp, nth);
+#if FA_SPREAD_CAN
+    const int master = sched_getcpu();
+#endif
+    int ran = 0;
+#pragma omp parallel num_threads(nth) reduction(+ : ran)
+    {
+        const int t = fa_thread_num();
+        ran += 1;
+#if FA_SPREAD_CAN
+        /* herd: each other thread onto the calling thread's CPU first (its mask then
+         * given back), as the scheduler's wake-ups put them */
+        cpu_set_t own, one;
+        if (herd && t > 0 && master >= 0 && sched_getaffinity(0, sizeof own, &own) == 0 && CPU_ISSET(master, &own)) {
+            CPU_ZERO(&one);
+            CPU_SET(master, &one);
+            if (sched_setaffinity(0, sizeof one, &one) == 0) sched_setaffinity(0, sizeof own, &own);
+        }
+        start[t] = sched_getcpu();
+#else
+        start[t] = -1;
+#endif
+        joined[t] = fa_spread_join(&sp);
+    }
+    *moved = sp.moved;
+    return ran;
+}
 
 #define FA_STR2(x) #x
 #define FA_STR(x) FA_STR2(x)
@@ -140,8 +279,11 @@ static double fa_time_chains(fa_peak_fn chains, double per_iter, int nthreads)
     for (int timed = 0, round = 0; timed < 5 && round < 40; round++) {
         double t0 = 0.0, t1 = 0.0, s = 0.0;
         int ran = 0;
+        fa_spread sp;
+        fa_spread_begin(&sp, nthreads);
 #pragma omp parallel num_threads(nthreads) reduction(+ : s, ran)
         {
+            fa_spread_join(&sp);
 #pragma omp barrier
 #pragma omp master
             t0 = fa_seconds();
@@ -202,8 +344,11 @@ int fa_read_bandwidth(int isa, int dtype, const void *buf, int64_t n, int nthrea
     for (int pass = 0; pass <= passes; pass++) {
         double t0 = 0.0, t1 = 0.0, s = 0.0;
         int ran = 0;
+        fa_spread sp;
+        fa_spread_begin(&sp, nthreads);
 #pragma omp parallel num_threads(nthreads) reduction(+ : s, ran)
         {
+            fa_spread_join(&sp);
             int nt = 1, t = 0;
 #ifdef _OPENMP
             nt = omp_get_num_threads();

@@ -15,6 +15,16 @@ int fa_thread_num(void); /* omp_get_thread_num(), or 0 without OpenMP */
  * region adds one); fa_last_num_threads reads it. */
 extern _Thread_local int fa_last_threads;
 void *fa_scratch_alloc(size_t bytes); /* FA_ALIGN-aligned; free() it */
+/* A call's threads on distinct CPUs where they are not bound (fa_common.c): the calling
+ * thread fa_spread_begin before its parallel region, each thread of the region
+ * fa_spread_join first (the CPU it runs on after, or -1 where it is off). */
+#define FA_SPREAD_MAX 1024
+typedef struct fa_spread {
+    uint64_t claimed[FA_SPREAD_MAX / 64]; /* the CPUs the call's threads hold */
+    int on, nth, moved, joined; /* joined: the other threads past fa_spread_join */
+} fa_spread;
+void fa_spread_begin(fa_spread *sp, int nth);
+int fa_spread_join(fa_spread *sp);
 /* The buffer of a call's shared blocks: the one kept between calls where it is free and
  * large enough (*kept 1), else a new one; fa_shared_give returns or frees it. */
 void *fa_shared_take(size_t bytes, int *kept);

@@ -44,8 +44,11 @@ static int fa_run_head_items(const fa_params *p, const fa_plan *pl, fa_qblock_fn
     int64_t *front = seg, *back = seg + nth;
     fa_segments(items, nth, front, back);
     int failed = 0, ran = 0;
+    fa_spread sp;
+    fa_spread_begin(&sp, nth);
 #pragma omp parallel num_threads(nth) if (nth > 1) reduction(| : failed) reduction(+ : ran)
     {
+        fa_spread_join(&sp);
         ran += 1;
         void *scratch = fa_scratch_alloc(scratch_bytes);
         char *kvbuf = (char *)fa_scratch_alloc(kv_bytes);
@@ -193,8 +196,11 @@ static int fa_decode_split(const fa_kernel *kern, const fa_params *p, const fa_p
     int nth = nth_req;
     if ((int64_t)nth > items) nth = (int)items;
     int failed = 0, ran = 0;
+    fa_spread sp;
+    fa_spread_begin(&sp, nth);
 #pragma omp parallel num_threads(nth) if (nth > 1) reduction(| : failed) reduction(+ : ran)
     {
+        fa_spread_join(&sp);
         ran += 1;
         void *scratch = fa_scratch_alloc(scratch_bytes);
         if (!scratch) failed = 1;
@@ -470,8 +476,11 @@ int fa_attention_forward(const fa_params *p)
          * starts one, so that its rows arrive while this one runs (fa_use_lookahead) */
         int64_t next = 0;
         int ran = 0;
+        fa_spread sp;
+        fa_spread_begin(&sp, nth);
 #pragma omp parallel num_threads(nth) reduction(| : failed) reduction(+ : ran)
         {
+            fa_spread_join(&sp);
             ran += 1;
             void *scratch = fa_scratch_alloc(scratch_bytes);
             if (!scratch) failed = 1; /* (the other threads take every item) */
@@ -486,8 +495,11 @@ int fa_attention_forward(const fa_params *p)
         fa_last_threads = ran;
     } else {
         int ran = 0;
+        fa_spread sp;
+        fa_spread_begin(&sp, nth);
 #pragma omp parallel num_threads(nth) reduction(| : failed) reduction(+ : ran)
         {
+            fa_spread_join(&sp);
             ran += 1;
             void *scratch = fa_scratch_alloc(scratch_bytes);
             if (!scratch) failed = 1;

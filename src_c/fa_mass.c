@@ -45,8 +45,11 @@ int fa_key_mass(const fa_params *p_in, void *mass, int64_t m_sb, int64_t m_sh)
     if ((int64_t)nth > n1) nth = (int)n1;
     if (nth < 1) nth = 1;
     int failed = 0, ran = 0;
+    fa_spread sp;
+    fa_spread_begin(&sp, nth);
 #pragma omp parallel num_threads(nth) if (nth > 1) reduction(| : failed) reduction(+ : ran)
     {
+        fa_spread_join(&sp);
         ran += 1;
         void *scratch = fa_scratch_alloc(scratch_bytes);
         void *acc = fa_scratch_alloc((size_t)(G * chunk * item));

@@ -306,6 +306,17 @@ int fa_openmp_enabled(void);
 int fa_max_threads(void);
 /* Threads that ran the calling thread's last fa_attention_forward (for tests). */
 int fa_last_num_threads(void);
+/* Unbound threads spread over distinct CPUs at each call's start (fa_common.c):
+ * 1 on, 0 off, -1 as FASTATTN_SPREAD says (unset: on).  Never changes a bit.
+ * FA_ERR_ARG for another mode. */
+int fa_set_spread(int mode);
+/* Threads fa_spread has moved since the library loaded (every call's and probe's). */
+long fa_spread_moves(void);
+/* For tests: a parallel region of nth threads that spreads as a call's does; herd
+ * first puts every other thread on the calling thread's CPU.  start[t] / joined[t]:
+ * thread t's CPU before and after (-1: unknown or off), *moved: threads moved.
+ * Returns the threads that ran. */
+int fa_spread_probe(int nth, int herd, int *start, int *joined, int *moved);
 /* "compiler=<name version>; openmp=<_OPENMP date or 0>" */
 const char *fa_build_info(void);
 

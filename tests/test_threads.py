@@ -162,3 +162,90 @@ def test_lookahead_modes(kernel, rng, mode):
             fastattn._kernels.set_lookahead("auto")
     with pytest.raises(ValueError, match="look-ahead mode"):
         fastattn._kernels.set_lookahead("sometimes")
+
+
+def _spread_run(code, **env_set):
+    """code in a fresh interpreter whose threads are not bound (OMP_PROC_BIND and the
+    other binding variables removed, then env_set), its stdout."""
+    pkg_root = pathlib.Path(fastattn.__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "FASTATTN_SPREAD")}
+    env.update(PYTHONPATH=str(pkg_root), **env_set)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       cwd=tempfile.gettempdir(), timeout=300)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+_SPREAD_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+_spread_needs = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or _SPREAD_CPUS < 2 or not _kernels.build_info()["openmp"],
+    reason="the spread moves threads on Linux builds with OpenMP, in a process with 2 or more CPUs")
+
+
+@_spread_needs
+def test_spread_moves_a_thread_off_a_taken_cpu():
+    """Unbound, a thread of a call that starts on a CPU another of the call's threads
+    holds moves to a free CPU of its mask (the probe first puts the second thread on
+    the first's CPU, as the scheduler's wake-ups did): it moves, to another CPU, the
+    count says so, and its affinity mask afterwards is what it was.  Turned off, by
+    set_spread or FASTATTN_SPREAD=0, or with the threads bound, nothing moves."""
+    code = ("import os, json, fastattn; K = fastattn._kernels; out = {}\n"
+            "m0 = K.spread_moves(); reps = [K.spread_probe(2, herd=True) for _ in range(12)]\n"
+            "out['reps'] = reps; out['moves'] = K.spread_moves() - m0\n"
+            "out['free'] = K.spread_probe(2)\n"
+            "K.set_spread('off'); out['off'] = K.spread_probe(2, herd=True); K.set_spread('auto')\n"
+            "out['mask'] = sorted(os.sched_getaffinity(0))\n"
+            "print(json.dumps(out))")
+    import json
+    out = json.loads(_spread_run(code))
+    moved_total = 0
+    for start, joined, moved in out["reps"]:
+        assert len(start) == len(joined) == 2 and moved in (0, 1)
+        assert -1 not in joined
+        if moved:
+            # the second thread left the first's CPU for another one of the mask
+            assert joined[1] != start[0] and joined[1] in out["mask"], (start, joined)
+        else:
+            # (the scheduler itself had moved it before the spread looked)
+            assert start[1] != start[0], (start, joined)
+        moved_total += moved
+    assert moved_total >= 1, out["reps"]
+    assert out["moves"] == moved_total
+    assert -1 not in out["free"][1]
+    assert out["off"] == [out["off"][0], [-1, -1], 0]
+    assert out["mask"] == sorted(os.sched_getaffinity(0))
+    for env_set in ({"FASTATTN_SPREAD": "0"}, {"OMP_PROC_BIND": "true"}):
+        start, joined, moved = json.loads(_spread_run(
+            "import json, fastattn; print(json.dumps(fastattn._kernels.spread_probe(2, herd=True)))",
+            **env_set))
+        assert joined == [-1, -1] and moved == 0, env_set
+
+
+@_spread_needs
+def test_spread_keeps_the_bits():
+    """Decoding and prefill calls with the spread on and off, unbound, in one process:
+    the same bits (no result depends on where a thread runs)."""
+    code = ("import numpy as np, fastattn, time; K = fastattn._kernels\n"
+            "r = np.random.default_rng(3)\n"
+            "q = r.standard_normal((2, 8, 1, 64), dtype=np.float32)\n"
+            "k = r.standard_normal((2, 2, 1500, 64), dtype=np.float32)\n"
+            "c = fastattn.KVCache(2, 2, 64, 1500, dtype='float16'); c.append(k, k)\n"
+            "p = r.standard_normal((2, 4, 300, 32), dtype=np.float32)\n"
+            "res = {}\n"
+            "for mode in ('on', 'off', 'on'):\n"
+            "    K.set_spread(mode); time.sleep(0.03)\n"
+            "    res.setdefault(mode, []).append((fastattn.attention(q, c, num_threads=2), "
+            "fastattn.attention(p, p, p, causal=True, num_threads=2)))\n"
+            "a, b, d = res['on'][0], res['off'][0], res['on'][1]\n"
+            "print(all(np.array_equal(x, y) and np.array_equal(x, z) for x, y, z in zip(a, b, d)))")
+    assert _spread_run(code).split() == ["True"]
+
+
+def test_spread_modes():
+    with pytest.raises(ValueError, match="spread mode"):
+        _kernels.set_spread("sometimes")
+    with pytest.raises(ValueError, match="num_threads"):
+        _kernels.spread_probe(0)
+    start, joined, moved = _kernels.spread_probe(1)
+    assert len(start) == len(joined) == 1 and moved == 0
