@@ -14,6 +14,20 @@
  * FA_HAVE_TRANSPOSE is defined.
  */
 
+/* Groups of FA_VL keys the keys-on-lanes QK^T takes at once for three or four rows
+ * (fa_qk_lanes): FA_LANES_G34, the including file's choice by its vector registers (4
+ * with 32: 16 accumulators), for keys of type Q (fa_lane_vec); 2 for 16-bit keys.
+ * Four groups are four streams of keys instead of two: from memory (caches larger
+ * than the L3 in turn), GQA 32/8 and Lq 4 at Lk 8192, 2 threads, on the Sapphire
+ * Rapids class Xeon, int8 0.89-0.91x the time of two groups, float32 0.97-0.99x;
+ * float16 1.04-1.06x (its conversions' port, not the loads, bound it there).  No
+ * bit changes: each key's chain is the same. */
+#ifndef FA_LANES_G34
+#define FA_LANES_G34 2
+#endif
+#define FA_LANES_G34_OF(Q) ((Q) != 0 || sizeof(FA_KV) >= 4 ? FA_LANES_G34 : 2)
+#define FA_LANES_ACC (4 * FA_LANES_G34 > FA_DOT_ROWS ? 4 * FA_LANES_G34 : FA_DOT_ROWS)
+
 /* A logit tile's R x NV accumulators stored at s (rows brp apart) and, with cm (not
  * NULL), each query vector's max over the R keys folded into cm. */
 FA_ALWAYS_INLINE void FA_NAME(fa_qk_store)(const int R, const int NV, FA_V acc[FA_QK_R][FA_QK_NV],
@@ -220,7 +234,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_keys_micro)(const int R, const int I8, const
     int64_t pfr = 0, pfacc = 0;
     /* (unrolled by pragmas: left to GCC's heuristics the accumulators went through
      * memory, measured) */
-    FA_V acc[FA_DOT_ROWS];
+    FA_V acc[FA_LANES_ACC];
     FA_PRAGMA_UNROLL(8)
     for (int r = 0; r < R; r++) acc[r] = FA_VZERO();
     int64_t d0 = 0;
@@ -315,7 +329,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_keys_micro)(const int R, const int I8, const
     for (int64_t d = 0; d < D; d++)
         for (int64_t i = 0; i < FA_VL; i++)
             kt[d * FA_VL + i] = i < nj ? (FA_T)FA_KV_SCALAR(k[i * k_sl + d]) : (FA_T)0;
-    FA_V acc[FA_DOT_ROWS];
+    FA_V acc[FA_LANES_ACC];
     for (int r = 0; r < R; r++) acc[r] = FA_VZERO();
     for (int64_t d = 0; d < D; d++) {
         const FA_V kv = FA_VLOAD(kt + d * FA_VL);
@@ -450,7 +464,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_lanes_pf)(const int G, const int Q, const char 
 
 /* The logits of R rows x G groups of FA_VL keys on the lanes (acc[g * R + r]) to s: key i of
  * group g at (g * FA_VL + i) * ks, row r at r * rs, the group's first nj[g] lanes. */
-FA_ALWAYS_INLINE void FA_NAME(fa_lanes_store)(const int R, const int G, FA_V acc[FA_DOT_ROWS],
+FA_ALWAYS_INLINE void FA_NAME(fa_lanes_store)(const int R, const int G, const FA_V *acc,
                                               const int64_t *nj, FA_T *FA_RESTRICT s, int64_t ks, int64_t rs)
 {
     FA_PRAGMA_UNROLL(4)
@@ -479,7 +493,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_lanes_micro)(const int R, const int G, const
                                                  int64_t D, const int64_t *nj, FA_T *FA_RESTRICT s, int64_t ks,
                                                  int64_t rs, const char *pf, int64_t pf_step, int pf_to)
 {
-    FA_V acc[FA_DOT_ROWS]; /* acc[g * R + r]: G R <= FA_DOT_ROWS */
+    FA_V acc[FA_LANES_ACC]; /* acc[g * R + r]: G R <= FA_DOT_ROWS */
     FA_PRAGMA_UNROLL(4)
     for (int g = 0; g < G; g++)
         FA_PRAGMA_UNROLL(8)
@@ -509,7 +523,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_lanes_micro)(const int R, const int G, const
 FA_ALWAYS_INLINE void FA_NAME(fa_uni4_step)(const int R, const int G, const int SH, const int TWO, int64_t d,
                                             const FA_T *FA_RESTRICT qt, int64_t brp, const char *base,
                                             int64_t gstride, const float *sp, const float *zp, int64_t sstride,
-                                            int64_t bs, FA_V acc[FA_DOT_ROWS])
+                                            int64_t bs, FA_V acc[FA_LANES_ACC])
 {
     const FA_V iota = FA_LUT16_IOTA();
     const FA_T *q = qt + d * brp;
@@ -541,7 +555,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_uni4_step)(const int R, const int G, const int 
 FA_ALWAYS_INLINE void FA_NAME(fa_qk_uni4_lut)(const int R, const int G, const int SH, const FA_T *FA_RESTRICT qt,
                                               int64_t brp, const char *base, int64_t gstride, const float *sp,
                                               const float *zp, int64_t sstride, int64_t bs, int64_t D,
-                                              FA_V acc[FA_DOT_ROWS], const char *pf, int64_t pf_step, int pf_to)
+                                              FA_V acc[FA_LANES_ACC], const char *pf, int64_t pf_step, int pf_to)
 {
     int64_t d = 0;
     for (; d + 1 < D; d += 2) {
@@ -567,7 +581,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_lanes_uni)(const int R, const int G, const i
                                                const int64_t *nj, FA_T *FA_RESTRICT s, int64_t ks, int64_t rs,
                                                const char *pf, int64_t pf_step, int pf_to)
 {
-    FA_V acc[FA_DOT_ROWS]; /* acc[g * R + r]: G R <= FA_DOT_ROWS */
+    FA_V acc[FA_LANES_ACC]; /* acc[g * R + r]: G R <= FA_DOT_ROWS */
     FA_PRAGMA_UNROLL(4)
     for (int g = 0; g < G; g++)
         FA_PRAGMA_UNROLL(8)
@@ -652,8 +666,8 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_lanes_uni)(const int R, const int G, const i
 #define FA_QKL_ROWS(Q)                                                                                        \
     FA_QKL_FNS(1, 4, Q)                                                                                       \
     FA_QKL_FNS(2, 4, Q)                                                                                       \
-    FA_QKL_FNS(3, 2, Q)                                                                                       \
-    FA_QKL_FNS(4, 2, Q)                                                                                       \
+    FA_QKL_FNS(3, FA_LANES_G34_OF(Q), Q)                                                                      \
+    FA_QKL_FNS(4, FA_LANES_G34_OF(Q), Q)                                                                      \
     FA_QKL_FNS(5, 1, Q)                                                                                       \
     FA_QKL_FNS(6, 1, Q)                                                                                       \
     FA_QKL_FNS(7, 1, Q)                                                                                       \
@@ -722,7 +736,7 @@ static void FA_NAME(fa_qk_lanes)(const fa_params *p, const fa_item *it, const FA
                                  int64_t nr, int64_t j0, int64_t nk, FA_T *FA_RESTRICT s, int64_t ks, int64_t rs)
 {
     const int Q = p->kv_store != FA_STORE_I8 ? 0 : p->k_bits == 4 ? 4 : 8;
-    const int G = nr <= 2 ? 4 : nr <= 4 ? 2 : 1;
+    const int G = nr <= 2 ? 4 : nr <= 4 ? FA_LANES_G34_OF(Q) : 1;
     const int64_t bs = p->k_lanes;
     /* bytes of K a group set reads (G * FA_VL keys of D features): contiguous where the
      * set starts a block; those pf_sets sets ahead are prefetched, pf_step bytes a feature */

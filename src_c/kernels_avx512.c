@@ -65,6 +65,7 @@ static inline void fa_row_to_half_avx512(uint16_t *d, const float *s, int64_t n)
 #define FA_QK_R 6
 #define FA_QK_NV 4
 #define FA_PV_R 6
+#define FA_LANES_G34 4 /* 16 accumulators: 32 registers */
 #define FA_PV_NC 4
 #define FA_VLOAD(p) _mm512_load_pd(p)
 #define FA_VSTORE(p, x) _mm512_store_pd((p), (x))

@@ -385,6 +385,7 @@ static inline float fa_hmax_nan_ps(__m512 x)
 #define FA_QK_R 6
 #define FA_QK_NV 4
 #define FA_PV_R 6
+#define FA_LANES_G34 4 /* 16 accumulators: 32 registers */
 #define FA_PV_NC 4
 #define FA_VLOAD(p) _mm512_load_ps(p)
 #define FA_VSTORE(p, x) _mm512_store_ps((p), (x))

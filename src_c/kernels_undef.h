@@ -8,6 +8,7 @@
 #undef FA_QK_NV
 #undef FA_PV_R
 #undef FA_PV_NC
+#undef FA_LANES_G34
 #undef FA_PV_T
 #undef FA_VLOAD
 #undef FA_VSTORE

@@ -79,6 +79,8 @@ SHAPES = [  # B, Hq, Hkv, D, Dv, lengths, Lq, block_size
     (3, 6, 3, 128, 96, [700, 1, 513], 1, 32),        # split-KV decode, a slot of one token
     (1, 2, 2, 48, 48, [200], 40, None),              # a prefill chunk
     (2, 2, 2, 16, 16, [90, 90], 90, 16),             # a whole prefill, Lq = Lk
+    (1, 3, 1, 128, 128, [1000], 1, None),            # three rows a kv head (four key groups
+    (1, 6, 2, 64, 64, [611], 1, 32),                 # at once on avx512), one a block of 32
 ]
 
 
@@ -263,6 +265,7 @@ SPLIT = [  # Hq, Hkv, D, lengths, block_size: slots of 10, 5 and 1 chunks of 512
     (4, 2, 64, [5000, 2100, 300], None),
     (8, 2, 40, [4100], None),
     (2, 2, 32, [4700, 1500], 64),
+    (6, 2, 64, [2100], 32),                          # three rows a kv head, blocks of 32
 ]
 
 
