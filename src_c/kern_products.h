@@ -19,9 +19,9 @@
  * with 32: 16 accumulators), for keys of type Q (fa_lane_vec); 2 for 16-bit keys.
  * Four groups are four streams of keys instead of two: from memory (caches larger
  * than the L3 in turn), GQA 32/8 and Lq 4 at Lk 8192, 2 threads, on the Sapphire
- * Rapids class Xeon, int8 0.89-0.91x the time of two groups, float32 0.97-0.99x;
- * float16 1.04-1.06x (its conversions' port, not the loads, bound it there).  No
- * bit changes: each key's chain is the same. */
+ * Rapids class Xeon, int4 0.85x the time of two groups, int8 0.89-0.90x, float32
+ * 0.97-0.99x, but float16 1.04-1.06x (so 16-bit keys keep two).  No bit changes:
+ * each key's chain is the same. */
 #ifndef FA_LANES_G34
 #define FA_LANES_G34 2
 #endif
