@@ -94,6 +94,7 @@ void fa_spread_begin(fa_spread *sp, int nth)
 #if FA_SPREAD_CAN
     if (!sp->on) return;
     const int cpu = sched_getcpu();
+    sp->home = cpu;
     if (cpu >= 0 && cpu < FA_SPREAD_MAX) fa_spread_claim(sp, cpu);
     else sp->on = 0;
 #endif
@@ -144,7 +145,7 @@ int fa_spread_probe(int nth, int herd, int *start, int *joined, int *moved)
     fa_spread sp;
     fa_spread_begin(&sp, nth);
 #if FA_SPREAD_CAN
-    const int master = sched_getcpu();
+    const int master = sp.on ? sp.home : sched_getcpu();
 #endif
     int ran = 0;
 #pragma omp parallel num_threads(nth) reduction(+ : ran)
@@ -160,7 +161,7 @@ int fa_spread_probe(int nth, int herd, int *start, int *joined, int *moved)
             CPU_SET(master, &one);
             if (sched_setaffinity(0, sizeof one, &one) == 0) sched_setaffinity(0, sizeof own, &own);
         }
-        start[t] = sched_getcpu();
+        start[t] = t == 0 ? master : sched_getcpu(); /* (the calling thread's: the CPU it claimed) */
 #else
         start[t] = -1;
 #endif

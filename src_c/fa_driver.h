@@ -22,6 +22,7 @@ void *fa_scratch_alloc(size_t bytes); /* FA_ALIGN-aligned; free() it */
 typedef struct fa_spread {
     uint64_t claimed[FA_SPREAD_MAX / 64]; /* the CPUs the call's threads hold */
     int on, nth, moved, joined; /* joined: the other threads past fa_spread_join */
+    int home;                   /* the calling thread's CPU, claimed in fa_spread_begin */
 } fa_spread;
 void fa_spread_begin(fa_spread *sp, int nth);
 int fa_spread_join(fa_spread *sp);

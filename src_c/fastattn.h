@@ -314,7 +314,8 @@ int fa_set_spread(int mode);
 long fa_spread_moves(void);
 /* For tests: a parallel region of nth threads that spreads as a call's does; herd
  * first puts every other thread on the calling thread's CPU.  start[t] / joined[t]:
- * thread t's CPU before and after (-1: unknown or off), *moved: threads moved.
+ * thread t's CPU before and after (-1: unknown or off; start[0]: the CPU the calling
+ * thread claimed when the spread began), *moved: threads moved.
  * Returns the threads that ran. */
 int fa_spread_probe(int nth, int herd, int *start, int *joined, int *moved);
 /* "compiler=<name version>; openmp=<_OPENMP date or 0>" */
