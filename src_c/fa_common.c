@@ -45,8 +45,8 @@ int fa_last_num_threads(void) { return fa_last_threads; }
  * Unbound (no OMP_PROC_BIND), a thread of the pool woken after a pause is often put
  * on the CPU of the thread that woke it, while another CPU of the process idles: on
  * a 2-vCPU KVM guest 25 of 40 calls after 30 ms pauses began with both threads on one
- * vCPU and took 5x as long (a guest's idle vCPU is a halted one, which its scheduler
- * may count as busy).  The balancer moves one only a tick or more later, after a short
+ * vCPU and took 5x as long (likely: a guest's idle vCPU is a halted one, which its
+ * scheduler may count as busy).  The balancer moves one only a tick or more later, after a short
  * call has ended.  So at a region's start each thread claims the CPU it runs on; one
  * that finds its CPU claimed by another thread of the call claims a free CPU of its own
  * affinity mask, moves there (pinned to it alone) and gets its mask back at once, which

@@ -234,7 +234,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_keys_micro)(const int R, const int I8, const
     int64_t pfr = 0, pfacc = 0;
     /* (unrolled by pragmas: left to GCC's heuristics the accumulators went through
      * memory, measured) */
-    FA_V acc[FA_LANES_ACC];
+    FA_V acc[FA_DOT_ROWS];
     FA_PRAGMA_UNROLL(8)
     for (int r = 0; r < R; r++) acc[r] = FA_VZERO();
     int64_t d0 = 0;
@@ -329,7 +329,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_keys_micro)(const int R, const int I8, const
     for (int64_t d = 0; d < D; d++)
         for (int64_t i = 0; i < FA_VL; i++)
             kt[d * FA_VL + i] = i < nj ? (FA_T)FA_KV_SCALAR(k[i * k_sl + d]) : (FA_T)0;
-    FA_V acc[FA_LANES_ACC];
+    FA_V acc[FA_DOT_ROWS];
     for (int r = 0; r < R; r++) acc[r] = FA_VZERO();
     for (int64_t d = 0; d < D; d++) {
         const FA_V kv = FA_VLOAD(kt + d * FA_VL);
@@ -493,7 +493,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_lanes_micro)(const int R, const int G, const
                                                  int64_t D, const int64_t *nj, FA_T *FA_RESTRICT s, int64_t ks,
                                                  int64_t rs, const char *pf, int64_t pf_step, int pf_to)
 {
-    FA_V acc[FA_LANES_ACC]; /* acc[g * R + r]: G R <= FA_DOT_ROWS */
+    FA_V acc[FA_LANES_ACC]; /* acc[g * R + r]: G R <= FA_LANES_ACC */
     FA_PRAGMA_UNROLL(4)
     for (int g = 0; g < G; g++)
         FA_PRAGMA_UNROLL(8)
@@ -581,7 +581,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_lanes_uni)(const int R, const int G, const i
                                                const int64_t *nj, FA_T *FA_RESTRICT s, int64_t ks, int64_t rs,
                                                const char *pf, int64_t pf_step, int pf_to)
 {
-    FA_V acc[FA_LANES_ACC]; /* acc[g * R + r]: G R <= FA_DOT_ROWS */
+    FA_V acc[FA_LANES_ACC]; /* acc[g * R + r]: G R <= FA_LANES_ACC */
     FA_PRAGMA_UNROLL(4)
     for (int g = 0; g < G; g++)
         FA_PRAGMA_UNROLL(8)
@@ -963,7 +963,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_rows_seq_r)(const int R, const int I8, const
     for (; (R >= 2 || I8) && j + 4 <= nk; j += 4) {
         const char *v0 = FA_VROW(j), *v1 = FA_VROW(j + 1), *v2 = FA_VROW(j + 2), *v3 = FA_VROW(j + 3);
         const float *s0 = FA_SROW(j), *s1 = FA_SROW(j + 1), *s2 = FA_SROW(j + 2), *s3 = FA_SROW(j + 3);
-        /* the four rows FA_PV_AHEAD ahead, asked for as these are read (as fa_pv_rows_reg) */
+        /* the four rows `ahead` ahead, asked for as these are read (as fa_pv_rows_reg) */
         if (ahead > 0 && j + 4 + ahead <= pf_lim) { /* (rows at v's stride: a page's are its own) */
             for (int t = 0; t < 4; t++)
                 for (int64_t b = 0; b < rb; b += 64) FA_PF_KV(FA_VROW(j + t + ahead) + b, pf_to);
