@@ -100,6 +100,22 @@ void fa_spread_begin(fa_spread *sp, int nth)
 #endif
 }
 
+#if FA_SPREAD_CAN
+/* The calling thread pinned to cpu alone (the kernel moves it there before returning),
+ * then given its mask `own` back, which leaves it there: the CPU it ran on between the
+ * two (cpu), or -1 where it could not be pinned. */
+static int fa_move_to(int cpu, const cpu_set_t *own)
+{
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpu, &one);
+    if (sched_setaffinity(0, sizeof one, &one) != 0) return -1;
+    const int now = sched_getcpu();
+    sched_setaffinity(0, sizeof *own, own);
+    return now;
+}
+#endif
+
 int fa_spread_join(fa_spread *sp)
 {
 #if FA_SPREAD_CAN
@@ -116,15 +132,13 @@ int fa_spread_join(fa_spread *sp)
     }
     int now = cpu;
     if (cpu >= 0 && cpu < FA_SPREAD_MAX && !fa_spread_claim(sp, cpu)) {
-        cpu_set_t own, one;
+        cpu_set_t own;
         if (sched_getaffinity(0, sizeof own, &own) == 0)
             for (int c = 0; c < FA_SPREAD_MAX; c++) {
                 if (c == cpu || !CPU_ISSET(c, &own) || !fa_spread_claim(sp, c)) continue;
-                CPU_ZERO(&one);
-                CPU_SET(c, &one);
-                if (sched_setaffinity(0, sizeof one, &one) == 0) {
-                    now = sched_getcpu(); /* c: the mask holds no other */
-                    sched_setaffinity(0, sizeof own, &own);
+                const int moved_to = fa_move_to(c, &own);
+                if (moved_to >= 0) {
+                    now = moved_to;
                     __atomic_fetch_add(&sp->moved, 1, __ATOMIC_RELAXED);
                     __atomic_fetch_add(&fa_spread_total, 1, __ATOMIC_RELAXED);
                 }
@@ -155,12 +169,9 @@ int fa_spread_probe(int nth, int herd, int *start, int *joined, int *moved)
 #if FA_SPREAD_CAN
         /* herd: each other thread onto the calling thread's CPU first (its mask then
          * given back), as the scheduler's wake-ups put them */
-        cpu_set_t own, one;
-        if (herd && t > 0 && master >= 0 && sched_getaffinity(0, sizeof own, &own) == 0 && CPU_ISSET(master, &own)) {
-            CPU_ZERO(&one);
-            CPU_SET(master, &one);
-            if (sched_setaffinity(0, sizeof one, &one) == 0) sched_setaffinity(0, sizeof own, &own);
-        }
+        cpu_set_t own;
+        if (herd && t > 0 && master >= 0 && sched_getaffinity(0, sizeof own, &own) == 0 && CPU_ISSET(master, &own))
+            fa_move_to(master, &own);
         start[t] = t == 0 ? master : sched_getcpu(); /* (the calling thread's: the CPU it claimed) */
 #else
         start[t] = -1;

@@ -964,7 +964,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_pv_rows_seq_r)(const int R, const int I8, const
         const char *v0 = FA_VROW(j), *v1 = FA_VROW(j + 1), *v2 = FA_VROW(j + 2), *v3 = FA_VROW(j + 3);
         const float *s0 = FA_SROW(j), *s1 = FA_SROW(j + 1), *s2 = FA_SROW(j + 2), *s3 = FA_SROW(j + 3);
         /* the four rows `ahead` ahead, asked for as these are read (as fa_pv_rows_reg) */
-        if (ahead > 0 && j + 4 + ahead <= pf_lim) { /* (rows at v's stride: a page's are its own) */
+        if (j + 4 + ahead <= pf_lim) { /* (rows at v's stride: a page's are its own) */
             for (int t = 0; t < 4; t++)
                 for (int64_t b = 0; b < rb; b += 64) FA_PF_KV(FA_VROW(j + t + ahead) + b, pf_to);
             if (I8) FA_PF_KV(FA_SROW(j + ahead), pf_to);
