@@ -104,6 +104,7 @@ cdef extern from "fastattn.h" nogil:
     int FA_BF16_COUNT, FA_BF16_EMULATED
     int fa_set_default_isa(int isa)
     int fa_set_lookahead(int mode)
+    int fa_set_lane_groups(int mode)
     const char *fa_isa_name(int isa)
     int fa_openmp_enabled()
     int fa_max_threads()

@@ -108,6 +108,19 @@ def set_lookahead(mode):
     fa_set_lookahead(_LOOKAHEAD[mode])
 
 
+_LANE_GROUPS = {"auto": 0, 2: 2, 4: 4}
+
+
+def set_lane_groups(mode):
+    """How many groups of keys the keys-on-lanes QK^T of a fastattn.KVCache takes at once
+    for three or four query rows a kv head over float32 keys, where the kernel allows
+    four (AVX-512) (tests use this): "auto" (by the CPU: 2 on AMD, 4 elsewhere), 2 or 4.
+    No bit depends on it."""
+    if mode not in _LANE_GROUPS:
+        raise ValueError(f"unknown lane groups mode {mode!r}; one of 'auto', 2, 4")
+    fa_set_lane_groups(_LANE_GROUPS[mode])
+
+
 _SPREAD = {"auto": -1, "off": 0, "on": 1}
 
 

@@ -315,6 +315,15 @@ int fa_set_lookahead(int mode)
     return FA_OK;
 }
 
+int fa_lane_groups_mode = 0;
+
+int fa_set_lane_groups(int mode)
+{
+    if (mode != 0 && mode != 2 && mode != 4) return FA_ERR_ARG;
+    fa_lane_groups_mode = mode;
+    return FA_OK;
+}
+
 /* The Q and output rows of fa_prefetch_item as a stream that the products of the
  * running item ask for a few lines at a time (fa_pf_step), for Intel: there, asked for
  * all at once before the item, they held it up (each software prefetch that misses L1

@@ -469,6 +469,8 @@ int fa_cpu_amd(void);
  * 1.05-1.1x; arrays and paged pools level (bench/NOTEBOOK.md, 2026-12-07).  AMD keeps L1: its
  * kernels were tuned there, and Zen 4 drops some prefetches into L2. */
 int fa_cpu_pf_l2(void);
+/* fa_set_lane_groups's mode (fa_forward.c): 0 by the CPU, 2 or 4 */
+extern int fa_lane_groups_mode;
 #define FA_PF_L1 0
 #define FA_PF_L2 1
 #define FA_PF_OFF 2 /* (not asked for: the caller skips FA_PF_KV, which would ask into L1) */

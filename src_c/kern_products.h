@@ -26,6 +26,17 @@
 #define FA_LANES_G34 2
 #endif
 #define FA_LANES_G34_OF(Q) ((Q) != 0 || sizeof(FA_KV) >= 4 ? FA_LANES_G34 : 2)
+/* On AMD float32 keys of three or four rows take two groups (int8 and int4 ones keep
+ * FA_LANES_G34): from memory (caches larger than the L3 in turn), B1 GQA 32/8 and Lq 4
+ * at Lk 8192, 2 threads, AMD EPYC Zen 5 (family 26 model 2), separate processes
+ * alternating, medians of 7-9 rounds, time of two groups against four: float32 GQA
+ * 0.89-0.98 (seven runs, bound and unbound), Lq 4 0.91-0.97 (five); int4 GQA 0.93-1.10
+ * (four), Lq 4 1.06; int8 GQA 1.25, Lq 4 1.27 (bench/NOTEBOOK.md, 2026-12-07, seventh
+ * session).  fa_set_lane_groups (tests) forces either. */
+#define FA_LANES_G34_AT(Q)                                                                          \
+    (FA_LANES_G34 > 2 && (Q) == 0 && (fa_lane_groups_mode ? fa_lane_groups_mode == 2 : fa_cpu_amd()) \
+         ? 2                                                                                         \
+         : FA_LANES_G34_OF(Q))
 #define FA_LANES_ACC (4 * FA_LANES_G34 > FA_DOT_ROWS ? 4 * FA_LANES_G34 : FA_DOT_ROWS)
 
 /* A logit tile's R x NV accumulators stored at s (rows brp apart) and, with cm (not
@@ -646,8 +657,8 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_lanes_uni)(const int R, const int G, const i
  * accumulators on the stack, loaded and stored at every feature (78-102 FMAs from
  * memory in each ISA's function); apart, and with fa_lanes_pf, 2-6 in the one-row ones
  * under Python's -fwrapv, none since setup.py compiles these files with -fno-wrapv. */
-#define FA_QKL_FNS(R, G, Q)                                                                                   \
-    static __attribute__((noinline)) void FA_NAME(fa_qk_uni_##R##_##Q)(                                       \
+#define FA_QKL_FNS_N(N, R, G, Q)                                                                              \
+    static __attribute__((noinline)) void FA_NAME(fa_qk_uni_##N##_##Q)(                                       \
         const FA_T *FA_RESTRICT qt, int64_t brp, const char *base, int64_t gstride, const float *sp,          \
         const float *zp, int64_t sstride, int64_t bs, int64_t D, const int64_t *nj, FA_T *FA_RESTRICT s,      \
         int64_t ks, int64_t rs, const char *pf, int64_t pf_step, int pf_to)                                   \
@@ -655,7 +666,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_lanes_uni)(const int R, const int G, const i
         FA_NAME(fa_qk_lanes_uni)(R, G, Q, qt, brp, base, gstride, sp, zp, sstride, bs, D, nj, s, ks, rs, pf,  \
                                  pf_step, pf_to);                                                             \
     }                                                                                                         \
-    static __attribute__((noinline)) void FA_NAME(fa_qk_micro_##R##_##Q)(                                     \
+    static __attribute__((noinline)) void FA_NAME(fa_qk_micro_##N##_##Q)(                                     \
         const FA_T *FA_RESTRICT qt, int64_t brp, const char *const *blk, const int64_t *lane,                 \
         const float *const *sp, const float *const *zp, int64_t bs, int64_t D, const int64_t *nj,             \
         FA_T *FA_RESTRICT s, int64_t ks, int64_t rs, const char *pf, int64_t pf_step, int pf_to)              \
@@ -663,6 +674,7 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_lanes_uni)(const int R, const int G, const i
         FA_NAME(fa_qk_lanes_micro)(R, G, Q, qt, brp, blk, lane, sp, zp, bs, D, nj, s, ks, rs, pf, pf_step,    \
                                    pf_to);                                                                \
     }
+#define FA_QKL_FNS(R, G, Q) FA_QKL_FNS_N(R, R, G, Q)
 #define FA_QKL_ROWS(Q)                                                                                        \
     FA_QKL_FNS(1, 4, Q)                                                                                       \
     FA_QKL_FNS(2, 4, Q)                                                                                       \
@@ -675,27 +687,44 @@ FA_ALWAYS_INLINE void FA_NAME(fa_qk_lanes_uni)(const int R, const int G, const i
 FA_QKL_ROWS(0)
 FA_QKL_ROWS(4)
 FA_QKL_ROWS(8)
+/* two groups for three or four rows where FA_LANES_G34 is more (FA_LANES_G34_AT: float32
+ * keys on AMD) */
+#if FA_LANES_G34 > 2 && !(defined(FA_KV_HALF) && defined(FA_F32))
+#define FA_QKL_HAVE_G2
+FA_QKL_FNS_N(3g2, 3, 2, 0)
+FA_QKL_FNS_N(4g2, 4, 2, 0)
+#endif
 #undef FA_QKL_ROWS
 #undef FA_QKL_FNS
+#undef FA_QKL_FNS_N
 
 /* fa_qk_lanes's call of the FN ("uni" or "micro") kernel for its key type Q and nr rows */
 #define FA_QKL_CALL(FN, R, Q_, ...) \
     case R: FA_NAME(fa_qk_##FN##_##R##_##Q_)(__VA_ARGS__); break;
-#define FA_QKL_SWITCH(FN, Q_, ...)                                                                 \
+#ifdef FA_QKL_HAVE_G2 /* (rows 3 and 4 of float keys: G of FA_LANES_G34_AT) */
+#define FA_QKL_CALL34(FN, R, Q_, ...)                                     \
+    case R:                                                               \
+        if (G != FA_LANES_G34_OF(Q_)) FA_NAME(fa_qk_##FN##_##R##g2_##Q_)(__VA_ARGS__); \
+        else FA_NAME(fa_qk_##FN##_##R##_##Q_)(__VA_ARGS__);               \
+        break;
+#else
+#define FA_QKL_CALL34 FA_QKL_CALL
+#endif
+#define FA_QKL_SWITCH(FN, Q_, C34, ...)                                                            \
     switch (nr) {                                                                                  \
         FA_QKL_CALL(FN, 1, Q_, __VA_ARGS__) FA_QKL_CALL(FN, 2, Q_, __VA_ARGS__)                     \
-        FA_QKL_CALL(FN, 3, Q_, __VA_ARGS__) FA_QKL_CALL(FN, 4, Q_, __VA_ARGS__)                     \
+        C34(FN, 3, Q_, __VA_ARGS__) C34(FN, 4, Q_, __VA_ARGS__)                                     \
         FA_QKL_CALL(FN, 5, Q_, __VA_ARGS__) FA_QKL_CALL(FN, 6, Q_, __VA_ARGS__)                     \
         FA_QKL_CALL(FN, 7, Q_, __VA_ARGS__) FA_QKL_CALL(FN, 8, Q_, __VA_ARGS__)                     \
         default: break;                                                                            \
     }
 #define FA_QKL_BY_Q(FN, ...)                 \
-    if (Q == 0) {                            \
-        FA_QKL_SWITCH(FN, 0, __VA_ARGS__)    \
-    } else if (Q == 8) {                     \
-        FA_QKL_SWITCH(FN, 8, __VA_ARGS__)    \
-    } else {                                 \
-        FA_QKL_SWITCH(FN, 4, __VA_ARGS__)    \
+    if (Q == 0) {                                           \
+        FA_QKL_SWITCH(FN, 0, FA_QKL_CALL34, __VA_ARGS__)    \
+    } else if (Q == 8) {                                    \
+        FA_QKL_SWITCH(FN, 8, FA_QKL_CALL, __VA_ARGS__)      \
+    } else {                                                \
+        FA_QKL_SWITCH(FN, 4, FA_QKL_CALL, __VA_ARGS__)      \
     }
 
 /* The G groups of FA_VL keys from key a of the tile of nk keys at j0: each group's block
@@ -736,7 +765,7 @@ static void FA_NAME(fa_qk_lanes)(const fa_params *p, const fa_item *it, const FA
                                  int64_t nr, int64_t j0, int64_t nk, FA_T *FA_RESTRICT s, int64_t ks, int64_t rs)
 {
     const int Q = p->kv_store != FA_STORE_I8 ? 0 : p->k_bits == 4 ? 4 : 8;
-    const int G = nr <= 2 ? 4 : nr <= 4 ? FA_LANES_G34_OF(Q) : 1;
+    const int G = nr <= 2 ? 4 : nr <= 4 ? FA_LANES_G34_AT(Q) : 1;
     const int64_t bs = p->k_lanes;
     /* bytes of K a group set reads (G * FA_VL keys of D features): contiguous where the
      * set starts a block; those pf_sets sets ahead are prefetched, pf_step bytes a feature */
@@ -771,7 +800,9 @@ static void FA_NAME(fa_qk_lanes)(const fa_params *p, const fa_item *it, const FA
 }
 #undef FA_QKL_BY_Q
 #undef FA_QKL_SWITCH
+#undef FA_QKL_CALL34
 #undef FA_QKL_CALL
+#undef FA_QKL_HAVE_G2
 
 /* R rows x NC vectors of the running output o (rows dvp apart) into acc, times each
  * row's alpha unless every alpha is 1 (no row's max changed). */

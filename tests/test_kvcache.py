@@ -260,6 +260,36 @@ def test_decode_rows_with_the_next_tiles_products_fused(rng, kernel, dtype, shap
         assert rel_err(out[fin], ref[fin]) < 3e-5, which
 
 
+
+@pytest.mark.parametrize("groups", [2, 4])
+def test_three_and_four_rows_in_two_or_four_key_groups(rng, kernel, groups):
+    """The keys-on-lanes QK^T of three or four rows a kv head over float32 keys takes two
+    groups of keys at once on AMD and four elsewhere (AVX-512; other kernels two), forced
+    either way on whatever machine runs the tests: GQA 3 and 4 rows a kv head, Lq 3 and
+    4 of MHA, blocks of 16 and 32, a slot whose keys end inside a group set; against the
+    oracle, and the same bits as the CPU's own choice and as a prefill's rows, on 1-3
+    threads."""
+    shapes = [(6, 2, 64, [1100, 37], None), (8, 2, 128, [700, 333], 32), (2, 2, 37, [515, 64], 16)]
+    for Hq, Hkv, D, lengths, bs in shapes:
+        c, _, _ = _filled(rng, len(lengths), Hkv, D, D, lengths, "float32", block_size=bs, chunks=2)
+        q = _normal(rng, (len(lengths), Hq, 6, D))
+        prefill = fastattn.attention(q, c, causal=True)
+        rows = (1,) if Hq // Hkv >= 3 else (3, 4)
+        auto = {lq: fastattn.attention(q[:, :, -lq:], c, causal=True) for lq in rows}
+        try:
+            fastattn._kernels.set_lane_groups(groups)
+            for lq in rows:
+                for nt in (1, 2, 3):
+                    dec, lse = fastattn.attention(q[:, :, -lq:], c, causal=True, return_lse=True, num_threads=nt)
+                    assert np.array_equal(dec, auto[lq]) and np.array_equal(dec, prefill[:, :, -lq:]), (Hq, lq, nt)
+                ref, ref_lse = _oracle(q[:, :, -lq:], c, causal=True)
+                assert rel_err(dec, ref) < 3e-5, (Hq, lq)
+                np.testing.assert_allclose(lse, ref_lse, atol=3e-5 * max(1, np.abs(ref_lse).max()))
+        finally:
+            fastattn._kernels.set_lane_groups("auto")
+    with pytest.raises(ValueError, match="lane groups mode"):
+        fastattn._kernels.set_lane_groups(3)
+
 SPLIT = [  # Hq, Hkv, D, lengths, block_size: slots of 10, 5 and 1 chunks of 512 keys; a
     # GQA group; blocks of 64 keys, where the avx2 and generic kernels fuse too
     (4, 2, 64, [5000, 2100, 300], None),
