@@ -569,22 +569,25 @@ import numpy as np, fastattn, guardpages
 from fastattn import _kernels
 _kernels.set_kernel({kernel!r})
 rng = np.random.default_rng(0)
-# (D 32, Dv 32, one query row a kv head: the decode's fused P.V and QK^T, fa_pv_qk)
+# (D 32, Dv 32, one query row a kv head: the decode's fused P.V and QK^T, fa_pv_qk; 1 to
+# 10 rows a kv head, three and four in two and in four key groups: set_lane_groups)
 for dtype, (D, Dv, Hq) in [(t, s) for t in ("float32", "float16", "int8", "int4")
                            for s in ((24, 20, 4), (32, 32, 2))]:
-    for place in ("end", "start"):
+    for place, groups in (("end", 2), ("start", 4)):
+        _kernels.set_lane_groups(groups)
         c = fastattn.KVCache(2, 2, D, 256, dtype=dtype, v_head_dim=Dv)
         k = rng.standard_normal((2, 2, 256, D)).astype(np.float32)
         v = rng.standard_normal((2, 2, 256, Dv)).astype(np.float32)
         c.append(k, v, lengths=[256, 200])
         q = rng.standard_normal((2, Hq, 5, D)).astype(np.float32)
-        want = [fastattn.attention(q[:, :, :lq], c, causal=True) for lq in (1, 5)]
+        want = [fastattn.attention(q[:, :, :lq], c, causal=True) for lq in (1, 2, 3, 5)]
         for name in ("_k", "_v", "_ks", "_kz", "_vs"):
             if getattr(c, name) is not None:
                 setattr(c, name, guardpages.guarded(getattr(c, name), place))
-        for lq, w in zip((1, 5), want):
+        for lq, w in zip((1, 2, 3, 5), want):
             got = fastattn.attention(guardpages.guarded(q[:, :, :lq], place), c, causal=True)
             assert np.array_equal(got, w), (dtype, place, lq)
+_kernels.set_lane_groups("auto")
 # split-KV items of several chunks (6 chunks of 512 keys, 2 slots x 4 kv heads: items of
 # chunks 0-3 and 4-5 on 1 or 2 threads), fused across the chunks' edges, a slot whose last
 # chunks and (with the window) first chunks hold no visible key
