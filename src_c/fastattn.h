@@ -300,8 +300,8 @@ const char *fa_isa_name(int isa);
  * mode. */
 enum fa_lookahead_mode { FA_LOOKAHEAD_AUTO = 0, FA_LOOKAHEAD_ALL = 1, FA_LOOKAHEAD_STREAM = 2 };
 int fa_set_lookahead(int mode);
-/* Key groups the keys-on-lanes QK^T of three or four rows takes for float keys where the
- * ISA allows four (AVX-512; kern_products.h, FA_LANES_G34_AT; for tests): 0 by the CPU
+/* Key groups the keys-on-lanes QK^T of three or four rows takes for float32 keys where
+ * the ISA allows four (AVX-512; kern_products.h, FA_LANES_G34_AT; for tests): 0 by the CPU
  * (two on AMD, four elsewhere), 2 or 4.  Never changes a bit.  FA_ERR_ARG for another. */
 int fa_set_lane_groups(int mode);
 

@@ -701,7 +701,7 @@ FA_QKL_FNS_N(4g2, 4, 2, 0)
 /* fa_qk_lanes's call of the FN ("uni" or "micro") kernel for its key type Q and nr rows */
 #define FA_QKL_CALL(FN, R, Q_, ...) \
     case R: FA_NAME(fa_qk_##FN##_##R##_##Q_)(__VA_ARGS__); break;
-#ifdef FA_QKL_HAVE_G2 /* (rows 3 and 4 of float keys: G of FA_LANES_G34_AT) */
+#ifdef FA_QKL_HAVE_G2 /* (rows 3 and 4 of float32 keys: G of FA_LANES_G34_AT) */
 #define FA_QKL_CALL34(FN, R, Q_, ...)                                     \
     case R:                                                               \
         if (G != FA_LANES_G34_OF(Q_)) FA_NAME(fa_qk_##FN##_##R##g2_##Q_)(__VA_ARGS__); \

@@ -260,7 +260,6 @@ def test_decode_rows_with_the_next_tiles_products_fused(rng, kernel, dtype, shap
         assert rel_err(out[fin], ref[fin]) < 3e-5, which
 
 
-
 @pytest.mark.parametrize("groups", [2, 4])
 def test_three_and_four_rows_in_two_or_four_key_groups(rng, kernel, groups):
     """The keys-on-lanes QK^T of three or four rows a kv head over float32 keys takes two
@@ -289,6 +288,7 @@ def test_three_and_four_rows_in_two_or_four_key_groups(rng, kernel, groups):
             fastattn._kernels.set_lane_groups("auto")
     with pytest.raises(ValueError, match="lane groups mode"):
         fastattn._kernels.set_lane_groups(3)
+
 
 SPLIT = [  # Hq, Hkv, D, lengths, block_size: slots of 10, 5 and 1 chunks of 512 keys; a
     # GQA group; blocks of 64 keys, where the avx2 and generic kernels fuse too
